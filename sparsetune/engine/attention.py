@@ -1,0 +1,155 @@
+"""The one attention interface of the engine.
+
+Every prefill and decode attention call of every layer goes through an
+`AttentionBackend` chosen per layer. It receives the layer index, q (and the
+new k/v), the paged KV pool, block tables and sequence lengths in an
+`AttentionMetadata`. `DenseAttention` is the first implementation; sparse
+decode flows and KV-reuse prefill flows subclass it and override one stage.
+
+`LayerHooks` is the other extension point: "around" hooks on each layer, its
+attention and its MLP, so a flow can change what a layer computes for which
+tokens (recompute a subset, skip the MLP for some tokens) without forking the
+model code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from sparsetune.engine.kv_cache import KVCache
+from sparsetune.kernels import paged_decode
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward step's batch for attention.
+
+    Tokens of all sequences are packed along one dimension (N tokens). In a
+    decode step every sequence contributes exactly one token (N == B).
+    """
+
+    is_prefill: bool
+    positions: torch.Tensor  # [N] int64, RoPE position of each new token
+    slot_mapping: torch.Tensor  # [N] int64, flat KV slot each new token is written to
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step
+    # Host-side copies, for prefill's per-sequence loop and for flows' bookkeeping.
+    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]  # [B + 1] offsets of each sequence's new tokens
+    seq_ids: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    def context_len(self, i: int) -> int:
+        """Tokens of sequence i already in the cache before this step."""
+        return self.seq_lens_cpu[i] - (self.query_start_loc_cpu[i + 1] - self.query_start_loc_cpu[i])
+
+
+class AttentionBackend:
+    """Base of every attention implementation; see the module docstring."""
+
+    name = "base"
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q `[N, Hq, D]`, k/v `[N, Hkv, D]` for the new tokens → `[N, Hq, D]`."""
+        self.write_kv(layer, k, v, kv, meta)
+        if meta.is_prefill:
+            return self.prefill(layer, q, k, v, kv, meta)
+        return self.decode(layer, q, kv, meta)
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> None:
+        kv.store(layer, k, v, meta.slot_mapping)
+
+    def prefill(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of `[H, n, D]` queries over `[Hkv, context_len + n, D]` keys."""
+    n, total = q.shape[1], k.shape[1]
+    if context_len == 0:
+        mask, causal = None, True
+    else:
+        # The queries are the last n positions: bottom-right causal alignment is exact here.
+        mask, causal = causal_lower_right(n, total), False
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(0)
+
+
+class DenseAttention(AttentionBackend):
+    """Full attention. Prefill: torch SDPA per sequence; decode: paged kernel (Triton on GPU)."""
+
+    name = "dense"
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def prefill(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc_cpu
+        for i in range(meta.batch_size):
+            s, e = qsl[i], qsl[i + 1]
+            ctx = meta.context_len(i)
+            if ctx == 0:
+                # Nothing cached before: attend over the new tokens directly, no gather.
+                ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+            else:
+                ki, vi = kv.gather(layer, meta.block_tables[i], meta.seq_lens_cpu[i])
+            out[s:e] = _sdpa(q[s:e].transpose(0, 1), ki, vi, ctx, self.scale).transpose(0, 1)
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        fn = paged_decode.paged_decode_attention if q.is_cuda else paged_decode.paged_decode_attention_ref
+        return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, self.scale)
+
+
+LayerFn = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+SublayerFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LayerHooks:
+    """Around-hooks for each decoder layer; the defaults run the layer unchanged.
+
+    `run` computes what the engine would; a hook may call it on a subset of rows,
+    skip it, or post-process its result. Called once per layer per forward (and
+    at CUDA-graph capture, so decode hooks must be graph-safe).
+    """
+
+    def layer(
+        self, idx: int, run: LayerFn, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: "ForwardContext"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return run(hidden, residual)
+
+    def attention(self, idx: int, run: SublayerFn, hidden: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+        return run(hidden)
+
+    def mlp(self, idx: int, run: SublayerFn, hidden: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
+        return run(hidden)
+
+
+@dataclass
+class ForwardContext:
+    """Everything a forward step needs besides the token ids; passed down explicitly."""
+
+    meta: AttentionMetadata
+    kv: KVCache
+    backends: list[AttentionBackend]  # one per layer
+    hooks: LayerHooks

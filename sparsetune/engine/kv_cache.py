@@ -1,0 +1,64 @@
+"""The paged KV pool: per layer, K and V as `[num_blocks + 1, kv_heads, block_size, head_dim]`.
+
+One block of one KV head is a contiguous `block_size * head_dim` run, so a
+decode kernel (dense or sparse) reads whole blocks per head with wide loads.
+The extra last block is the *null block*: padded rows of a CUDA-graph batch
+write their KV there, so stores never need a branch and never touch live data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def null_slot(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new tokens' `[N, kv_heads, head_dim]` K/V at flat slots `block * block_size + offset`."""
+        blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
+        offsets = slot_mapping % self.block_size
+        self.k[layer][blocks, :, offsets] = k
+        self.v[layer][blocks, :, offsets] = v
+
+    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `length` tokens as contiguous `[kv_heads, length, head_dim]` K and V."""
+        n = -(-length // self.block_size)
+        ids = block_table[:n].long()
+
+        def flat(pool: torch.Tensor) -> torch.Tensor:
+            blocks = pool[layer][ids]  # [n, H, bs, D]
+            return blocks.transpose(0, 1).reshape(self.num_kv_heads, n * self.block_size, self.head_dim)[:, :length]
+
+        return flat(self.k), flat(self.v)

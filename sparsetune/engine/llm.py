@@ -1,0 +1,237 @@
+"""`LLM`: the engine's front door. Builds model, KV pool, scheduler and runner; runs requests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from sparsetune.device import resolve_device, resolve_dtype
+from sparsetune.engine.attention import AttentionBackend, DenseAttention, LayerHooks
+from sparsetune.engine.block_manager import BlockManager
+from sparsetune.engine.config import EngineConfig
+from sparsetune.engine.kv_cache import KVCache
+from sparsetune.engine.model import CausalLM
+from sparsetune.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
+from sparsetune.engine.sampler import sample
+from sparsetune.engine.scheduler import Batch, Scheduler
+from sparsetune.engine.sequence import SamplingParams, Sequence, Status
+from sparsetune.errors import SparsetuneError
+from sparsetune.models.resolve import ResolvedModel, resolve_model
+from sparsetune.models.weights import init_random, load_safetensors_dir
+
+CPU_DEFAULT_KV_MEMORY = 2 << 30
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+    first_token_seconds: list[float] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        cfg = config or EngineConfig()
+        for k, v in overrides.items():
+            if not hasattr(cfg, k):
+                raise TypeError(f"unknown engine option {k!r}")
+            setattr(cfg, k, v)
+        self.config = cfg
+        self.device = resolve_device(cfg.device)
+        self.resolved: ResolvedModel = resolve_model(cfg.model, cfg.random_weights)
+        spec = self.resolved.spec
+        self.dtype = resolve_dtype(cfg.dtype, self.device, spec.gpu_dtype if spec else "bfloat16")
+        mcfg = self.resolved.config
+        self.model_config = mcfg
+        self.tokenizer = self.resolved.load_tokenizer()
+
+        max_len = min(mcfg.max_position_embeddings, cfg.max_model_len or mcfg.max_position_embeddings)
+        torch.manual_seed(cfg.seed)
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = CausalLM(mcfg, max_positions=max_len)
+            finally:
+                torch.set_default_dtype(prev)
+        if self.resolved.weights_dir is None:
+            init_random(self.model, cfg.seed)
+        else:
+            load_safetensors_dir(self.model, self.resolved.weights_dir)
+        self.model.eval()
+
+        num_blocks = self._num_kv_blocks(max_len)
+        if num_blocks < 1:
+            raise SparsetuneError("the KV pool has no room for a single block; raise --kv-memory")
+        self.kv = KVCache(
+            mcfg.num_hidden_layers, num_blocks, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim,
+            self.dtype, self.device,
+        )
+        self.max_model_len = min(max_len, num_blocks * cfg.block_size)
+        self.backends: list[AttentionBackend] = [DenseAttention(mcfg.head_dim**-0.5)] * mcfg.num_hidden_layers
+        self.hooks = LayerHooks()
+        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, self.backends, self.hooks, cfg.max_num_seqs, self.max_model_len)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.stats = EngineStats()
+        if self.device.type == "cuda" and cfg.cuda_graph:
+            self.runner.capture_graphs(cfg.cuda_graph_batch_sizes or DEFAULT_GRAPH_BATCH_SIZES)
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def _num_kv_blocks(self, max_len: int) -> int:
+        cfg, mcfg = self.config, self.model_config
+        per_block = KVCache.bytes_per_block(
+            mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim, self.dtype
+        )
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_memory is not None:
+            return cfg.kv_memory // per_block
+        if self.device.type == "cpu":
+            # No point in more than max_num_seqs full-length sequences.
+            return min(CPU_DEFAULT_KV_MEMORY // per_block, cfg.max_num_seqs * -(-max_len // cfg.block_size))
+        free, _total = torch.cuda.mem_get_info(self.device)
+        # Reserve the prefill activations of a full token budget (hidden, qkv, gate/up, a few temporaries).
+        e = self.dtype.itemsize
+        act = cfg.max_num_batched_tokens * e * (
+            6 * mcfg.hidden_size + 3 * mcfg.intermediate_size
+            + 2 * (mcfg.num_attention_heads + 2 * mcfg.num_key_value_heads) * mcfg.head_dim
+        )
+        budget = int(free * cfg.gpu_memory_utilization) - act - (1 << 30)
+        return max(0, budget // per_block)
+
+    def set_attention(self, backend: AttentionBackend, layers: Seq[int] | None = None) -> None:
+        """Route attention of `layers` (default: all) through `backend`. Takes effect for new graphs."""
+        for i in range(len(self.backends)) if layers is None else layers:
+            self.backends[i] = backend
+        self.runner.graphs.clear()
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SparsetuneError("the prompt is empty; pass some text with --prompt")
+            return self.tokenizer.chat_prompt(prompt) if chat else self.tokenizer.encode(prompt)
+        if not prompt:
+            raise SparsetuneError("the prompt is empty")
+        return list(prompt)
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        if len(token_ids) + 1 > self.max_model_len:
+            raise SparsetuneError(
+                f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
+                f"(prompt plus at least one new token); shorten the prompt"
+                + ("" if self.max_model_len >= self.model_config.max_position_embeddings else " or raise --kv-memory")
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise SparsetuneError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(list(token_ids), params)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        t0 = time.perf_counter()
+        logits = self.runner.run(batch)
+        sampling = [i for i in range(len(batch.seqs)) if not batch.is_prefill or batch.completes_prefill(i)]
+        sampled: dict[int, int] = {}
+        if sampling:
+            rows = logits if not batch.is_prefill else logits[sampling]
+            seqs = [batch.seqs[i] for i in sampling]
+            temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
+            top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
+            toks = sample(rows, temps, top_ps, self.generator).tolist()
+            sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
+        dt = time.perf_counter() - t0
+        self._account(batch, dt)
+        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
+        finished = self.scheduler.postprocess(batch, sampled, eos, self.max_model_len)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return finished
+
+    def _account(self, batch: Batch, seconds: float) -> None:
+        s = self.stats
+        s.steps += 1
+        if batch.is_prefill:
+            s.prefill_tokens += sum(batch.num_new_tokens)
+            s.prefill_seconds += seconds
+        else:
+            s.decode_tokens += len(batch.seqs)
+            s.decode_seconds += seconds
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        chat: bool = True,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        encoded = [self.encode_prompt(p, chat) for p in prompts]
+        seqs = [self.add_request(ids, p) for ids, p in zip(encoded, params_list)]
+        t0 = time.perf_counter()
+        while self.scheduler.has_work():
+            before = {s.seq_id: s.num_tokens for s in seqs}
+            self.step()
+            if on_token is not None:
+                on_token(sum(s.num_tokens - before[s.seq_id] for s in seqs))
+            for s in seqs:
+                if s.num_completion_tokens == 1 and before[s.seq_id] == s.num_prompt_tokens:
+                    self.stats.first_token_seconds.append(time.perf_counter() - t0)
+        return [
+            Completion(ids, s.completion_ids, self.tokenizer.decode(s.completion_ids), s.finish_reason)
+            for ids, s in zip(encoded, seqs)
+        ]
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits `[n, V]` at every prompt position (prefill in chunks, through the pool)."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        seq = self.add_request(token_ids, SamplingParams(max_tokens=1))
+        self.scheduler.waiting.remove(seq)
+        out = []
+        try:
+            while seq.num_computed < seq.num_tokens:
+                n = min(self.config.max_num_batched_tokens, seq.num_tokens - seq.num_computed)
+                if not self.block_manager.can_grow(seq, seq.num_computed + n):
+                    raise SparsetuneError("the prompt does not fit in the KV pool; raise --kv-memory")
+                self.block_manager.grow(seq, seq.num_computed + n)
+                out.append(self.runner.run(Batch(True, [seq], [n]), all_logits=True))
+                seq.num_computed += n
+        finally:
+            self.block_manager.release(seq)
+            seq.status = Status.FINISHED
+        return torch.cat(out)

@@ -1,0 +1,135 @@
+"""Decoder-only transformer of the Llama family: Llama (SmolLM2, Llama 3.x), Qwen2, Qwen3.
+
+Tokens of the whole batch are packed into one dimension (`[N, hidden]`), as in
+nano-vllm: no padding, and one code path for prefill and decode. Attention
+itself is delegated to the per-layer `AttentionBackend` in the `ForwardContext`.
+Weights use HF names, except that q/k/v and gate/up are fused into one matrix
+each (`qkv_proj`, `gate_up_proj`) so a decode step reads them in one GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparsetune.engine.attention import ForwardContext
+from sparsetune.engine.rope import cos_sin_table
+from sparsetune.kernels import fused_ops
+from sparsetune.models.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    fn = fused_ops.rms_norm if x.is_cuda else fused_ops.rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Views into the fused projection; the rope kernels work in place on them.
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        pos = ctx.meta.positions
+        if self.q_norm is not None:
+            fn = fused_ops.qk_norm_rope if q.is_cuda else fused_ops.qk_norm_rope_ref
+            q, k = fn(q, k, pos, cos_sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            fn = fused_ops.apply_rope if q.is_cuda else fused_ops.apply_rope_ref
+            q, k = fn(q, k, pos, cos_sin)
+        o = ctx.backends[self.layer_idx].forward(self.layer_idx, q, k, v, ctx.kv, ctx.meta)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = fused_ops.silu_and_mul if x.is_cuda else fused_ops.silu_and_mul_ref
+        return self.down_proj(act(gate_up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hooks = ctx.hooks
+
+        def run(h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            # Pre-norm residual block; the residual add is fused into the next norm.
+            if res is None:
+                res, h = h, self.input_layernorm(h)
+            else:
+                h, res = self.input_layernorm(h, res)
+            h = hooks.attention(self.idx, lambda x: self.self_attn(x, cos_sin, ctx), h, ctx)
+            h, res = self.post_attention_layernorm(h, res)
+            h = hooks.mlp(self.idx, self.mlp, h, ctx)
+            return h, res
+
+        return hooks.layer(self.idx, run, hidden, residual, ctx)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        table = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
+        self.register_buffer("cos_sin", table, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Packed token ids `[N]` → final hidden states `[N, hidden]`."""
+        h = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, self.cos_sin, ctx)
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

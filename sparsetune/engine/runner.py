@@ -1,0 +1,147 @@
+"""Turns a scheduled `Batch` into tensors, runs the model, and replays CUDA graphs for decode."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsetune.engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, LayerHooks
+from sparsetune.engine.kv_cache import KVCache
+from sparsetune.engine.model import CausalLM
+from sparsetune.engine.scheduler import Batch
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        backends: list[AttentionBackend],
+        hooks: LayerHooks,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.backends = backends
+        self.hooks = hooks
+        self.device = kv.k.device
+        self.block_size = kv.block_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_num_seqs = max_num_seqs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[int, torch.Tensor] = {}
+
+    # ---- inputs -------------------------------------------------------------------------------
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
+            seq_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+        width = max(len(s.block_table) for s in batch.seqs)
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            positions=self._tensor(positions, torch.int64),
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._block_tables([s.block_table for s in batch.seqs], width),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=qsl,
+            seq_ids=[s.seq_id for s in batch.seqs],
+        )
+        return self._tensor(ids, torch.int64), meta
+
+    def context(self, meta: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(meta, self.kv, self.backends, self.hooks)
+
+    # ---- execution ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits `[B, V]` at each sequence's last new token (or `[N, V]` for every token)."""
+        if not batch.is_prefill and self.graphs and not all_logits:
+            return self._replay(batch)
+        input_ids, meta = self.prepare(batch)
+        hidden = self.model(input_ids, self.context(meta))
+        if not all_logits:
+            last = torch.tensor(meta.query_start_loc_cpu[1:], device=self.device) - 1
+            hidden = hidden[last]
+        return self.model.compute_logits(hidden)
+
+    # ---- CUDA graphs for decode ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_graphs(self, batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES) -> None:
+        sizes = sorted({b for b in batch_sizes if b <= self.max_num_seqs} | {min(self.max_num_seqs, max(batch_sizes))})
+        n = sizes[-1]
+        dev = self.device
+        self._g_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._g_pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._g_slots = torch.full((n,), self.kv.null_slot, dtype=torch.int64, device=dev)
+        self._g_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self._g_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        pool = None
+        for b in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = AttentionMetadata(
+                is_prefill=False,
+                positions=self._g_pos[:b],
+                slot_mapping=self._g_slots[:b],
+                block_tables=self._g_tables[:b],
+                seq_lens=self._g_lens[:b],
+                seq_lens_cpu=[1] * b,  # placeholders: decode code in a graph must read tensors only
+                query_start_loc_cpu=list(range(b + 1)),
+                seq_ids=[],
+            )
+            ctx = self.context(meta)
+            self.model.compute_logits(self.model(self._g_ids[:b], ctx))  # warm-up: compiles kernels
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.graph_logits[b] = self.model.compute_logits(self.model(self._g_ids[:b], ctx))
+            pool = g.pool()
+            self.graphs[b] = g
+        self._g_lens.fill_(0)
+        torch.cuda.synchronize()
+
+    def _replay(self, batch: Batch) -> torch.Tensor:
+        b = len(batch.seqs)
+        size = next((s for s in sorted(self.graphs) if s >= b), None)
+        if size is None:  # larger than any captured graph: run eagerly
+            input_ids, meta = self.prepare(batch)
+            return self.model.compute_logits(self.model(input_ids, self.context(meta)))
+        bs = self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        for seq in batch.seqs:
+            p = seq.num_tokens - 1
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+        pad = size - b
+        self._g_ids[:size].copy_(self._tensor(ids + [0] * pad, torch.int64))
+        self._g_pos[:size].copy_(self._tensor(pos + [0] * pad, torch.int64))
+        self._g_slots[:size].copy_(self._tensor(slots + [self.kv.null_slot] * pad, torch.int64))
+        self._g_lens[:size].copy_(self._tensor(lens + [0] * pad, torch.int32))
+        width = max(len(s.block_table) for s in batch.seqs)
+        self._g_tables[:b, :width].copy_(self._block_tables([s.block_table for s in batch.seqs], width))
+        self.graphs[size].replay()
+        return self.graph_logits[size][:b]

@@ -1,0 +1,124 @@
+"""Continuous batching: chunked prefill first, else one decode token for every running sequence.
+
+Preemption is by recompute: when a decode step cannot get a block, the most
+recently admitted running sequence gives up its blocks and goes back to the
+front of the waiting queue with all its tokens (prompt + generated) as its new
+prompt. Its KV is recomputed later; nothing already generated changes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sparsetune.engine.block_manager import BlockManager
+from sparsetune.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens computed this step per sequence
+
+    def completes_prefill(self, i: int) -> bool:
+        s = self.seqs[i]
+        return s.num_computed + self.num_new_tokens[i] == s.num_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        budget = self.max_num_batched_tokens
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
+                break
+            remaining = seq.num_tokens - seq.num_computed
+            chunk = min(remaining, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed + chunk):
+                break
+            self.blocks.grow(seq, seq.num_computed + chunk)
+            seqs.append(seq)
+            counts.append(chunk)
+            budget -= chunk
+            if chunk < remaining:  # a chunked prompt occupies the rest of this step
+                break
+        return Batch(True, seqs, counts) if seqs else None
+
+    def _schedule_decode(self) -> Batch:
+        seqs: list[Sequence] = []
+        while self.running and len(seqs) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.blocks.can_grow(seq, seq.num_tokens):
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.blocks.grow(seq, seq.num_tokens)
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))
+        if not seqs and self.waiting and not self.running:
+            # Everything was preempted: the head of the queue must fit on its own.
+            head = self.waiting[0]
+            raise RuntimeError(
+                f"sequence of {head.num_tokens} tokens does not fit in {self.blocks.num_blocks} KV blocks"
+            )
+        return Batch(False, seqs, [1] * len(seqs))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: Batch, sampled: dict[int, int], eos_ids: tuple[int, ...], max_model_len: int) -> list[Sequence]:
+        """Advance sequences after a step; append sampled tokens; return those that finished."""
+        finished: list[Sequence] = []
+        for i, seq in enumerate(batch.seqs):
+            done_prefill = batch.completes_prefill(i)
+            seq.num_computed += batch.num_new_tokens[i]
+            if batch.is_prefill and not done_prefill:
+                continue  # mid-prompt chunk: nothing sampled yet
+            if batch.is_prefill:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = Status.RUNNING
+            tok = sampled[seq.seq_id]
+            seq.token_ids.append(tok)
+            p = seq.params
+            reason = None
+            if not p.ignore_eos and (tok in eos_ids or tok in p.stop_token_ids):
+                reason = "stop"
+            elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+                reason = "length"
+            if reason:
+                seq.finish_reason = reason
+                seq.status = Status.FINISHED
+                self.running.remove(seq)
+                self.blocks.release(seq)
+                finished.append(seq)
+        return finished

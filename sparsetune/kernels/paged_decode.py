@@ -1,0 +1,456 @@
+"""Paged-KV decode attention: flash-decoding (split-K) Triton kernels + torch reference.
+
+KV cache layout (per layer), shared with the engine:
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    (HND inside a block: one head's block is a contiguous block_size*head_dim run)
+    block_tables:     int32 [batch, max_blocks_per_seq]; token t of sequence b lives
+                      at block block_tables[b, t // block_size], slot t % block_size.
+                      Entries past ceil(seq_len / block_size) are garbage and are
+                      never dereferenced.
+    seq_lens:         int32 [batch], number of valid KV tokens (0 = padding row).
+
+Design of the Triton path (decode is memory bound: the goal is to stream every KV
+byte exactly once at close to HBM bandwidth):
+
+* Stage 1 (`_paged_decode_split_kernel`), grid (batch * num_kv_heads, num_splits).
+  One program owns one (sequence, kv head, split) and ALL the query heads of that
+  kv head's GQA group, so K/V are read once per group, never once per query head.
+  The group is padded to >= 16 rows because `tl.dot` needs every dim >= 16 on
+  real GPUs; the padding costs tensor-core FLOPs, which are free here, and no
+  memory traffic. Each loop iteration gathers BLOCK_N tokens (spanning several
+  cache blocks when block_size < BLOCK_N) and runs an online (base-2) softmax.
+  The split boundaries are computed in-kernel from the *actual* seq_len, so a
+  short sequence in a wide block table still spreads evenly over the splits.
+* Stage 2 (`_merge_splits_kernel`), grid (num_q_heads, batch): log-sum-exp merge
+  of the per-split partial outputs. Skipped when num_splits == 1 (stage 1 then
+  writes the normalised output directly).
+
+Everything the host decides (num_splits, tile sizes, grid) depends on tensor
+SHAPES only and nothing reads tensor values on the host, so the call can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_ops import cast_rtne
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "choose_num_splits",
+    "DEFAULT_NUM_SMS",
+]
+
+# H100/H200 SXM have 132 SMs; used when no CUDA device is visible (interpreter).
+DEFAULT_NUM_SMS = 132
+# Target number of stage-1 programs per SM. All programs of a launch have about
+# the same length, so they retire in lock-step waves of (SMs x resident programs,
+# ~3-5 per SM here); many short programs (~8 waves) keep the idle tail of the
+# last wave small. The price is the fp32 partial output of every split, which
+# is D*4 bytes per (query head, split) against 2*D*2 bytes per (kv head, token)
+# of KV: with >= 512 tokens per split that is ~1-2% extra traffic.
+_TARGET_PROGRAMS_PER_SM = 32
+# Below this many tokens per split the fixed per-program cost (q load, pipeline
+# prologue, partial store) stops being amortised.
+_MIN_TOKENS_PER_SPLIT = 512
+# Bounds the merge kernel's per-program tile and the partial buffers.
+_MAX_SPLITS = 64
+_LOG2E = 1.4426950408889634
+
+# The kernels are jitted when this module is imported; triton decides at that
+# moment whether they run interpreted (TRITON_INTERPRET=1) or compiled.
+_INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> int:
+    """Number of KV splits per (sequence, kv head); a pure function of shapes.
+
+    Aims for about `_TARGET_PROGRAMS_PER_SM * num_sms` stage-1 programs, but never
+    splits the widest possible context (max_blocks * block_size) into pieces
+    shorter than `_MIN_TOKENS_PER_SPLIT` tokens. It must not depend on seq_lens
+    (tensor values) so that a captured CUDA graph stays valid for any lengths.
+    """
+    pairs = max(1, batch * num_kv_heads)
+    max_tokens = max(1, max_blocks * block_size)
+    want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, pairs)
+    cap = max(1, max_tokens // _MIN_TOKENS_PER_SPLIT)
+    return int(max(1, min(want, cap, _MAX_SPLITS)))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def _default_block_n(head_dim: int, elem_size: int) -> int:
+    # ~16 KiB per K (and per V) tile per pipeline stage: 64 tokens for bf16/fp16
+    # with head_dim 128, which keeps 2-3 stages of K+V well inside shared memory
+    # with room for >= 2 resident programs per SM. Never below 16 (tl.dot minimum).
+    tokens = max(1, (16 * 1024) // (head_dim * elem_size))
+    tokens = 1 << (tokens.bit_length() - 1)  # round down to a power of two
+    return int(max(16, min(64, tokens)))
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    max_blocks,  # block_tables.shape[1]
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    kvh = pid_bh % NUM_KV_HEADS
+
+    # Clamp to what the block table can address so that a bad seq_len can never
+    # make the kernel read past the table row; negative lengths act as 0.
+    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * BLOCK_SIZE)
+
+    # Split the *actual* length into num_splits runs of whole BLOCK_N tiles.
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # query heads served by this kv head
+
+    kv_dtype = k_ptr.dtype.element_ty
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
+    q = cast_rtne(q, kv_dtype, EMULATE_BF16)  # no-op when q already has the cache dtype
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
+    # Every iteration has >= 1 valid token (start < end, tiles start inside the
+    # split), so the running max is finite after the first one and exp2 never
+    # sees (-inf) - (-inf).
+    for tile_start in range(start, end, BLOCK_N):
+        tok = tile_start + offs_n
+        valid = tok < end
+        # Gather the cache block of every token; masked lanes are never loaded,
+        # which is what keeps garbage table entries from being dereferenced.
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = tok % BLOCK_SIZE
+
+        k_off = blk * stride_kb + slot * stride_kt
+        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_off = blk * stride_vb + slot * stride_vt
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        # P is rounded to the cache dtype for the tensor-core PV product (the
+        # standard flash-attention trade-off); l_i keeps the fp32 row sums.
+        p_lo = cast_rtne(p, kv_dtype, EMULATE_BF16)
+        if UPCAST_DOT:
+            p_lo = p_lo.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # empty split / seq_len 0 -> zeros
+    if DIRECT_OUT:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, cast_rtne(o, out_ptr.dtype.element_ty, EMULATE_BF16), mask=g_mask[:, None])
+    else:
+        p_ptrs = part_o_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+        tl.store(p_ptrs, o, mask=g_mask[:, None])
+        # log2-sum-exp2 of this split's scores; -inf marks an empty split.
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0)
+    w = tl.exp2(lse - m)  # exactly 0 for empty splits
+    o = tl.load(
+        part_o_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )
+    num = tl.sum(o * w[:, None], 0)
+    den = tl.sum(w, 0)
+    res = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, cast_rtne(res, out_ptr.dtype.element_ty, EMULATE_BF16))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Single-token (decode) attention over a paged KV cache, Triton split-K.
+
+    Args:
+        q: [B, Hq, D] query of the one new token per sequence (last dim contiguous).
+        k_cache, v_cache: [num_blocks, Hkv, block_size, D] (last dim contiguous).
+        block_tables: int32 [B, max_blocks_per_seq].
+        seq_lens: int32 [B]; rows with 0 produce zeros.
+        scale: softmax scale (usually D ** -0.5).
+        num_splits: KV splits per (sequence, kv head); default `choose_num_splits`.
+        out: optional [B, Hq, D] output buffer (last dim contiguous).
+        block_n: tokens per loop iteration (power of two >= 16); default by dtype/D.
+        num_warps, num_stages: launch config for the main kernel.
+
+    Returns [B, Hq, D] in q's dtype (or `out`). No host synchronisation happens.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k_cache.shape)} v={tuple(v_cache.shape)}")
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, kv_dim = k_cache.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: q {head_dim} vs cache {kv_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share a dtype")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    seq_lens = seq_lens.contiguous()
+    if q.device.type != "cuda" and not _INTERPRET:
+        raise RuntimeError("paged_decode_attention needs CUDA tensors (or TRITON_INTERPRET=1); use paged_decode_attention_ref on CPU")
+
+    max_blocks = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_blocks, block_size, _num_sms(q.device))
+    num_splits = max(1, int(num_splits))
+    if block_n is None:
+        block_n = _default_block_n(head_dim, k_cache.element_size())
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+
+    if out is None:
+        out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != (batch, num_q_heads, head_dim) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [B, Hq, D] with a contiguous last dim, got {tuple(out.shape)}")
+    if batch == 0:
+        return out
+
+    is_fp32 = k_cache.dtype == torch.float32
+    # fp32 caches need exact fp32 products (tf32 would lose ~3 digits). The
+    # interpreter mis-handles bf16 tl.dot (it multiplies raw bit patterns), so
+    # there the operands are upcast to fp32 after rounding: numerically the same
+    # products as the bf16 tensor-core path.
+    dot_precision = "ieee" if is_fp32 else "tf32"
+    upcast_dot = _INTERPRET and k_cache.dtype == torch.bfloat16
+
+    direct = num_splits == 1
+    if direct:
+        part_o = out  # unused placeholders
+        part_lse = out
+        p_strides = (0, 0, 0)
+        l_strides = (0, 0)
+    else:
+        part_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        p_strides = part_o.stride()[:3]
+        l_strides = part_lse.stride()[:2]
+
+    grid = (batch * num_kv_heads, num_splits)
+    _paged_decode_split_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        float(scale) * _LOG2E,
+        max_blocks,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *p_strides,
+        *l_strides,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        DIRECT_OUT=direct,
+        DOT_PRECISION=dot_precision,
+        UPCAST_DOT=upcast_dot,
+        EMULATE_BF16=_INTERPRET,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not direct:
+        _merge_splits_kernel[(num_q_heads, batch)](
+            part_o,
+            part_lse,
+            out,
+            num_splits,
+            *p_strides,
+            *l_strides,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            EMULATE_BF16=_INTERPRET,
+            num_warps=4 if num_splits * head_dim >= 2048 else 2,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain torch reference (and the engine's CPU path); same contract as above.
+
+    Per sequence: gather its blocks, flatten to [Hkv, L, D], attend with every
+    query head of each GQA group (query head i uses kv head i // group, as HF's
+    repeat_kv does) in fp32. Reads seq_lens on the host, so not graph-capturable.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len <= 0:
+            continue
+        n_blk = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[b, :n_blk].long()
+        # [n_blk, Hkv, bs, D] -> [Hkv, n_blk * bs, D] -> first seq_len tokens
+        k = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, n_blk * block_size, head_dim)[:, :seq_len]
+        v = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, n_blk * block_size, head_dim)[:, :seq_len]
+        qg = q[b].float().view(num_kv_heads, group, head_dim)
+        scores = torch.matmul(qg, k.float().transpose(1, 2)) * scale  # [Hkv, G, L]
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v.float())  # [Hkv, G, D]
+        out[b] = o.reshape(num_q_heads, head_dim).to(q.dtype)
+    return out

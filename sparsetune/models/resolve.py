@@ -1,0 +1,67 @@
+"""Turn `--model NAME_OR_PATH [--random-weights]` into a config, a weight source and a tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.models.config import ModelConfig
+from sparsetune.models.registry import (
+    REGISTRY,
+    ModelSpec,
+    find_local_weights,
+    get_spec,
+    gguf_path,
+    missing_weights_error,
+    models_dir,
+)
+from sparsetune.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, has_tokenizer_files
+from sparsetune.models.weights import materialize_gguf
+
+
+@dataclass
+class ResolvedModel:
+    name: str
+    config: ModelConfig
+    weights_dir: Path | None  # None: random weights
+    tokenizer_dir: Path | None
+    spec: ModelSpec | None
+    random_weights: bool
+
+    def load_tokenizer(self) -> Tokenizer:
+        if self.tokenizer_dir is not None and has_tokenizer_files(self.tokenizer_dir):
+            return HFTokenizer(self.tokenizer_dir, self.config.eos_token_ids)
+        if self.random_weights:
+            return ByteTokenizer(self.config.eos_token_ids)
+        raise SparsetuneError(
+            f"no tokenizer files in {self.tokenizer_dir}; add tokenizer.json there or pass token ids"
+        )
+
+
+def resolve_model(name_or_path: str, random_weights: bool = False) -> ResolvedModel:
+    path = Path(name_or_path).expanduser()
+    if name_or_path.lower() not in REGISTRY and (path.is_dir() or "/" in name_or_path or name_or_path.startswith(".")):
+        if not path.is_dir():
+            raise SparsetuneError(f"model directory {path} does not exist")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise SparsetuneError(f"{path} has no config.json; expected an HF-format model directory")
+        config = ModelConfig.from_json_file(cfg_file)
+        if not random_weights and not any(path.glob("*.safetensors")):
+            raise SparsetuneError(f"no *.safetensors files in {path}; pass --random-weights for a speed-only run")
+        return ResolvedModel(str(path), config, None if random_weights else path, path, None, random_weights)
+
+    spec = get_spec(name_or_path)
+    if spec.gguf_package:
+        # The embedded default: always available (the package ships with the install).
+        directory = materialize_gguf(gguf_path(spec), models_dir())
+        config = ModelConfig.from_json_file(directory / "config.json")
+        return ResolvedModel(spec.name, config, None if random_weights else directory, directory, spec, random_weights)
+    directory, looked = find_local_weights(spec)
+    if directory is None:
+        if random_weights:
+            return ResolvedModel(spec.name, spec.config, None, None, spec, True)
+        raise missing_weights_error(spec, looked)
+    config = ModelConfig.from_json_file(directory / "config.json")
+    return ResolvedModel(spec.name, config, None if random_weights else directory, directory, spec, random_weights)

@@ -1,0 +1,70 @@
+"""Tokenizers: the model's HF tokenizer (with its chat template), or bytes for speed-only runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from sparsetune.errors import SparsetuneError
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def chat_prompt(self, user_message: str) -> list[int]: ...
+
+
+class HFTokenizer:
+    def __init__(self, directory: Path, eos_token_ids: tuple[int, ...]) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(directory))
+        except (OSError, ValueError) as e:
+            raise SparsetuneError(f"cannot load the tokenizer from {directory}: {e}") from None
+        ids = set(eos_token_ids)
+        if self.hf.eos_token_id is not None:
+            ids.add(int(self.hf.eos_token_id))
+        self.eos_token_ids = tuple(sorted(ids))
+        self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(self, user_message: str) -> list[int]:
+        if not self.has_chat_template:
+            return self.encode(user_message)
+        messages = [{"role": "user", "content": user_message}]
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, for random-weight runs of models whose tokenizer is absent.
+
+    Only for speed work: the text it decodes from a random model is noise anyway.
+    """
+
+    has_chat_template = False
+
+    def __init__(self, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, user_message: str) -> list[int]:
+        return self.encode(user_message)
+
+
+def has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
