@@ -67,6 +67,7 @@ class LLM:
         mcfg = self.resolved.config
         self.model_config = mcfg
         self.tokenizer = self.resolved.load_tokenizer()
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids
 
         max_len = min(mcfg.max_position_embeddings, cfg.max_model_len or mcfg.max_position_embeddings)
         torch.manual_seed(cfg.seed)
@@ -131,10 +132,18 @@ class LLM:
             self.backends[i] = backend
         self.runner.graphs.clear()
 
+    def set_hooks(self, hooks: LayerHooks) -> None:
+        """Install per-layer hooks (see `LayerHooks`). Takes effect for new graphs."""
+        self.hooks = hooks
+        self.runner.hooks = hooks
+        self.runner.graphs.clear()
+
     # ---- requests ---------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SparsetuneError(f"{self.resolved.name} has no tokenizer files; add them or pass token ids")
             if not prompt.strip():
                 raise SparsetuneError("the prompt is empty; pass some text with --prompt")
             return self.tokenizer.chat_prompt(prompt) if chat else self.tokenizer.encode(prompt)
@@ -173,8 +182,7 @@ class LLM:
             sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
         dt = time.perf_counter() - t0
         self._account(batch, dt)
-        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
-        finished = self.scheduler.postprocess(batch, sampled, eos, self.max_model_len)
+        finished = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, self.max_model_len)
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
 
@@ -211,7 +219,10 @@ class LLM:
                 if s.num_completion_tokens == 1 and before[s.seq_id] == s.num_prompt_tokens:
                     self.stats.first_token_seconds.append(time.perf_counter() - t0)
         return [
-            Completion(ids, s.completion_ids, self.tokenizer.decode(s.completion_ids), s.finish_reason)
+            Completion(
+                ids, s.completion_ids, self.tokenizer.decode(s.completion_ids) if self.tokenizer else None,
+                s.finish_reason,
+            )
             for ids, s in zip(encoded, seqs)
         ]
 

@@ -349,7 +349,9 @@ def _launch_rope(
     if head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32:
-        raise ValueError(f"cos_sin_cache must be fp32 [max_pos, {head_dim}], got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
+        raise ValueError(
+            f"cos_sin_cache must be fp32 [max_pos, {head_dim}], got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}"
+        )
     if positions.shape != (n_tok,):
         raise ValueError(f"positions shape {tuple(positions.shape)} != ({n_tok},)")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:

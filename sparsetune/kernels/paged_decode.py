@@ -21,6 +21,11 @@ byte exactly once at close to HBM bandwidth):
   cache blocks when block_size < BLOCK_N) and runs an online (base-2) softmax.
   The split boundaries are computed in-kernel from the *actual* seq_len, so a
   short sequence in a wide block table still spreads evenly over the splits.
+  Two loop flavours: the default plain loop, which Triton's pipeliner (num_stages
+  >= 3) turns into async copies with the block-id lookup prefetched, and
+  `prefetch=True`, a hand-pipelined loop that requests the next K/V tile into
+  registers before consuming the current one (use with num_stages=1). Which is
+  faster on a given GPU is for benchmarks/bench_kernels.py to say.
 * Stage 2 (`_merge_splits_kernel`), grid (num_q_heads, batch): log-sum-exp merge
   of the per-split partial outputs. Skipped when num_splits == 1 (stage 1 then
   writes the normalised output directly).
@@ -33,7 +38,6 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -98,12 +102,67 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _default_block_n(head_dim: int, elem_size: int) -> int:
-    # ~16 KiB per K (and per V) tile per pipeline stage: 64 tokens for bf16/fp16
-    # with head_dim 128, which keeps 2-3 stages of K+V well inside shared memory
-    # with room for >= 2 resident programs per SM. Never below 16 (tl.dot minimum).
-    tokens = max(1, (16 * 1024) // (head_dim * elem_size))
+    # ~16 KiB per K (and per V) tile: 64 tokens for bf16/fp16 with head_dim 128,
+    # which fits K+V tiles in shared memory with room for >= 3 resident programs
+    # per SM (~100 registers/thread at 4 warps, per an sm_90 AOT compile). fp32
+    # caches use an exact fp32 dot without tensor cores, whose register use grows
+    # fast with the tile: 8 KiB (16 tokens at D=128) avoids spills there.
+    # Never below 16 tokens (tl.dot minimum).
+    tile_bytes = 16 * 1024 if elem_size <= 2 else 8 * 1024
+    tokens = max(1, tile_bytes // (head_dim * elem_size))
     tokens = 1 << (tokens.bit_length() - 1)  # round down to a power of two
     return int(max(16, min(64, tokens)))
+
+
+@triton.jit
+def _load_block_ids(bt_row, tile_start, end, offs_n, BLOCK_SIZE: tl.constexpr):
+    """Cache block of every token of the tile [tile_start, tile_start + BLOCK_N).
+
+    Lanes at or past `end` are masked: they are never loaded, which is what keeps
+    garbage block-table entries from being dereferenced (here or in the K/V load).
+    """
+    tok = tile_start + offs_n
+    return tl.load(bt_row + tok // BLOCK_SIZE, mask=tok < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv_tile(
+    k_head, v_head, blk, tile_start, end, offs_n, offs_d,
+    stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr,
+):
+    """Gather the [BLOCK_N, HEAD_DIM] K and V tiles (zeros past `end`)."""
+    tok = tile_start + offs_n
+    valid = (tok < end)[:, None]
+    slot = tok % BLOCK_SIZE
+    k = tl.load(k_head + (blk * stride_kb + slot * stride_kt)[:, None] + offs_d[None, :], mask=valid, other=0.0)
+    v = tl.load(v_head + (blk * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :], mask=valid, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(
+    q, k, v, valid, m_i, l_i, acc, qk_scale,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, EMULATE_BF16: tl.constexpr,
+):
+    """One online-softmax step (base 2) of the GROUP_PAD query rows over a tile."""
+    kv_dtype = k.dtype
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P is rounded to the cache dtype for the tensor-core PV product (the
+    # standard flash-attention trade-off); l_i keeps the fp32 row sums.
+    p_lo = cast_rtne(p, kv_dtype, EMULATE_BF16)
+    if UPCAST_DOT:
+        p_lo = p_lo.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -145,6 +204,7 @@ def _paged_decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -189,36 +249,33 @@ def _paged_decode_split_kernel(
     # Every iteration has >= 1 valid token (start < end, tiles start inside the
     # split), so the running max is finite after the first one and exp2 never
     # sees (-inf) - (-inf).
-    for tile_start in range(start, end, BLOCK_N):
-        tok = tile_start + offs_n
-        valid = tok < end
-        # Gather the cache block of every token; masked lanes are never loaded,
-        # which is what keeps garbage table entries from being dereferenced.
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = tok % BLOCK_SIZE
-
-        k_off = blk * stride_kb + slot * stride_kt
-        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_off = blk * stride_vb + slot * stride_vt
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        # P is rounded to the cache dtype for the tensor-core PV product (the
-        # standard flash-attention trade-off); l_i keeps the fp32 row sums.
-        p_lo = cast_rtne(p, kv_dtype, EMULATE_BF16)
-        if UPCAST_DOT:
-            p_lo = p_lo.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if PREFETCH:
+        # Software pipelining by hand, in registers: the K/V tile of the next
+        # iteration is requested before the current one is consumed, and the
+        # block ids one tile further ahead, so neither the table lookup nor the
+        # KV fetch is on the critical path. Costs ~one K+V tile of registers.
+        # Meant for num_stages=1 (Triton's own pipeliner off).
+        blk_n1 = _load_block_ids(bt_row, start, end, offs_n, BLOCK_SIZE)
+        k_n1, v_n1 = _load_kv_tile(k_head, v_head, blk_n1, start, end, offs_n, offs_d,
+                                   stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+        blk_n2 = _load_block_ids(bt_row, start + BLOCK_N, end, offs_n, BLOCK_SIZE)
+        for tile_start in range(start, end, BLOCK_N):
+            k = k_n1
+            v = v_n1
+            k_n1, v_n1 = _load_kv_tile(k_head, v_head, blk_n2, tile_start + BLOCK_N, end, offs_n, offs_d,
+                                       stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+            blk_n2 = _load_block_ids(bt_row, tile_start + 2 * BLOCK_N, end, offs_n, BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, k, v, (tile_start + offs_n) < end, m_i, l_i, acc, qk_scale,
+                                         DOT_PRECISION, UPCAST_DOT, EMULATE_BF16)
+    else:
+        # Plain loop; with num_stages >= 3 Triton's pipeliner prefetches the
+        # block ids and turns the K/V loads into async copies.
+        for tile_start in range(start, end, BLOCK_N):
+            blk = _load_block_ids(bt_row, tile_start, end, offs_n, BLOCK_SIZE)
+            k, v = _load_kv_tile(k_head, v_head, blk, tile_start, end, offs_n, offs_d,
+                                 stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, k, v, (tile_start + offs_n) < end, m_i, l_i, acc, qk_scale,
+                                         DOT_PRECISION, UPCAST_DOT, EMULATE_BF16)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # empty split / seq_len 0 -> zeros
@@ -283,7 +340,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Single-token (decode) attention over a paged KV cache, Triton split-K.
 
@@ -296,7 +354,12 @@ def paged_decode_attention(
         num_splits: KV splits per (sequence, kv head); default `choose_num_splits`.
         out: optional [B, Hq, D] output buffer (last dim contiguous).
         block_n: tokens per loop iteration (power of two >= 16); default by dtype/D.
-        num_warps, num_stages: launch config for the main kernel.
+        num_warps, num_stages: launch config for the main kernel. With 3 stages
+            Triton's pipeliner prefetches the block-table entries of the next
+            tile and issues the K/V copies asynchronously (one buffer each); with
+            2 the table lookup sits on the critical path of every iteration.
+        prefetch: use the hand-pipelined loop (next K/V tile fetched into
+            registers while the current one is consumed); pair with num_stages=1.
 
     Returns [B, Hq, D] in q's dtype (or `out`). No host synchronisation happens.
     """
@@ -313,7 +376,9 @@ def paged_decode_attention(
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}")
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}"
+        )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must share a dtype")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -325,7 +390,9 @@ def paged_decode_attention(
         seq_lens = seq_lens.to(torch.int32)
     seq_lens = seq_lens.contiguous()
     if q.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError("paged_decode_attention needs CUDA tensors (or TRITON_INTERPRET=1); use paged_decode_attention_ref on CPU")
+        raise RuntimeError(
+            "paged_decode_attention needs CUDA tensors (or TRITON_INTERPRET=1); use paged_decode_attention_ref on CPU"
+        )
 
     max_blocks = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
@@ -401,6 +468,7 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast_dot,
         EMULATE_BF16=_INTERPRET,
+        PREFETCH=bool(prefetch),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -440,17 +508,27 @@ def paged_decode_attention_ref(
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     out = torch.zeros_like(q)
+
+    def gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+        # [n_blk, Hkv, bs, D] gathered, then ONE copy that both transposes to
+        # [Hkv, n_blk, bs, D] and converts to fp32; first seq_len tokens kept.
+        picked = cache.index_select(0, blocks)
+        flat = torch.empty(
+            (num_kv_heads, blocks.numel(), block_size, head_dim), dtype=torch.float32, device=cache.device
+        )
+        flat.copy_(picked.transpose(0, 1))
+        return flat.view(num_kv_heads, -1, head_dim)[:, :seq_len]
+
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len <= 0:
             continue
         n_blk = (seq_len + block_size - 1) // block_size
         blocks = block_tables[b, :n_blk].long()
-        # [n_blk, Hkv, bs, D] -> [Hkv, n_blk * bs, D] -> first seq_len tokens
-        k = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, n_blk * block_size, head_dim)[:, :seq_len]
-        v = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, n_blk * block_size, head_dim)[:, :seq_len]
+        k = gather(k_cache, blocks, seq_len)  # [Hkv, L, D] fp32
+        v = gather(v_cache, blocks, seq_len)
         qg = q[b].float().view(num_kv_heads, group, head_dim)
-        scores = torch.matmul(qg, k.float().transpose(1, 2)) * scale  # [Hkv, G, L]
+        scores = torch.matmul(qg, k.transpose(1, 2)) * scale  # [Hkv, G, L]
         probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, v.float())  # [Hkv, G, D]
+        o = torch.matmul(probs, v)  # [Hkv, G, D]
         out[b] = o.reshape(num_q_heads, head_dim).to(q.dtype)
     return out

@@ -129,6 +129,10 @@ def find_local_weights(spec: ModelSpec) -> tuple[Path | None, list[Path]]:
     return None, looked
 
 
+def gguf_available(spec: ModelSpec) -> bool:
+    return spec.gguf_package is not None and importlib.util.find_spec(spec.gguf_package) is not None
+
+
 def gguf_path(spec: ModelSpec) -> Path:
     assert spec.gguf_package and spec.gguf_file
     found = importlib.util.find_spec(spec.gguf_package)

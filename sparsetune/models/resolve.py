@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparsetune.errors import SparsetuneError
 from sparsetune.models.config import ModelConfig
 from sparsetune.models.registry import (
     REGISTRY,
     ModelSpec,
     find_local_weights,
     get_spec,
+    gguf_available,
     gguf_path,
     missing_weights_error,
     models_dir,
@@ -29,14 +29,13 @@ class ResolvedModel:
     spec: ModelSpec | None
     random_weights: bool
 
-    def load_tokenizer(self) -> Tokenizer:
+    def load_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer; bytes for random-weight runs without one; None if absent."""
         if self.tokenizer_dir is not None and has_tokenizer_files(self.tokenizer_dir):
             return HFTokenizer(self.tokenizer_dir, self.config.eos_token_ids)
         if self.random_weights:
             return ByteTokenizer(self.config.eos_token_ids)
-        raise SparsetuneError(
-            f"no tokenizer files in {self.tokenizer_dir}; add tokenizer.json there or pass token ids"
-        )
+        return None
 
 
 def resolve_model(name_or_path: str, random_weights: bool = False) -> ResolvedModel:
@@ -54,7 +53,10 @@ def resolve_model(name_or_path: str, random_weights: bool = False) -> ResolvedMo
 
     spec = get_spec(name_or_path)
     if spec.gguf_package:
-        # The embedded default: always available (the package ships with the install).
+        if random_weights and not gguf_available(spec):
+            # Speed-only runs need only the architecture, e.g. on a GPU host without the package.
+            return ResolvedModel(spec.name, spec.config, None, None, spec, True)
+        # The embedded default: the package ships with the install.
         directory = materialize_gguf(gguf_path(spec), models_dir())
         config = ModelConfig.from_json_file(directory / "config.json")
         return ResolvedModel(spec.name, config, None if random_weights else directory, directory, spec, random_weights)

@@ -1,0 +1,209 @@
+"""Engine speed on one GPU: decode step time vs the byte floor, prefill throughput vs the FLOP floor.
+
+    python benchmarks/bench_engine.py --model qwen3-8b --decode 8x32768,16x16384,16x32768 \
+        --prefill 1x32768,8x32768 --json-out engine.json
+
+Decode cases start from a KV pool filled with random values (as if each sequence
+had been prefilled to the context length) and time `LLM.step()` end to end:
+host-side scheduling, the CUDA-graph replay of all layers, and sampling.
+Prefill cases time `LLM.generate(max_tokens=1)` on random token ids (TTFT).
+Random bf16 weights: speed only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import measure_copy_bandwidth, measure_matmul_flops, wall  # noqa: E402
+
+from sparsetune.engine.llm import LLM  # noqa: E402
+from sparsetune.engine.sequence import SamplingParams, Sequence, Status  # noqa: E402
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in c.split("x")) for c in text.split(",") if c]  # type: ignore[misc]
+
+
+def weight_bytes_per_step(llm: LLM, batch: int) -> int:
+    """Every matrix is read once per step; of the embedding only the batch's rows."""
+    total = 0
+    for name, p in llm.model.named_parameters():
+        if "embed_tokens" in name and not llm.model_config.tie_word_embeddings:
+            total += batch * p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(llm: LLM, tokens: int) -> int:
+    c = llm.model_config
+    return tokens * c.kv_bytes_per_token(llm.dtype.itemsize)
+
+
+def prefill_flops(llm: LLM, n: int) -> float:
+    c = llm.model_config
+    per_token_matmul = 2 * sum(
+        p.numel() for name, p in llm.model.named_parameters() if p.dim() == 2 and "embed" not in name and "lm_head" not in name
+    )
+    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2  # causal QK^T + PV
+    return per_token_matmul * n + attn + 2 * c.hidden_size * c.vocab_size  # lm_head on the last token
+
+
+def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
+    vocab = llm.model_config.vocab_size
+    params = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    seqs = []
+    for _ in range(batch):
+        ids = torch.randint(0, vocab, (ctx,)).tolist()
+        s = Sequence(ids, params)
+        llm.block_manager.grow(s, ctx + steps + 8)
+        s.num_computed = ctx - 1  # the pool holds (random) KV for every earlier position
+        s.status = Status.RUNNING
+        llm.scheduler.running.append(s)
+        seqs.append(s)
+    for _ in range(3):
+        llm.step()
+    per_step = wall(lambda: [llm.step() for _ in range(steps)]) / steps
+    # The graph replay alone (no host work), for the split of where time goes.
+    g = llm.runner.graphs.get(batch)
+    replay = None
+    if g is not None:
+        times = []
+        for _ in range(steps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        replay = statistics.median(times)
+    for s in seqs:
+        llm.scheduler.running.remove(s)
+        llm.block_manager.release(s)
+    ctx_avg = ctx + 3 + steps / 2
+    wb, kb = weight_bytes_per_step(llm, batch), kv_bytes(llm, int(batch * ctx_avg))
+    return {"batch": batch, "context": ctx, "step_ms": per_step * 1e3, "graph_replay_ms": None if replay is None else replay * 1e3,
+            "weight_bytes": wb, "kv_bytes": kb}
+
+
+def profile_decode(llm: LLM, batch: int, ctx: int) -> list[tuple[str, float]]:
+    """Kernel time by category for one eager decode step (graphs off), via torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparsetune.engine.scheduler import Batch
+
+    vocab = llm.model_config.vocab_size
+    seqs = []
+    for _ in range(batch):
+        s = Sequence(torch.randint(0, vocab, (ctx,)).tolist(), SamplingParams())
+        llm.block_manager.grow(s, ctx)
+        s.num_computed = ctx - 1
+        seqs.append(s)
+    b = Batch(False, seqs, [1] * batch)
+    graphs, llm.runner.graphs = llm.runner.graphs, {}
+    llm.runner.run(b)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.runner.run(b)
+        torch.cuda.synchronize()
+    llm.runner.graphs = graphs
+    for s in seqs:
+        llm.block_manager.release(s)
+    cats: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if t <= 0:
+            continue
+        n = ev.key.lower()
+        if "paged_decode" in n or "merge_splits" in n:
+            c = "attention"
+        elif any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "sm90", "cublas", "matmul")):
+            c = "gemm"
+        elif "rms_norm" in n:
+            c = "norm"
+        elif "rope" in n:
+            c = "rope+qknorm"
+        elif "silu" in n:
+            c = "silu_mul"
+        elif "index" in n or "scatter" in n:
+            c = "kv_store"
+        else:
+            c = "other"
+        cats[c] = cats.get(c, 0.0) + t / 1e3
+    return sorted(cats.items(), key=lambda kv: -kv[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--decode", default="8x32768,16x16384,16x32768")
+    ap.add_argument("--prefill", default="1x32768,8x32768")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", default="8x32768", help="decode case to break down by kernel ('' to skip)")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+
+    dec, pre = parse_cases(args.decode), parse_cases(args.prefill)
+    bw, flops = measure_copy_bandwidth(), measure_matmul_flops()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+
+    max_b = max([b for b, _ in dec] + [b for b, _ in pre] + [1])
+    max_ctx = max([c for _, c in dec] + [c for _, c in pre])
+    tokens_needed = max((b * (c + args.steps + 16) for b, c in dec), default=0)
+    blocks = max(tokens_needed, max_ctx + 64) // 16 + 2 * max_b + 64
+    llm = LLM(
+        model=args.model, random_weights=True, dtype=args.dtype, num_kv_blocks=blocks, max_num_seqs=max_b,
+        max_model_len=max_ctx + args.steps + 64, max_num_batched_tokens=max_ctx,
+        cuda_graph_batch_sizes=tuple(sorted({b for b, _ in dec})),
+    )
+    pool_bytes = llm.kv.k.numel() * llm.kv.k.element_size() * 2
+    print(f"model {args.model}: {sum(p.numel() for p in llm.model.parameters()) / 1e9:.2f}B params, "
+          f"KV pool {pool_bytes / 1e9:.1f} GB, graphs for {sorted(llm.runner.graphs)}", flush=True)
+    for layer in range(llm.kv.num_layers):  # real-looking KV: never time on zeros
+        llm.kv.k[layer].normal_()
+        llm.kv.v[layer].normal_()
+
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+                     "copy_bandwidth": bw, "matmul_flops": flops, "decode": [], "prefill": []}
+    for b, c in dec:
+        r = decode_case(llm, b, c, args.steps)
+        r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
+        r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
+        results["decode"].append(r)
+        print(f"decode {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
+              f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
+
+    if args.profile:
+        b, c = parse_cases(args.profile)[0]
+        results["decode_profile"] = {"case": args.profile, "ms_by_category": profile_decode(llm, b, c)}
+        print("eager decode step kernel time (ms):", results["decode_profile"]["ms_by_category"], flush=True)
+
+    vocab = llm.model_config.vocab_size
+    if pre:
+        warm = [torch.randint(0, vocab, (pre[0][1],)).tolist()]
+        llm.generate(warm, SamplingParams(max_tokens=1), chat=False)
+    for b, n in pre:
+        prompts = [torch.randint(0, vocab, (n,)).tolist() for _ in range(b)]
+        t = wall(lambda: llm.generate(prompts, SamplingParams(max_tokens=1), chat=False))
+        fl = prefill_flops(llm, n) * b
+        r = {"batch": b, "prompt_tokens": n, "seconds": t, "tokens_per_second": b * n / t,
+             "flops": fl, "floor_seconds": fl / flops, "achieved_tflops": fl / t / 1e12}
+        r["fraction_of_floor"] = r["floor_seconds"] / t
+        results["prefill"].append(r)
+        print(f"prefill {b}x{n}: {t:.3f} s, {r['tokens_per_second']:.0f} tok/s, {r['achieved_tflops']:.0f} TFLOP/s "
+              f"({100 * r['fraction_of_floor']:.1f}% of the FLOP floor)", flush=True)
+
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

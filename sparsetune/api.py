@@ -1,0 +1,115 @@
+"""The Python API; the CLI is a thin layer over these functions."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from sparsetune.engine.config import EngineConfig
+from sparsetune.engine.llm import LLM
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.errors import SparsetuneError
+from sparsetune.models.registry import REGISTRY, find_local_weights
+
+
+@dataclass
+class GenerateResult:
+    model: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    token_ids: list[int]
+    device: str
+    dtype: str
+    random_weights: bool
+    load_seconds: float
+    seconds: float
+    ttft_seconds: float | None
+    decode_tokens_per_second: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.random_weights:
+            d["note"] = "random weights: the text is meaningless (speed-only run)"
+        return d
+
+
+def load(config: EngineConfig) -> LLM:
+    return LLM(config)
+
+
+def generate(
+    prompt: str,
+    model: str = "smollm2-135m",
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    chat: bool = True,
+    llm: LLM | None = None,
+    on_token: Callable[[int], None] | None = None,
+    **engine_options: Any,
+) -> GenerateResult:
+    """Generate a completion for one prompt on the embedded engine."""
+    if max_new_tokens < 1:
+        raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    if temperature < 0:
+        raise SparsetuneError(f"--temperature must be >= 0 (got {temperature})")
+    if not 0 < top_p <= 1:
+        raise SparsetuneError(f"--top-p must be in (0, 1] (got {top_p})")
+    if not prompt or not prompt.strip():
+        raise SparsetuneError("the prompt is empty; pass some text with --prompt")
+    t0 = time.perf_counter()
+    if llm is None:
+        llm = LLM(EngineConfig(model=model, **engine_options))
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    t1 = time.perf_counter()
+    [out] = llm.generate([prompt], params, chat=chat, on_token=on_token)
+    seconds = time.perf_counter() - t1
+    st = llm.stats
+    ttft = st.first_token_seconds[0] if st.first_token_seconds else None
+    tps = st.decode_tokens / st.decode_seconds if st.decode_seconds > 0 else None
+    return GenerateResult(
+        model=llm.resolved.name,
+        text=out.text or "",
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        finish_reason=out.finish_reason,
+        token_ids=out.token_ids,
+        device=str(llm.device),
+        dtype=str(llm.dtype).removeprefix("torch."),
+        random_weights=llm.resolved.random_weights,
+        load_seconds=round(load_s, 3),
+        seconds=round(seconds, 3),
+        ttft_seconds=None if ttft is None else round(ttft, 4),
+        decode_tokens_per_second=None if tps is None else round(tps, 2),
+    )
+
+
+def list_models() -> list[dict[str, Any]]:
+    rows = []
+    for spec in REGISTRY.values():
+        cfg = spec.config
+        if spec.gguf_package:
+            weights = "embedded"
+        else:
+            found, _ = find_local_weights(spec)
+            weights = str(found) if found else "missing"
+        rows.append(
+            {
+                "name": spec.name,
+                "architecture": cfg.model_type,
+                "parameters": cfg.num_parameters(),
+                "layers": cfg.num_hidden_layers,
+                "heads": cfg.num_attention_heads,
+                "kv_heads": cfg.num_key_value_heads,
+                "head_dim": cfg.head_dim,
+                "context": cfg.max_position_embeddings,
+                "hf_repo": spec.hf_repo,
+                "weights": weights,
+                "description": spec.description,
+            }
+        )
+    return rows

@@ -1,0 +1,1 @@
+"""The `sparsetune` command line: a thin typer layer over `sparsetune.api`."""

@@ -1,0 +1,54 @@
+"""`sparsetune generate`: one prompt through the embedded engine."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from sparsetune.cli.output import emit_json, err, parse_size
+
+
+def generate(
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The user message (the chat template is applied)."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    seed: int = typer.Option(0, help="Seed for sampling and random weights."),
+    no_chat: bool = typer.Option(False, "--no-chat", help="Feed the prompt raw, without the chat template."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", help="auto, float32, float16 or bfloat16."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed-only)."),
+    kv_memory: str = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 4GiB (default: 90% of free GPU memory, 2GiB on CPU)."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Cap the context length."),
+    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON object to stdout."),
+) -> None:
+    """Generate a completion for one prompt."""
+    from sparsetune.api import generate as run
+    from sparsetune.errors import SparsetuneError
+
+    if block_size < 1 or block_size & (block_size - 1):
+        raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")
+    options = dict(
+        device=device, dtype=dtype, random_weights=random_weights, kv_memory=parse_size(kv_memory, "--kv-memory"),
+        block_size=block_size, max_model_len=max_model_len, cuda_graph=not no_cuda_graph, seed=seed, max_num_seqs=8,
+    )
+    with err.status(f"loading {model} and generating ..."):
+        result = run(
+            prompt, model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            chat=not no_chat, **options,
+        )
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    sys.stdout.write(result.text + "\n")
+    rate = f", {result.decode_tokens_per_second:.1f} tok/s decode" if result.decode_tokens_per_second else ""
+    err.print(
+        f"[dim]{result.model} on {result.device} ({result.dtype}): {result.prompt_tokens} prompt + "
+        f"{result.completion_tokens} new tokens in {result.seconds:.2f}s{rate}; finish: {result.finish_reason}[/]"
+    )
+    if result.random_weights:
+        err.print("[yellow]random weights: the text is meaningless (speed-only run)[/]")

@@ -1,0 +1,89 @@
+"""The command line, run as a user would: clear one-line errors, exit codes, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "sparsetune.cli.main", *args], capture_output=True, text=True, env=full_env, timeout=600
+    )
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error:"), proc.stderr
+    message = " ".join(lines[lines.index(next(x for x in lines if x.startswith("error:"))):])
+    for n in needles:
+        assert n in message, message
+
+
+def test_help_lists_commands():
+    proc = run("--help")
+    assert proc.returncode == 0
+    for cmd in ("eval", "search", "profile", "export", "flows", "models", "generate"):
+        assert cmd in proc.stdout
+
+
+def test_generate_json():
+    proc = run("generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"]
+    assert out["prompt_tokens"] > 5 and 0 < out["completion_tokens"] <= 12
+    assert out["random_weights"] is False
+
+
+def test_models_list_json():
+    proc = run("models", "list", "--json")
+    assert proc.returncode == 0
+    names = {m["name"] for m in json.loads(proc.stdout)}
+    assert {"smollm2-135m", "qwen3-8b", "qwen3-0.6b", "llama-3.1-8b"} <= names
+
+
+def test_unknown_model():
+    assert_clean_error(run("generate", "--model", "gpt-17", "--prompt", "hi"), "unknown model", "smollm2-135m")
+
+
+def test_missing_weights(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hub"), "SPARSETUNE_MODELS": str(tmp_path)}
+    assert_clean_error(run("generate", "--model", "qwen3-8b", "--prompt", "hi", env=env),
+                       "not found", "looked in", "--random-weights")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert_clean_error(run("generate", "--model", str(tmp_path), "--prompt", "hi"), "unsupported architecture", "Qwen3")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--kv-memory", "lots"], "--kv-memory"),
+        (["--device", "tpu"], "device"),
+    ],
+)
+def test_bad_flags(args, needle):
+    assert_clean_error(run("generate", "--prompt", "hi", *args), needle)
+
+
+def test_empty_prompt():
+    assert_clean_error(run("generate", "--prompt", "   "), "prompt is empty")
+
+
+def test_prompt_longer_than_context():
+    assert_clean_error(run("generate", "--prompt", "word " * 9000), "context holds 8192")
+
+
+def test_unbuilt_command_says_so():
+    assert_clean_error(run("eval", "--flow", "quest"), "not built yet")
