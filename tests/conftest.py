@@ -32,7 +32,7 @@ def smollm_hf(smollm):
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
+        return model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
 
 
 def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor, min_cos: float = 0.9999) -> None:

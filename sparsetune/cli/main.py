@@ -18,38 +18,27 @@ app = typer.Typer(
 )
 
 
-def _not_built(command: str, issue: str) -> None:
-    raise SparsetuneError(f"`sparsetune {command}` is not built yet ({issue}); `sparsetune generate` works today")
+# Commands whose issue has not landed: each says so in one line and exits non-zero.
+_NOT_BUILT = {
+    "eval": ("Measure a flow's accuracy, fidelity and speed (not built yet).", "issue #4, Evaluation"),
+    "search": ("Optuna + LLM-agent search over flows and hyperparameters (not built yet).", "planned after issue #5"),
+    "profile": ("Break a decode step into kernels and stages (not built yet).", "issue #4, Evaluation"),
+    "export": ("Turn a winning flow into a production config (not built yet).", "planned after issue #5"),
+    "flows": ("List, show, check and create flows (not built yet).", "issue #3, Flow language"),
+}
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def eval() -> None:  # noqa: A001 - the command is called eval
-    """Measure a flow's accuracy, fidelity and speed (not built yet)."""
-    _not_built("eval", "issue #4, Evaluation")
+def _not_built_command(name: str, issue: str):
+    def command() -> None:
+        raise SparsetuneError(f"`sparsetune {name}` is not built yet ({issue}); `sparsetune generate` works today")
+
+    return command
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def search() -> None:
-    """Optuna + LLM-agent search over flows and hyperparameters (not built yet)."""
-    _not_built("search", "planned after issue #5")
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def profile() -> None:
-    """Break a decode step into kernels and stages (not built yet)."""
-    _not_built("profile", "issue #4, Evaluation")
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def export() -> None:
-    """Turn a winning flow into a production config (not built yet)."""
-    _not_built("export", "planned after issue #5")
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def flows() -> None:
-    """List, show, check and create flows (not built yet)."""
-    _not_built("flows", "issue #3, Flow language")
+for _name, (_help, _issue) in _NOT_BUILT.items():
+    app.command(name=_name, help=_help, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        _not_built_command(_name, _issue)
+    )
 
 
 def _register() -> None:
