@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One device call: GPU correctness tests, then the kernel, prefill-attention, engine and small-model benchmarks.
-# Usage (on the GPU host, repo root): OUT=/some/dir bash benchmarks/run_gpu.sh [quick]
+# One device call: GPU correctness tests, then the engine, prefill-attention, kernel and small-model benchmarks.
+# Usage (on the GPU host, repo root): OUT=/some/dir bash benchmarks/run_gpu.sh [steps...]
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${*:-"tests engine prefill_attn kernels small"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-step() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -40; }
+step() { local name=$1 limit=$2; shift 2; [[ " $STEPS " == *" $name "* ]] || return 0
+  echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -30; }
+step oob 150 bash -c 'for c in "8 32768" "16 16384" "16 32768" "64 4096"; do set -- $c; CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/debug_decode_oob.py --batch $1 --ctx $2 --check 2>&1 | tail -3; done; compute-sanitizer --tool memcheck --print-limit 5 python3 benchmarks/debug_decode_oob.py --batch 16 --ctx 2048 2>&1 | tail -25'
 step tests 150 python3 -m pytest -q -x -p no:warnings tests/test_gpu.py tests/test_kernels.py
 step engine 240 python3 benchmarks/bench_engine.py --json-out "$OUT/engine.json"
 step prefill_attn 60 python3 benchmarks/bench_prefill_attention.py --seq 32768

@@ -33,10 +33,11 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
 
 
 def cos_sin_table(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, device: torch.device | str = "cpu"
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
     """`[max_positions, head_dim]` float32: cos in the first half of the columns, sin in the second."""
-    inv_freq = inv_frequencies(head_dim, theta, scaling).to(device)
-    pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    inv_freq = inv_frequencies(head_dim, theta, scaling).to(dev)
+    pos = torch.arange(max_positions, dtype=torch.float32, device=dev)
     freqs = torch.outer(pos, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
