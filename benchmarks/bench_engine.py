@@ -93,8 +93,19 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
             "weight_bytes": wb, "kv_bytes": kb}
 
 
-def profile_decode(llm: LLM, batch: int, ctx: int) -> list[tuple[str, float]]:
-    """Kernel time by category for one eager decode step (graphs off), via torch.profiler."""
+CATEGORIES = [  # first match wins; kernel names lower-cased
+    ("attention", ("paged_decode", "merge_splits", "cudnn", "fmha", "flash", "attention", "sdpa")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "sm90", "cublas", "matmul", "nvjet")),
+    ("norm", ("rms_norm",)),
+    ("rope+qknorm", ("rope",)),
+    ("silu_mul", ("silu",)),
+    ("kv_store", ("index", "scatter")),
+    ("copy", ("copy", "elementwise")),
+]
+
+
+def profile_step(llm: LLM, is_prefill: bool, batch: int, ctx: int) -> list[tuple[str, float]]:
+    """GPU kernel time by category for one eager step (graphs off), via torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     from sparsetune.engine.scheduler import Batch
@@ -104,14 +115,14 @@ def profile_decode(llm: LLM, batch: int, ctx: int) -> list[tuple[str, float]]:
     for _ in range(batch):
         s = Sequence(torch.randint(0, vocab, (ctx,)).tolist(), SamplingParams())
         llm.block_manager.grow(s, ctx)
-        s.num_computed = ctx - 1
+        s.num_computed = 0 if is_prefill else ctx - 1
         seqs.append(s)
-    b = Batch(False, seqs, [1] * batch)
+    step = Batch(is_prefill, seqs, [ctx if is_prefill else 1] * batch)
     graphs, llm.runner.graphs = llm.runner.graphs, {}
-    llm.runner.run(b)
+    llm.runner.run(step)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.runner.run(b)
+        llm.runner.run(step)
         torch.cuda.synchronize()
     llm.runner.graphs = graphs
     for s in seqs:
@@ -121,23 +132,10 @@ def profile_decode(llm: LLM, batch: int, ctx: int) -> list[tuple[str, float]]:
         t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         if t <= 0:
             continue
-        n = ev.key.lower()
-        if "paged_decode" in n or "merge_splits" in n:
-            c = "attention"
-        elif any(k in n for k in ("gemm", "gemv", "cutlass", "xmma", "sm90", "cublas", "matmul")):
-            c = "gemm"
-        elif "rms_norm" in n:
-            c = "norm"
-        elif "rope" in n:
-            c = "rope+qknorm"
-        elif "silu" in n:
-            c = "silu_mul"
-        elif "index" in n or "scatter" in n:
-            c = "kv_store"
-        else:
-            c = "other"
-        cats[c] = cats.get(c, 0.0) + t / 1e3
-    return sorted(cats.items(), key=lambda kv: -kv[1])
+        name = ev.key.lower()
+        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        cats[cat] = cats.get(cat, 0.0) + t / 1e3
+    return sorted(((c, round(ms, 3)) for c, ms in cats.items()), key=lambda kv: -kv[1])
 
 
 def main() -> None:
@@ -148,6 +146,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--profile", default="8x32768", help="decode case to break down by kernel ('' to skip)")
+    ap.add_argument("--profile-prefill", type=int, default=32768, help="prompt length to break down (0 to skip)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -183,8 +182,12 @@ def main() -> None:
 
     if args.profile:
         b, c = parse_cases(args.profile)[0]
-        results["decode_profile"] = {"case": args.profile, "ms_by_category": profile_decode(llm, b, c)}
+        results["decode_profile"] = {"case": args.profile, "ms_by_category": profile_step(llm, False, b, c)}
         print("eager decode step kernel time (ms):", results["decode_profile"]["ms_by_category"], flush=True)
+    if args.profile_prefill:
+        n = args.profile_prefill
+        results["prefill_profile"] = {"tokens": n, "ms_by_category": profile_step(llm, True, 1, n)}
+        print(f"prefill of {n} tokens, kernel time (ms):", results["prefill_profile"]["ms_by_category"], flush=True)
 
     vocab = llm.model_config.vocab_size
     if pre:

@@ -28,3 +28,17 @@ def test_gpu_engine_matches_hf(kind, extra, tmp_path):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24, do_sample=False)
         assert o.token_ids == ref[0, len(p):].tolist()
+
+
+def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
+    """A tiny pool forces preemption; re-admitted sequences get new blocks in reused graph rows."""
+    _tiny_hf("qwen3", tmp_path, head_dim=64)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (40, 55, 23, 61)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    opts = dict(model=str(tmp_path), device="cuda", dtype="float32", max_num_seqs=4, cuda_graph_batch_sizes=(1, 2, 4))
+    reference = [o.token_ids for o in LLM(num_kv_blocks=256, **opts).generate(prompts, params)]
+    small = LLM(num_kv_blocks=14, **opts)
+    outs = small.generate(prompts, params)
+    assert small.stats.preemptions > 0
+    assert [o.token_ids for o in outs] == reference

