@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from sparsetune.kernels import kv_store
+
 
 class KVCache:
     def __init__(
@@ -47,10 +49,8 @@ class KVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write new tokens' `[N, kv_heads, head_dim]` K/V at flat slots `block * block_size + offset`."""
-        blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
-        offsets = slot_mapping % self.block_size
-        self.k[layer][blocks, :, offsets] = k
-        self.v[layer][blocks, :, offsets] = v
+        fn = kv_store.store_kv if k.is_cuda else kv_store.store_kv_ref
+        fn(k, v, self.k[layer], self.v[layer], slot_mapping)
 
     def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` tokens as contiguous `[kv_heads, length, head_dim]` K and V."""
