@@ -25,8 +25,19 @@ def main() -> None:
     k = torch.randn(1, hk, n, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn(1, hk, n, d, dtype=torch.bfloat16, device="cuda")
     ke, ve = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+    # The engine's layout: q/k/v are strided [n, H, D] views of one fused projection output.
+    qkv = torch.randn(n, (h + 2 * hk) * d, dtype=torch.bfloat16, device="cuda")
+    qe, ke_, ve_ = (t.view(n, -1, d).transpose(0, 1).unsqueeze(0) for t in qkv.split([h * d, hk * d, hk * d], -1))
     flops = 4 * h * d * n * n / 2
     ref = None
+    for name, backend in [("cudnn-engine-layout", SDPBackend.CUDNN_ATTENTION), ("flash-engine-layout", SDPBackend.FLASH_ATTENTION)]:
+        with sdpa_kernel([backend]):
+            fn = lambda: F.scaled_dot_product_attention(qe, ke_, ve_, is_causal=True, enable_gqa=True)  # noqa: E731
+            ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
+            qc, kc, vc = qe.contiguous(), ke_.contiguous(), ve_.contiguous()
+            fn2 = lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)  # noqa: E731
+            ms2 = do_bench(fn2, warmup=50, rep=300, return_mode="median")
+        print(f"{name}: strided {ms:.2f} ms ({flops / ms / 1e9:.0f} TFLOP/s), contiguous {ms2:.2f} ms ({flops / ms2 / 1e9:.0f})")
     for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
         for gqa in (True, False):
