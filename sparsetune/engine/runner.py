@@ -43,25 +43,27 @@ class ModelRunner:
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions, slots = [], []
         seq_lens: list[int] = []
         qsl = [0]
-        bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed
             ids.extend(seq.token_ids[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
+            # Vectorised: a 32K-token prefill chunk would cost ~20 ms as Python loops.
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
             qsl.append(qsl[-1] + n)
         width = max(len(s.block_table) for s in batch.seqs)
+        pinned = self.device.type == "cuda"
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
-            positions=self._tensor(positions, torch.int64),
-            slot_mapping=self._tensor(slots, torch.int64),
+            positions=torch.cat(positions).to(self.device, non_blocking=pinned),
+            slot_mapping=torch.cat(slots).to(self.device, non_blocking=pinned),
             block_tables=self._block_tables([s.block_table for s in batch.seqs], width),
             seq_lens=self._tensor(seq_lens, torch.int32),
             seq_lens_cpu=seq_lens,
