@@ -52,20 +52,14 @@ def test_preemption_under_tiny_pool_keeps_outputs(smollm):
     assert [o.token_ids for o in outs] == reference
 
 
-def test_decode_kernel_path_matches_reference_path(smollm):
+def test_decode_kernel_path_matches_reference_path():
     """Greedy decode through the Triton kernel (interpreted on CPU) equals the torch path."""
     from sparsetune.engine.attention import DenseAttention
-    from sparsetune.kernels import paged_decode
-
-    class TritonDecode(DenseAttention):
-        def decode(self, layer, q, kv, meta):
-            return paged_decode.paged_decode_attention(q, kv.k[layer], kv.v[layer], meta.block_tables,
-                                                       meta.seq_lens, self.scale)
 
     llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     ref = llm.generate([TEXTS[0]], params)[0].token_ids
-    llm.set_attention(TritonDecode(llm.model_config.head_dim ** -0.5))
+    llm.set_attention(DenseAttention(llm.model_config.head_dim ** -0.5, use_triton=True))
     assert llm.generate([TEXTS[0]], params)[0].token_ids == ref
 
 

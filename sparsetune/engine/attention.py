@@ -107,12 +107,17 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, s
 
 
 class DenseAttention(AttentionBackend):
-    """Full attention. Prefill: torch SDPA per sequence; decode: paged kernel (Triton on GPU)."""
+    """Full attention. Prefill: torch SDPA per sequence; decode: the paged kernel.
+
+    `use_triton`: None picks the Triton decode kernel on CUDA and the torch reference on CPU;
+    False forces the torch reference (on GPU too), True the Triton kernel (interpreted on CPU).
+    """
 
     name = "dense"
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, use_triton: bool | None = None) -> None:
         self.scale = scale
+        self.use_triton = use_triton
 
     def prefill(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata
@@ -132,7 +137,8 @@ class DenseAttention(AttentionBackend):
         return out
 
     def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        fn = paged_decode.paged_decode_attention if q.is_cuda else paged_decode.paged_decode_attention_ref
+        triton_path = q.is_cuda if self.use_triton is None else self.use_triton
+        fn = paged_decode.paged_decode_attention if triton_path else paged_decode.paged_decode_attention_ref
         return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, self.scale)
 
 

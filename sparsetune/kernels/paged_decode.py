@@ -60,7 +60,9 @@ DEFAULT_NUM_SMS = 132
 # last wave small. The price is the fp32 partial output of every split, which
 # is D*4 bytes per (query head, split) against 2*D*2 bytes per (kv head, token)
 # of KV: with >= 512 tokens per split that is ~1-2% extra traffic.
-_TARGET_PROGRAMS_PER_SM = 32
+# Measured on an H200 (BENCHMARKS.md): half the splits of a 32-per-SM target ran
+# 3% faster at 8x32K, 16x16K and 64x4K, so the target is 16.
+_TARGET_PROGRAMS_PER_SM = 16
 # Below this many tokens per split the fixed per-program cost (q load, pipeline
 # prologue, partial store) stops being amortised.
 _MIN_TOKENS_PER_SPLIT = 512
