@@ -16,6 +16,8 @@ from sparsetune.models.registry import REGISTRY, find_local_weights
 @dataclass
 class GenerateResult:
     model: str
+    flow: str
+    flow_params: dict[str, Any]
     text: str
     prompt_tokens: int
     completion_tokens: int
@@ -73,6 +75,8 @@ def generate(
     tps = st.decode_tokens / st.decode_seconds if st.decode_seconds > 0 else None
     return GenerateResult(
         model=llm.resolved.name,
+        flow=llm.flow.name if llm.flow else "dense",
+        flow_params=llm.flow.params() if llm.flow else {},
         text=out.text or "",
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,

@@ -24,17 +24,21 @@ def generate(
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Cap the context length."),
     no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU."),
+    flow: str = typer.Option(None, "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file."),
+    param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object to stdout."),
 ) -> None:
     """Generate a completion for one prompt."""
     from sparsetune.api import generate as run
     from sparsetune.errors import SparsetuneError
+    from sparsetune.flow.params import parse_param_args
 
     if block_size < 1 or block_size & (block_size - 1):
         raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")
     options = dict(
         device=device, dtype=dtype, random_weights=random_weights, kv_memory=parse_size(kv_memory, "--kv-memory"),
         block_size=block_size, max_model_len=max_model_len, cuda_graph=not no_cuda_graph, seed=seed, max_num_seqs=8,
+        flow=flow, flow_params=parse_param_args(param),
     )
     with err.status(f"loading {model} and generating ..."):
         result = run(

@@ -24,7 +24,6 @@ _NOT_BUILT = {
     "search": ("Optuna + LLM-agent search over flows and hyperparameters (not built yet).", "planned after issue #5"),
     "profile": ("Break a decode step into kernels and stages (not built yet).", "issue #4, Evaluation"),
     "export": ("Turn a winning flow into a production config (not built yet).", "planned after issue #5"),
-    "flows": ("List, show, check and create flows (not built yet).", "issue #3, Flow language"),
 }
 
 
@@ -42,10 +41,11 @@ for _name, (_help, _issue) in _NOT_BUILT.items():
 
 
 def _register() -> None:
-    from sparsetune.cli import generate, models
+    from sparsetune.cli import flows, generate, models
 
     app.command(name="generate")(generate.generate)
     app.add_typer(models.app, name="models")
+    app.add_typer(flows.app, name="flows")
 
 
 _register()

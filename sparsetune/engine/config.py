@@ -21,6 +21,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     cuda_graph: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    flow: str | None = None  # decode flow name or path to a flow file; None = dense
+    flow_params: dict[str, str] = field(default_factory=dict)  # raw `--param key=value` strings
     random_weights: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict)

@@ -60,6 +60,7 @@ class LLM:
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(cfg, k, v)
         self.config = cfg
+        self.flow = self._build_flow()
         self.device = resolve_device(cfg.device)
         self.resolved: ResolvedModel = resolve_model(cfg.model, cfg.random_weights)
         spec = self.resolved.spec
@@ -99,6 +100,8 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv, self.backends, self.hooks, cfg.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.stats = EngineStats()
+        if self.flow is not None and not self.flow.full_attention:
+            self._attach_flow(self.flow)  # before graph capture: the flow's indexer is in the graphs
         if self.device.type == "cuda" and cfg.cuda_graph:
             self.runner.capture_graphs(cfg.cuda_graph_batch_sizes or DEFAULT_GRAPH_BATCH_SIZES)
 
@@ -125,6 +128,36 @@ class LLM:
         )
         budget = int(free * cfg.gpu_memory_utilization) - act - (1 << 30)
         return max(0, budget // per_block)
+
+    def _build_flow(self):
+        """Resolve --flow/--param; the KV block size follows the flow's `block_size`."""
+        cfg = self.config
+        if cfg.flow is None:
+            if cfg.flow_params:
+                raise SparsetuneError("--param needs --flow")
+            return None
+        from sparsetune.flow.registry import build_flow
+
+        raw = dict(cfg.flow_params)
+        if "block_size" not in raw:
+            raw["block_size"] = str(cfg.block_size)  # --block-size sets the flow's granularity too
+        elif raw["block_size"] != str(cfg.block_size) and cfg.block_size != EngineConfig.block_size:
+            raise SparsetuneError(
+                f"--block-size {cfg.block_size} disagrees with --param block_size={raw['block_size']}; set it once"
+            )
+        flow = build_flow(cfg.flow, raw)
+        cfg.block_size = flow.block_size
+        return flow
+
+    def _attach_flow(self, flow) -> None:
+        from sparsetune.flow.runtime import FlowAttention
+
+        n = self.model_config.num_hidden_layers
+        bad = [i for i in flow.dense_layers if not 0 <= i < n]
+        if bad:
+            raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {n}-layer model")
+        sparse = [i for i in range(n) if i not in flow.dense_layers]
+        self.set_attention(FlowAttention(flow, self.model_config.head_dim**-0.5), sparse)
 
     def set_attention(self, backend: AttentionBackend, layers: Seq[int] | None = None) -> None:
         """Route attention of `layers` (default: all) through `backend`. Takes effect for new graphs."""

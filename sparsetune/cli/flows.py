@@ -1,0 +1,129 @@
+"""`sparsetune flows list | show | check | new`."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from sparsetune.cli.output import emit_json, err
+
+app = typer.Typer(help="List, show, check and create flows.", no_args_is_help=True, add_completion=False)
+
+TEMPLATE = '''"""{title}: one line on the rule this flow implements, and where it comes from.
+
+Cache stage: what is kept per KV block. Indexer: how blocks are scored each decode step.
+Check it with `sparsetune flows check {file}`; run it with `--flow {file}`.
+"""
+
+from sparsetune.flow import DecodeFlow, Param
+from sparsetune.flow import ops as F
+
+
+class {cls}(DecodeFlow):
+    name = "{name}"
+    source = "cite the paper or code"
+    # Hyperparameters are typed, with defaults and search ranges. Inherited: block_size, budget,
+    # budget_ratio, sink_blocks, local_blocks, dense_layers.
+    temperature = Param(1.0, low=0.01, high=10.0, log=True, doc="softmax temperature over blocks")
+
+    def cache(self, k, v):
+        # k, v: one block of one KV head, [1, block_size, head_dim]. Each field: [1, r, c].
+        return {{"centroid": F.mean(k, dim=1)}}
+
+    def index(self, q, fields):
+        # q: the KV head's query group, [1, group, head_dim]; fields: [S, r, c] over the S blocks.
+        s = F.gemm(fields["centroid"], q)  # [S, 1, group]
+        s = F.softmax(s, dim=0, scale=1.0 / self.temperature)  # over blocks
+        return F.topk(F.max(s, dim=2))  # score [S, 1, 1]; the budget decides k
+'''
+
+
+@app.command("list")
+def list_(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Built-in flows."""
+    from sparsetune.flow.registry import builtin_flows, load_file
+
+    rows = []
+    for name, path in builtin_flows().items():
+        cls = load_file(path)
+        rows.append({"name": cls.name, "source": cls.source, "path": str(path),
+                     "params": {k: v.describe() for k, v in cls.param_specs().items()}})
+    if json_out:
+        emit_json(rows)
+        return
+    from rich.console import Console
+
+    table = Table(title="built-in flows")
+    for c in ("name", "source", "parameters"):
+        table.add_column(c)
+    for r in rows:
+        table.add_row(r["name"], r["source"], ", ".join(r["params"]))
+    Console().print(table)
+
+
+@app.command()
+def show(name: str, json_out: bool = typer.Option(False, "--json")) -> None:
+    """A flow's parameters (type, default, search space) and source."""
+    from sparsetune.flow.registry import get_flow_class
+
+    cls = get_flow_class(name)
+    params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
+    source = Path(inspect.getsourcefile(cls) or "").read_text()
+    if json_out:
+        emit_json({"name": cls.name, "source": cls.source, "params": params, "code": source})
+        return
+    from rich.console import Console
+    from rich.syntax import Syntax
+
+    out = Console()
+    table = Table(title=f"{cls.name} — {cls.source}")
+    table.add_column("parameter")
+    table.add_column("type = default [space]")
+    table.add_column("meaning")
+    for k, v in params.items():
+        table.add_row(k, v["describe"], v["doc"])
+    out.print(table)
+    out.print(Syntax(source, "python"))
+
+
+@app.command()
+def check(
+    file: str = typer.Argument(..., help="A flow file (or a built-in name)."),
+    param: list[str] = typer.Option(None, "--param", help="key=value (repeatable)."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Validate a flow: op set, declared params, shapes, cost, and equality with dense at full budget."""
+    from sparsetune.flow.check import check_flow
+    from sparsetune.flow.params import parse_param_args
+
+    report = check_flow(file, parse_param_args(param))
+    if json_out:
+        emit_json(report.to_dict())
+        return
+    err.print(f"[green]ok[/] {report.name}: fields {report.fields or '-'}; "
+              f"{report.field_bytes_per_block} B cached per block per KV head (bf16); indexer "
+              f"{report.indexer_flops_per_block} FLOPs per block per KV head per step; "
+              f"full budget vs dense rel. err {report.full_budget_rel_err if report.full_budget_rel_err is not None else '-'}")
+
+
+@app.command()
+def new(
+    name: str,
+    out: Path = typer.Option(None, "--out", help="Where to write (default ./NAME.py)."),
+) -> None:
+    """Write a commented starting file for a new flow."""
+    from sparsetune.errors import SparsetuneError
+
+    if not name.isidentifier():
+        raise SparsetuneError(f"flow name {name!r} must be a Python identifier (letters, digits, _)")
+    path = out or Path(f"{name}.py")
+    if path.exists():
+        raise SparsetuneError(f"{path} exists; pick another --out")
+    cls = "".join(p.capitalize() for p in name.split("_")) or "MyFlow"
+    path.write_text(TEMPLATE.format(title=name.replace("_", " ").capitalize(), name=name, cls=cls, file=path))
+    err.print(f"wrote {path}; next: sparsetune flows check {path}")
+    sys.stdout.write(str(path) + "\n")

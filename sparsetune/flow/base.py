@@ -1,0 +1,88 @@
+"""`DecodeFlow`: the base of every sparse-attention decode flow.
+
+A flow declares hyperparameters as class attributes of type `Param` and two stages:
+
+- `cache(self, k, v) -> {field: tensor}`: query-independent, runs when a KV block is complete;
+  `k`, `v` are one block of one KV head, `[1, block_size, head_dim]`; each field is `[1, r, c]`.
+- `index(self, q, fields) -> F.topk(score)`: every decode step, per layer; `q` is the query
+  heads of one KV head's group, `[1, group, head_dim]`; each field comes back as `[S, r, c]`
+  over the sequence's S blocks; `score` is `[S, 1, 1]`.
+
+The runtime always keeps the first `sink_blocks` and last `local_blocks` blocks (the last one
+holds the newest token) and fills the rest of the budget with the top-scoring blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.flow.ops import FT, Selection
+from sparsetune.flow.params import Param
+
+
+class DecodeFlow:
+    name: ClassVar[str] = ""
+    source: ClassVar[str] = ""  # the published rule this flow implements
+    full_attention: ClassVar[bool] = False  # True: no selection at all (the `dense` flow)
+
+    # Every selection flow accepts these (Vortex defaults: block 16, first block + last two).
+    block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (selection granularity)")
+    budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole blocks")
+    budget_ratio = Param(None, low=0.0, high=1.0, kind=float, doc="budget as a fraction of the context (overrides budget)")
+    sink_blocks = Param(1, low=0, high=1024, doc="first blocks always kept (attention sinks)")
+    local_blocks = Param(2, low=1, high=1024, doc="last blocks always kept (recent window; includes the current block)")
+    dense_layers = Param((0,), kind=tuple, doc="layers that keep full attention (comma-separated indices)")
+
+    def __init__(self, **values: Any) -> None:
+        params = self.param_specs()
+        for key in values:
+            if key not in params:
+                raise SparsetuneError(
+                    f"flow {self.name!r} has no parameter {key!r}; it has: {', '.join(sorted(params))}"
+                )
+        for key, spec in params.items():
+            value = values.get(key, spec.default)
+            spec.validate(key, value)
+            setattr(self, key, value)
+
+    @classmethod
+    def param_specs(cls) -> dict[str, Param]:
+        specs: dict[str, Param] = {}
+        for klass in reversed(cls.__mro__):
+            for k, v in vars(klass).items():
+                if isinstance(v, Param):
+                    specs[k] = v
+        return specs
+
+    @classmethod
+    def from_strings(cls, raw: dict[str, str]) -> "DecodeFlow":
+        specs = cls.param_specs()
+        values = {}
+        for k, text in raw.items():
+            if k not in specs:
+                raise SparsetuneError(f"flow {cls.name!r} has no parameter {k!r}; it has: {', '.join(sorted(specs))}")
+            values[k] = specs[k].parse(k, text)
+        return cls(**values)
+
+    def params(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.param_specs()}
+
+    # ---- the two stages a flow writes -------------------------------------------------------------
+
+    def cache(self, k: FT, v: FT) -> dict[str, FT]:
+        return {}
+
+    def index(self, q: FT, fields: dict[str, FT]) -> Selection:
+        raise NotImplementedError
+
+    # ---- budget ---------------------------------------------------------------------------------
+
+    def budget_blocks(self, num_blocks: int) -> int:
+        """Blocks attended for a sequence of `num_blocks` blocks (never fewer than the forced ones)."""
+        if self.budget_ratio is not None:
+            want = math.ceil(self.budget_ratio * num_blocks)
+        else:
+            want = -(-self.budget // self.block_size)
+        return min(num_blocks, max(want, self.sink_blocks + self.local_blocks))

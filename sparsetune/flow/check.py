@@ -1,0 +1,207 @@
+"""`flows check`: validate a flow before it runs, and estimate what it costs.
+
+1. Static: the stage methods call only flow ops (`F.name`), a few value builtins, or the
+   flow's own helper methods; no torch, no imports.
+2. Shapes: the stages run on small dummy tensors; every op checks its inputs and a failure
+   names the flow file and line. Every cached field must be read by the indexer.
+3. Cost: bytes of cached fields per block, and indexer FLOPs per step (per KV head, per block).
+4. Full budget equals dense attention on random paged KV.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.flow import ops as F
+from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.ops import FT, FlowError, Selection, Trace
+from sparsetune.flow.registry import get_flow_class
+
+_VALUE_BUILTINS = {"dict", "len", "range", "tuple", "list", "float", "int", "round"}
+_STAGES = ("cache", "index")
+
+
+@dataclass
+class CheckReport:
+    name: str
+    path: str
+    source: str
+    params: dict[str, Any]
+    fields: dict[str, list[int]] = field(default_factory=dict)
+    field_bytes_per_block: int = 0  # per KV head, at 2 bytes per element
+    indexer_flops_per_block: int = 0  # per KV head per decode step
+    indexer_flops_fixed: int = 0
+    ops: list[str] = field(default_factory=list)
+    full_budget_rel_err: float | None = None
+    ok: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def static_problems(cls: type[DecodeFlow]) -> list[str]:
+    """Calls in the stage methods that are not flow ops (file:line: message)."""
+    path = Path(inspect.getsourcefile(cls) or "?")
+    src_lines, first = inspect.getsourcelines(cls)
+    tree = ast.parse(textwrap.dedent("".join(src_lines)))
+    methods = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    problems: list[str] = []
+
+    def where(node: ast.AST) -> str:
+        return f"{path}:{first + node.lineno - 1}"
+
+    for fn in ast.walk(tree):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name in set(_STAGES) | methods - {"__init__"}):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                problems.append(f"{where(node)}: imports are not allowed inside a flow stage")
+            elif isinstance(node, ast.Name) and node.id in ("torch", "np", "numpy"):
+                problems.append(f"{where(node)}: `{node.id}` is not allowed in a flow stage; use flow ops (F.*)")
+            elif isinstance(node, ast.Call):
+                f = node.func
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "F":
+                    if f.attr not in F.OPS:
+                        problems.append(f"{where(node)}: unknown op F.{f.attr}; the op set is: {', '.join(sorted(F.OPS))}")
+                elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                    if f.attr not in methods:
+                        problems.append(f"{where(node)}: self.{f.attr}() is not a method of this flow")
+                elif isinstance(f, ast.Name) and f.id in _VALUE_BUILTINS:
+                    pass
+                else:
+                    problems.append(f"{where(node)}: `{ast.unparse(f)}(...)` is not a flow op; use F.* ops only")
+    return problems
+
+
+class _RecordingFields(dict):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> FT:
+        if key not in self:
+            raise KeyError(f"field {key!r} is not written by cache(); it writes: {', '.join(self) or 'nothing'}")
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def _flow_line(cls: type[DecodeFlow], exc: BaseException) -> str:
+    path = inspect.getsourcefile(cls)
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        if fr.filename == path:
+            return f"{path}:{fr.lineno}: "
+    return f"{path}: "
+
+
+def _run_stages(
+    flow: DecodeFlow, head_dim: int, group: int, num_blocks: int, rows: int = 2
+) -> tuple[dict, Trace, int, _RecordingFields]:
+    """Run both stages on dummy inputs, recording ops (and how many came from the cache stage)."""
+    g = torch.Generator().manual_seed(0)
+    bs = flow.block_size
+    k = FT(torch.randn(rows, 1, bs, head_dim, generator=g))
+    v = FT(torch.randn(rows, 1, bs, head_dim, generator=g))
+    trace = Trace()
+    F._TRACE.append(trace)
+    try:
+        out = flow.cache(k, v)
+        n_cache = len(trace.records)
+        if not isinstance(out, dict) or not all(isinstance(t, FT) for t in out.values()):
+            raise FlowError("cache() must return a dict of flow tensors, e.g. {'kmax': F.max(k, dim=1)}")
+        for name, t in out.items():
+            if t.shape[0] != 1:
+                raise FlowError(f"cache() field {name!r} has shape {list(t.shape)}; reduce over the block's tokens (dim 1) so it is [1, r, c]")
+        valid = torch.arange(num_blocks)[None, :] < torch.tensor([num_blocks, max(1, num_blocks - 2)])[:rows, None]
+        fields = _RecordingFields(
+            {n: FT(t.data.expand(rows, num_blocks, *t.shape[1:]).contiguous(), valid) for n, t in out.items()}
+        )
+        q = FT(torch.randn(rows, 1, group, head_dim, generator=g))
+        sel = flow.index(q, fields)
+        if not isinstance(sel, Selection):
+            raise FlowError("index() must end in `return F.topk(score)` (or F.keep_only_forced())")
+        if sel.score is not None and sel.score.shape != (num_blocks, 1, 1):
+            raise FlowError(f"the score passed to F.topk has shape {list(sel.score.shape)}, expected [S, 1, 1]")
+    finally:
+        F._TRACE.pop()
+    return out, trace, n_cache, fields
+
+
+def check_flow(name_or_path: str, raw_params: dict[str, str] | None = None, head_dim: int = 64, group: int = 4) -> CheckReport:
+    cls = get_flow_class(name_or_path)
+    problems = static_problems(cls)
+    if problems:
+        raise SparsetuneError(f"{len(problems)} problem(s): " + " | ".join(problems[:5]))
+    flow = cls.from_strings(raw_params or {})
+    report = CheckReport(cls.name, str(getattr(cls, "path", "")), cls.source, flow.params())
+    if cls.full_attention:
+        return report
+    try:
+        out, t_small, n_cache, fields = _run_stages(flow, head_dim, group, num_blocks=4)
+        _, t_big, _, _ = _run_stages(flow, head_dim, group, num_blocks=8)
+    except FlowError as e:
+        raise SparsetuneError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a flow program can fail in any way; report where
+        raise SparsetuneError(f"{_flow_line(cls, e)}{type(e).__name__}: {e}") from None
+    unread = set(out) - fields.read
+    if unread:
+        raise SparsetuneError(f"{cls.path}: field(s) {', '.join(sorted(unread))} written by cache() but never read by index()")
+    report.fields = {n: list(t.shape[1:]) for n, t in out.items()}
+    report.field_bytes_per_block = sum(2 * r * c for r, c in report.fields.values())
+    # The indexer's FLOPs grow linearly with the blocks S: fit a + b*S from S = 4 and S = 8.
+    f4 = sum(r.flops for r in t_small.records[n_cache:])
+    f8 = sum(r.flops for r in t_big.records[n_cache:])
+    report.indexer_flops_per_block = max(0, (f8 - f4) // 4)
+    report.indexer_flops_fixed = max(0, f4 - 4 * report.indexer_flops_per_block)
+    report.ops = [r.op for r in t_small.records]
+    report.full_budget_rel_err = full_budget_error(cls, raw_params or {}, head_dim, group)
+    report.ok = report.full_budget_rel_err < 1e-5
+    if not report.ok:
+        raise SparsetuneError(
+            f"{cls.path}: at full budget the flow differs from dense attention (rel. err {report.full_budget_rel_err:.2e})"
+        )
+    return report
+
+
+def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int, group: int) -> float:
+    """Max relative error of the flow at budget_ratio=1 against dense paged decode (float64)."""
+    from sparsetune.engine.attention import AttentionMetadata
+    from sparsetune.engine.kv_cache import KVCache
+    from sparsetune.flow.runtime import FlowAttention
+    from sparsetune.kernels.paged_decode import paged_decode_attention_ref
+
+    params = {**raw, "budget_ratio": "1.0"}
+    flow = cls.from_strings(params)
+    bs, hkv = flow.block_size, 2
+    lens = [5 * bs + 3, 2 * bs, 1]
+    nblk = [-(-n // bs) for n in lens]
+    kv = KVCache(1, sum(nblk) + 4, hkv, bs, head_dim, torch.float64, "cpu")
+    g = torch.Generator().manual_seed(1)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g, dtype=torch.float64))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g, dtype=torch.float64))
+    perm = torch.randperm(kv.num_blocks, generator=g)
+    tables, start = [], 0
+    for n in nblk:
+        tables.append(perm[start : start + n].tolist())
+        start += n
+    width = max(nblk)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    attn = FlowAttention(flow, head_dim**-0.5)
+    # Cache stage over every full block, as a prefill that wrote all tokens would run it.
+    blocks = torch.cat([bt[i, : lens[i] // bs] for i in range(len(lens))]).long()
+    if blocks.numel():
+        attn._run_cache(0, kv, blocks, blocks)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=g, dtype=torch.float64)
+    meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
+                             torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), [0, 1, 2])
+    out = attn.decode(0, q, kv, meta)
+    ref = paged_decode_attention_ref(q, kv.k[0], kv.v[0], bt, meta.seq_lens, head_dim**-0.5)
+    return ((out - ref).norm() / ref.norm()).item()

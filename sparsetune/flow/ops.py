@@ -1,0 +1,396 @@
+"""The flow op set. Flow programs call only these (as `F.name(...)`).
+
+A program sees logical, batch-1 tensors of rank 3, `[S, a, b]`: S is the block axis (the
+sequence's KV blocks in the indexer; 1 in the cache stage, which sees one block at a time),
+`a, b` are per-block inner axes. An axis of size 1 broadcasts. The framework stores each
+tensor as `[R, S, a, b]`, R = (requests x KV heads) rows, with S padded to the longest
+sequence and a `[R, S]` validity mask: reductions and softmax over the block axis ignore
+padding, and top-k never selects it. So a program written for one sequence and one KV head
+runs unchanged over a whole batch.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import inspect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+NEG = float("-inf")
+
+
+class FlowError(Exception):
+    """A misuse of the flow language; the message names the flow file and line."""
+
+
+@dataclass
+class FT:
+    """Flow tensor: data `[R, S, a, b]`, optional block-validity mask `[R, S]`."""
+
+    data: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.data.shape[1:])  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"FT{list(self.shape)}"
+
+
+@dataclass
+class Selection:
+    """What an indexer returns: block scores to rank (None: only the always-kept blocks)."""
+
+    score: FT | None
+
+
+@dataclass
+class OpRecord:
+    op: str
+    line: int | None
+    out_shape: tuple[int, ...]
+    flops: int  # per row
+
+
+@dataclass
+class Trace:
+    """Records every op a program runs (for `flows check` and the cost model)."""
+
+    records: list[OpRecord] = field(default_factory=list)
+    saved: set[str] = field(default_factory=set)
+    loaded: set[str] = field(default_factory=set)
+
+
+_TRACE: list[Trace] = []
+_FLOW_DIR = str(Path(__file__).parent)
+
+
+def _caller_line() -> tuple[str, int] | None:
+    """The first frame outside this package: the flow program's own line."""
+    for fr in inspect.stack()[2:]:
+        if not fr.filename.startswith(_FLOW_DIR):
+            return fr.filename, fr.lineno
+    return None
+
+
+def _op(flops: Callable[..., int] | None = None):
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    raise FlowError(_where() + f"F.{fn.__name__} got a raw torch tensor; flows use flow tensors only")
+            try:
+                out = fn(*args, **kwargs)
+            except FlowError:
+                raise
+            except (RuntimeError, ValueError, IndexError, TypeError) as e:
+                raise FlowError(_where() + f"F.{fn.__name__}{_shapes(args)}: {e}") from None
+            if _TRACE and isinstance(out, FT):
+                loc = _caller_line()
+                per_row = flops(*args, **kwargs) if flops else math.prod(out.shape)
+                _TRACE[-1].records.append(OpRecord(fn.__name__, loc[1] if loc else None, out.shape, int(per_row)))
+            return out
+
+        wrapper.is_flow_op = True  # type: ignore[attr-defined]
+        return wrapper
+
+    return deco
+
+
+def _where() -> str:
+    loc = _caller_line()
+    return f"{loc[0]}:{loc[1]}: " if loc else ""
+
+
+def _shapes(args) -> str:
+    return "(" + ", ".join(repr(a) if isinstance(a, FT) else repr(a) for a in args) + ")"
+
+
+def _merge_mask(*ts: FT) -> torch.Tensor | None:
+    masks = [t.mask for t in ts if t.mask is not None]
+    if not masks:
+        return None
+    m = masks[0]
+    for other in masks[1:]:
+        m = m & other
+    return m
+
+
+def _check_rank3(*ts) -> None:
+    for t in ts:
+        if not isinstance(t, FT):
+            raise TypeError(f"expected a flow tensor, got {type(t).__name__}")
+
+
+# ---- elementwise ------------------------------------------------------------------------------
+
+
+def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x, y) -> FT:
+    if isinstance(y, (int, float)):
+        _check_rank3(x)
+        return FT(fn(x.data, torch.tensor(y, dtype=x.data.dtype, device=x.data.device)), x.mask)
+    _check_rank3(x, y)
+    return FT(fn(x.data, y.data), _merge_mask(x, y))
+
+
+@_op()
+def add(x: FT, y: FT | float) -> FT:
+    return _binary(torch.add, x, y)
+
+
+@_op()
+def sub(x: FT, y: FT | float) -> FT:
+    return _binary(torch.sub, x, y)
+
+
+@_op()
+def mul(x: FT, y: FT | float) -> FT:
+    return _binary(torch.mul, x, y)
+
+
+@_op()
+def div(x: FT, y: FT | float) -> FT:
+    return _binary(torch.div, x, y)
+
+
+@_op()
+def maximum(x: FT, y: FT | float) -> FT:
+    return _binary(torch.maximum, x, y)
+
+
+@_op()
+def minimum(x: FT, y: FT | float) -> FT:
+    return _binary(torch.minimum, x, y)
+
+
+@_op()
+def scale(x: FT, alpha: float = 1.0, beta: float = 0.0) -> FT:
+    """alpha * x + beta."""
+    _check_rank3(x)
+    return FT(x.data * alpha + beta, x.mask)
+
+
+def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    @_op()
+    def op(x: FT) -> FT:
+        _check_rank3(x)
+        return FT(fn(x.data), x.mask)
+
+    op.__name__ = op.__qualname__ = name
+    op.__wrapped__.__name__ = name  # type: ignore[attr-defined]
+    return op
+
+
+abs = _unary("abs", torch.abs)  # noqa: A001
+exp = _unary("exp", torch.exp)
+log = _unary("log", torch.log)
+relu = _unary("relu", torch.relu)
+sigmoid = _unary("sigmoid", torch.sigmoid)
+silu = _unary("silu", torch.nn.functional.silu)
+
+
+# ---- comparisons: boolean flow tensors for `where` ----------------------------------------------
+
+
+@_op()
+def gt(x: FT, y: FT | float) -> FT:
+    return _binary(torch.gt, x, y)
+
+
+@_op()
+def ge(x: FT, y: FT | float) -> FT:
+    return _binary(torch.ge, x, y)
+
+
+@_op()
+def lt(x: FT, y: FT | float) -> FT:
+    return _binary(torch.lt, x, y)
+
+
+@_op()
+def le(x: FT, y: FT | float) -> FT:
+    return _binary(torch.le, x, y)
+
+
+@_op()
+def where(cond: FT, x: FT | float, y: FT | float) -> FT:
+    _check_rank3(cond)
+    if cond.data.dtype != torch.bool:
+        raise TypeError("the condition must come from F.gt/ge/lt/le")
+    xs = x.data if isinstance(x, FT) else torch.tensor(x)
+    ys = y.data if isinstance(y, FT) else torch.tensor(y)
+    others = [t for t in (x, y) if isinstance(t, FT)]
+    return FT(torch.where(cond.data, xs, ys), _merge_mask(cond, *others))
+
+
+# ---- products -----------------------------------------------------------------------------------
+
+
+def _gemm_flops(x: FT, y: FT) -> int:
+    s = builtins.max(x.shape[0], y.shape[0])  # this module's `max` is the flow op
+    return 2 * s * x.shape[1] * y.shape[1] * x.shape[2]
+
+
+@_op(_gemm_flops)
+def gemm(x: FT, y: FT) -> FT:
+    """`[S, m, k] x [S, n, k] -> [S, m, n]` (x @ yᵀ per block; S broadcasts)."""
+    _check_rank3(x, y)
+    if x.shape[2] != y.shape[2]:
+        raise ValueError(f"inner dims differ: {x.shape[2]} vs {y.shape[2]}")
+    return FT(torch.matmul(x.data, y.data.transpose(-1, -2)), _merge_mask(x, y))
+
+
+# ---- reductions (keepdim) -----------------------------------------------------------------------
+
+
+def _reduce(x: FT, dim: int, how: str) -> FT:
+    _check_rank3(x)
+    if dim not in (0, 1, 2):
+        raise ValueError(f"dim must be 0 (blocks), 1 or 2, got {dim}")
+    d = dim + 1  # skip the row axis
+    data = x.data
+    if dim == 0 and x.mask is not None:
+        m = x.mask.view(*x.mask.shape, 1, 1)
+        fill = {"sum": 0.0, "mean": 0.0, "l2norm": 0.0, "max": NEG, "min": float("inf")}[how]
+        data = data.masked_fill(~m, fill)
+    if how == "sum":
+        out = data.sum(d, keepdim=True)
+    elif how == "mean":
+        out = data.sum(d, keepdim=True)
+        n = x.mask.sum(1).view(-1, 1, 1, 1).clamp(min=1) if dim == 0 and x.mask is not None else data.shape[d]
+        out = out / n
+    elif how == "max":
+        out = data.amax(d, keepdim=True)
+    elif how == "min":
+        out = data.amin(d, keepdim=True)
+    else:
+        out = data.square().sum(d, keepdim=True).sqrt()
+    return FT(out, None if dim == 0 else x.mask)
+
+
+@_op()
+def sum(x: FT, dim: int) -> FT:  # noqa: A001
+    return _reduce(x, dim, "sum")
+
+
+@_op()
+def mean(x: FT, dim: int) -> FT:
+    return _reduce(x, dim, "mean")
+
+
+@_op()
+def max(x: FT, dim: int) -> FT:  # noqa: A001
+    return _reduce(x, dim, "max")
+
+
+@_op()
+def min(x: FT, dim: int) -> FT:  # noqa: A001
+    return _reduce(x, dim, "min")
+
+
+@_op()
+def l2norm(x: FT, dim: int) -> FT:
+    return _reduce(x, dim, "l2norm")
+
+
+@_op()
+def softmax(x: FT, dim: int, scale: float = 1.0) -> FT:
+    """softmax(scale * x) along `dim` (0 = over blocks, padding excluded)."""
+    _check_rank3(x)
+    data = x.data.float() * scale
+    if dim == 0 and x.mask is not None:
+        data = data.masked_fill(~x.mask.view(*x.mask.shape, 1, 1), NEG)
+    out = torch.softmax(data, dim=dim + 1).nan_to_num(0.0)
+    return FT(out.to(x.data.dtype), x.mask)
+
+
+@_op()
+def normalize(x: FT, dim: int) -> FT:
+    """x / sum(x) along `dim`."""
+    s = _reduce(x, dim, "sum")
+    return FT(x.data / s.data.clamp(min=1e-30), x.mask)
+
+
+@_op()
+def conv1d(x: FT, weight: tuple[float, ...]) -> FT:
+    """Same-padded 1-D stencil along the block axis (e.g. pooling of neighbouring scores)."""
+    _check_rank3(x)
+    w = torch.tensor(weight, dtype=x.data.dtype, device=x.data.device)
+    k = w.numel()
+    data = x.data if x.mask is None else x.data.masked_fill(~x.mask.view(*x.mask.shape, 1, 1), 0.0)
+    r, s, a, b = data.shape
+    flat = data.permute(0, 2, 3, 1).reshape(r * a * b, 1, s)
+    out = torch.nn.functional.conv1d(flat, w.view(1, 1, k), padding=k // 2)[..., :s]
+    return FT(out.reshape(r, a, b, s).permute(0, 3, 1, 2).contiguous(), x.mask)
+
+
+# ---- layout -------------------------------------------------------------------------------------
+
+
+@_op(lambda x: 0)
+def transpose(x: FT) -> FT:
+    """Swap the two inner axes."""
+    _check_rank3(x)
+    return FT(x.data.transpose(-1, -2), x.mask)
+
+
+@_op(lambda x, a, b: 0)
+def reshape(x: FT, a: int, b: int) -> FT:
+    """Reshape the inner axes to `[a, b]`."""
+    _check_rank3(x)
+    r, s = x.data.shape[:2]
+    return FT(x.data.reshape(r, s, a, b), x.mask)
+
+
+@_op()
+def mask_slice(x: FT, start: int, end: int, dim: int, inside: float = 1.0, outside: float = 0.0) -> FT:
+    """A positional constant shaped like x: `inside` for indices [start, end) along `dim` (1 or 2)."""
+    _check_rank3(x)
+    if dim not in (1, 2):
+        raise ValueError("mask_slice works on the inner axes (dim 1 or 2)")
+    idx = torch.arange(x.data.shape[dim + 1], device=x.data.device)
+    inside_mask = (idx >= start) & (idx < end)
+    shape = [1, 1, 1, 1]
+    shape[dim + 1] = -1
+    vals = torch.where(inside_mask, inside, outside).to(x.data.dtype).view(shape)
+    return FT(vals.expand_as(x.data).contiguous(), x.mask)
+
+
+@_op()
+def fill(x: FT, value: float) -> FT:
+    """A constant shaped like x."""
+    _check_rank3(x)
+    return FT(torch.full_like(x.data, value), x.mask)
+
+
+# ---- selection ----------------------------------------------------------------------------------
+
+
+def topk(score: FT) -> Selection:
+    """Exact top-k over blocks by `score` `[S, 1, 1]`; k comes from the flow's budget."""
+    if not isinstance(score, FT):
+        raise FlowError(_where() + "F.topk needs a flow tensor score")
+    if score.shape[1:] != (1, 1):
+        raise FlowError(_where() + f"F.topk needs a score of shape [S, 1, 1], got {list(score.shape)}; reduce the inner axes first")
+    if _TRACE:
+        loc = _caller_line()
+        _TRACE[-1].records.append(OpRecord("topk", loc[1] if loc else None, score.shape, score.shape[0]))
+    return Selection(score)
+
+
+def keep_only_forced() -> Selection:
+    """Select only the always-kept blocks (sinks and the local window): StreamingLLM."""
+    return Selection(None)
+
+
+OPS = {
+    name: obj for name, obj in globals().items()
+    if callable(obj) and (getattr(obj, "is_flow_op", False) or name in ("topk", "keep_only_forced"))
+}

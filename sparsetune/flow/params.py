@@ -1,0 +1,79 @@
+"""Declared, typed flow hyperparameters with defaults and search ranges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sparsetune.errors import SparsetuneError
+
+
+@dataclass(frozen=True)
+class Param:
+    """One hyperparameter. `choices` or `low`/`high` give the search space; `None` default = off."""
+
+    default: Any
+    choices: tuple | None = None
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    kind: type | None = None  # inferred from the default when None
+    doc: str = ""
+
+    @property
+    def type(self) -> type:
+        if self.kind is not None:
+            return self.kind
+        if self.default is None:
+            return float
+        return type(self.default)
+
+    def parse(self, name: str, text: str) -> Any:
+        """Parse a `--param name=text` value and validate it."""
+        t = self.type
+        try:
+            if text.lower() in ("none", "off") and self.default is None:
+                value = None
+            elif t is bool:
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                value = text.lower() in ("true", "1")
+            elif t is tuple:
+                value = tuple(int(x) for x in text.split(",") if x.strip()) if text.strip() not in ("", "()") else ()
+            else:
+                value = t(text)
+        except ValueError:
+            raise SparsetuneError(f"--param {name}={text!r}: expected {t.__name__}") from None
+        self.validate(name, value)
+        return value
+
+    def validate(self, name: str, value: Any) -> None:
+        if value is None:
+            if self.default is not None:
+                raise SparsetuneError(f"--param {name}: a value is required")
+            return
+        if self.choices is not None and value not in self.choices:
+            raise SparsetuneError(f"--param {name}={value!r}: must be one of {list(self.choices)}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.low is not None and value < self.low or self.high is not None and value > self.high:
+                raise SparsetuneError(f"--param {name}={value!r}: must be in [{self.low}, {self.high}]")
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            space = "{" + ", ".join(map(str, self.choices)) + "}"
+        elif self.low is not None or self.high is not None:
+            space = f"[{self.low}, {self.high}]" + (" log" if self.log else "")
+        else:
+            space = ""
+        return f"{self.type.__name__} = {self.default!r} {space}".strip()
+
+
+def parse_param_args(args: list[str] | None) -> dict[str, str]:
+    """`["budget=512", "block_size=16"]` → {"budget": "512", ...} (values parsed later per flow)."""
+    out: dict[str, str] = {}
+    for a in args or []:
+        if "=" not in a:
+            raise SparsetuneError(f"--param {a!r}: write key=value, e.g. --param budget=512")
+        k, v = a.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out

@@ -1,0 +1,64 @@
+"""Find flows: built-ins in the repo's `flows/` directory, or a user file given by path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.flow.base import DecodeFlow
+
+
+def flows_dir() -> Path:
+    env = os.environ.get("SPARSETUNE_FLOWS")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "flows"
+
+
+def load_file(path: Path) -> type[DecodeFlow]:
+    """Import a flow file and return the one `DecodeFlow` subclass it defines."""
+    if not path.is_file():
+        raise SparsetuneError(f"flow file {path} does not exist")
+    mod_name = f"sparsetune_flow_{path.stem}_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise SparsetuneError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise SparsetuneError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - a user file can raise anything at import
+        raise SparsetuneError(f"{path}: importing the flow failed: {type(e).__name__}: {e}") from None
+    found = [
+        obj for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, DecodeFlow) and obj is not DecodeFlow and obj.__module__ == mod_name
+    ]
+    if len(found) != 1:
+        raise SparsetuneError(f"{path} must define exactly one DecodeFlow subclass, found {len(found)}")
+    cls = found[0]
+    if not cls.name:
+        raise SparsetuneError(f"{path}: the flow class {cls.__name__} needs a `name`")
+    cls.path = path  # type: ignore[attr-defined]
+    return cls
+
+
+def builtin_flows() -> dict[str, Path]:
+    d = flows_dir()
+    return {p.stem: p for p in sorted(d.glob("*.py")) if not p.name.startswith("_")} if d.is_dir() else {}
+
+
+def get_flow_class(name_or_path: str) -> type[DecodeFlow]:
+    p = Path(name_or_path)
+    if p.suffix == ".py" or "/" in name_or_path:
+        return load_file(p)
+    flows = builtin_flows()
+    if name_or_path not in flows:
+        raise SparsetuneError(f"unknown flow {name_or_path!r}; built-in: {', '.join(flows)} (or pass a path to a .py file)")
+    return load_file(flows[name_or_path])
+
+
+def build_flow(name_or_path: str, raw_params: dict[str, str] | None = None) -> DecodeFlow:
+    return get_flow_class(name_or_path).from_strings(raw_params or {})

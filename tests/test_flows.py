@@ -1,0 +1,211 @@
+"""Decode flows: full budget equals dense; reduced-budget selections equal the published rules
+implemented directly in torch; the checker rejects bad programs with the offending line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from sparsetune.engine.attention import AttentionMetadata
+from sparsetune.engine.kv_cache import KVCache
+from sparsetune.errors import SparsetuneError
+from sparsetune.flow.check import check_flow
+from sparsetune.flow.registry import build_flow
+from sparsetune.flow.runtime import FlowAttention
+
+HEAD_DIM, HKV, GROUP = 32, 2, 3
+
+
+def paged_case(block_size: int, lens: list[int], seed: int = 0):
+    """Random paged KV (shuffled blocks, garbage in unused table entries) and decode metadata."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-n // block_size) for n in lens]
+    kv = KVCache(1, sum(nblk) + 3, HKV, block_size, HEAD_DIM, torch.float64, "cpu")
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g, dtype=torch.float64))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g, dtype=torch.float64))
+    perm = torch.randperm(kv.num_blocks, generator=g).tolist()
+    width = max(nblk) + 2
+    tables = []
+    for n in nblk:
+        row, perm = perm[:n], perm[n:]
+        tables.append(row + [10**6] * (width - n))
+    bt = torch.tensor(tables, dtype=torch.int32)
+    meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
+                             torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), list(range(len(lens))))
+    q = torch.randn(len(lens), HKV * GROUP, HEAD_DIM, generator=g, dtype=torch.float64)
+    return kv, bt, meta, q
+
+
+def prefill_cache(attn: FlowAttention, kv: KVCache, bt: torch.Tensor, lens: list[int]) -> None:
+    bs = kv.block_size
+    blocks = torch.cat([bt[i, : n // bs] for i, n in enumerate(lens)]).long()
+    attn._run_cache(0, kv, blocks, blocks)
+
+
+def selected_sets(attn, kv, bt, meta, q) -> list[list[set[int]]]:
+    blocks, counts = attn.select(0, q, kv, meta)
+    return [[set(blocks[b, h, : counts[b, h]].tolist()) for h in range(HKV)] for b in range(blocks.shape[0])]
+
+
+def reference_selection(score: torch.Tensor, nblocks: int, budget_blocks: int, sink: int, local: int) -> set[int]:
+    """The published rule's selection: forced sink/local blocks, then the top scores of the rest."""
+    forced = set(range(min(sink, nblocks))) | set(range(max(0, nblocks - local), nblocks))
+    k = min(nblocks, max(budget_blocks, sink + local))
+    rest = [i for i in range(nblocks) if i not in forced]
+    ranked = sorted(rest, key=lambda i: -score[i].item())
+    return forced | set(ranked[: k - len(forced)])
+
+
+def block_keys(kv, bt, b: int, h: int, nfull: int) -> torch.Tensor:
+    return kv.k[0][bt[b, :nfull].long(), h]  # [nfull, bs, D]
+
+
+@pytest.mark.parametrize("name", ["quest", "block_topk"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_selection_matches_published_rule(name, block_size):
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = paged_case(block_size, lens, seed=block_size)
+    flow = build_flow(name, {"budget": str(6 * block_size), "block_size": str(block_size), "sink_blocks": "1", "local_blocks": "2"})
+    attn = FlowAttention(flow, HEAD_DIM**-0.5)
+    prefill_cache(attn, kv, bt, lens)
+    got = selected_sets(attn, kv, bt, meta, q)
+    for b, n in enumerate(lens):
+        nblocks, nfull = -(-n // block_size), n // block_size
+        for h in range(HKV):
+            keys = block_keys(kv, bt, b, h, nfull)  # only full blocks have cache-stage fields
+            qg = q[b, h * GROUP : (h + 1) * GROUP]  # [G, D]
+            if name == "quest":  # Σ_d max(q_d·max_d, q_d·min_d), max over the group
+                kmax, kmin = keys.amax(1), keys.amin(1)  # [nfull, D]
+                s = torch.maximum(qg[:, None] * kmax[None], qg[:, None] * kmin[None]).sum(-1).amax(0)
+            else:  # max over the group of q·mean(k)
+                s = (qg @ keys.mean(1).T).amax(0)
+            score = torch.cat([s, torch.zeros(nblocks - nfull, dtype=s.dtype)])  # partial block is forced anyway
+            want = reference_selection(score, nblocks, 6, 1, 2)
+            assert got[b][h] == want, (name, b, h)
+            assert len(want) < nblocks  # the budget really cut something
+
+
+def test_streaming_keeps_sinks_and_window_only():
+    lens = [50 * 16 + 3, 3 * 16]
+    kv, bt, meta, q = paged_case(16, lens)
+    attn = FlowAttention(build_flow("streaming", {"sink_blocks": "2", "local_blocks": "5"}), HEAD_DIM**-0.5)
+    got = selected_sets(attn, kv, bt, meta, q)
+    assert got[0] == [set(range(2)) | set(range(46, 51))] * HKV
+    assert got[1] == [set(range(3))] * HKV
+
+
+@pytest.mark.parametrize("name,extra", [("quest", {}), ("block_topk", {}), ("streaming", {"local_blocks": "4096"}),
+                                        ("block_topk", {"block_size": "1"})])
+def test_full_budget_equals_dense(name, extra):
+    report = check_flow(name, extra, head_dim=HEAD_DIM, group=GROUP)
+    assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order
+
+
+def test_check_reports_cost():
+    r = check_flow("quest", head_dim=64, group=4)
+    assert r.fields == {"kmax": [1, 64], "kmin": [1, 64]}
+    assert r.field_bytes_per_block == 2 * 2 * 64
+    # Per block: 2 products + max over G*D, a sum to G, a max to 1: 4*G*D + G*(D) ... at least 3*G*D.
+    assert r.indexer_flops_per_block >= 3 * 4 * 64
+
+
+BAD_FLOWS = {
+    "uses torch": ("s = torch.zeros(1)\n        return F.topk(s)", "`torch` is not allowed", 1),
+    "unknown op": ("return F.topk(F.frobnicate(q))", "unknown op F.frobnicate", 1),
+    "bad shapes": ('s = F.gemm(fields["c"], F.transpose(q))\n        return F.topk(F.max(s, dim=2))', "inner dims differ", 1),
+    "score rank": ('return F.topk(F.gemm(fields["c"], q))', "F.topk needs a score of shape [S, 1, 1]", 1),
+    "missing field": ('return F.topk(F.max(F.gemm(fields["nope"], q), dim=2))', "field 'nope' is not written", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLOWS))
+def test_check_rejects_bad_programs_with_line(case, tmp_path):
+    body, message, line_offset = BAD_FLOWS[case]
+    head = [
+        "from sparsetune.flow import DecodeFlow",
+        "from sparsetune.flow import ops as F",
+        "",
+        "",
+        "class Bad(DecodeFlow):",
+        '    name = "bad"',
+        "",
+        "    def cache(self, k, v):",
+        '        return {"c": F.mean(k, dim=1)}',
+        "",
+        "    def index(self, q, fields):",
+    ]
+    lines = head + ["        " + li.strip() for li in body.splitlines()]
+    path = tmp_path / "bad.py"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SparsetuneError) as e:
+        check_flow(str(path))
+    msg = str(e.value)
+    assert message in msg, msg
+    assert f"bad.py:{len(head) + line_offset}:" in msg, msg  # points at the offending line
+
+
+def test_check_rejects_unread_field(tmp_path):
+    path = tmp_path / "unread.py"
+    path.write_text(textwrap.dedent('''
+        from sparsetune.flow import DecodeFlow
+        from sparsetune.flow import ops as F
+
+
+        class Unread(DecodeFlow):
+            name = "unread"
+
+            def cache(self, k, v):
+                return {"c": F.mean(k, dim=1), "extra": F.max(k, dim=1)}
+
+            def index(self, q, fields):
+                return F.topk(F.max(F.gemm(fields["c"], q), dim=2))
+    '''))
+    with pytest.raises(SparsetuneError, match="extra written by cache\\(\\) but never read"):
+        check_flow(str(path))
+
+
+@pytest.mark.parametrize("raw,needle", [({"budget": "lots"}, "expected int"), ({"block_size": "12"}, "must be one of"),
+                                        ({"bugdet": "5"}, "has no parameter 'bugdet'"), ({"local_blocks": "0"}, "must be in")])
+def test_param_errors(raw, needle):
+    with pytest.raises(SparsetuneError, match=needle):
+        build_flow("quest", raw)
+
+
+def test_flows_new_then_check_passes(tmp_path):
+    out = tmp_path / "my_flow.py"
+    run = [sys.executable, "-m", "sparsetune.cli.main"]
+    assert subprocess.run([*run, "flows", "new", "my_flow", "--out", str(out)], capture_output=True).returncode == 0
+    proc = subprocess.run([*run, "flows", "check", str(out), "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["name"] == "my_flow" and report["full_budget_rel_err"] < 1e-6
+
+
+def test_engine_quest_generous_budget_equals_dense(smollm):
+    from sparsetune.engine.llm import LLM
+    from sparsetune.engine.sequence import SamplingParams
+
+    prompts = ["What is the capital of France?", "Name three primary colours and say which one you like most."]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    dense = [o.token_ids for o in smollm.generate(prompts, params)]
+    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow="quest", flow_params={"budget": "4096"})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == dense
+
+
+def test_engine_small_budget_really_selects(smollm):
+    from sparsetune.engine.llm import LLM
+    from sparsetune.engine.sequence import SamplingParams
+
+    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow="block_topk",
+              flow_params={"budget": "32", "block_size": "8", "dense_layers": "0"})
+    llm.generate(["Describe a sunset over the ocean in two vivid sentences, please."], SamplingParams(max_tokens=4))
+    attn = llm.backends[5]
+    blocks, counts = attn.last_selection[5]
+    nblocks = -(-(llm.stats.prefill_tokens + 3) // 8)
+    assert int(counts.max()) == 4 < nblocks  # 32 tokens of 8 = 4 blocks out of ~8
+    assert llm.backends[0].name == "dense"
