@@ -47,6 +47,26 @@ def kv_bytes(llm: LLM, tokens: int) -> int:
     return tokens * c.kv_bytes_per_token(llm.dtype.itemsize)
 
 
+def step_kv_bytes(llm: LLM, batch: int, ctx: int) -> int:
+    """KV (+ flow field) bytes one decode step must read: full context on dense layers;
+    on sparse layers the selected blocks plus every block's cached fields."""
+    c, flow = llm.model_config, llm.flow
+    per_token_layer = c.kv_bytes_per_token(llm.dtype.itemsize) // c.num_hidden_layers
+    if flow is None or flow.full_attention:
+        return batch * ctx * per_token_layer * c.num_hidden_layers
+    bs = llm.config.block_size
+    nblocks = -(-ctx // bs)
+    total = 0
+    for layer, backend in enumerate(llm.backends):
+        if getattr(backend, "flow", None) is None:
+            total += batch * ctx * per_token_layer
+            continue
+        total += batch * min(nblocks, flow.budget_blocks(nblocks)) * bs * per_token_layer
+        fields = backend.fields.get(layer, {})
+        total += batch * nblocks * sum(f[0].numel() * f.element_size() for f in fields.values())
+    return total
+
+
 def prefill_flops(llm: LLM, n: int) -> float:
     c = llm.model_config
     per_token_matmul = 2 * sum(
@@ -87,9 +107,9 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
     for s in seqs:
         llm.scheduler.running.remove(s)
         llm.block_manager.release(s)
-    ctx_avg = ctx + 3 + steps / 2
-    wb, kb = weight_bytes_per_step(llm, batch), kv_bytes(llm, int(batch * ctx_avg))
-    return {"batch": batch, "context": ctx, "step_ms": per_step * 1e3, "graph_replay_ms": None if replay is None else replay * 1e3,
+    ctx_avg = int(ctx + 3 + steps / 2)
+    wb, kb = weight_bytes_per_step(llm, batch), step_kv_bytes(llm, batch, ctx_avg)
+    return {"flow": llm.flow.name if llm.flow else "dense", "batch": batch, "context": ctx, "step_ms": per_step * 1e3, "graph_replay_ms": None if replay is None else replay * 1e3,
             "weight_bytes": wb, "kv_bytes": kb}
 
 
@@ -138,6 +158,16 @@ def profile_step(llm: LLM, is_prefill: bool, batch: int, ctx: int) -> list[tuple
     return sorted(((c, round(ms, 3)) for c, ms in cats.items()), key=lambda kv: -kv[1])
 
 
+def _prefill_fields(llm: LLM, dec: list[tuple[int, int]]) -> None:
+    """Run the flow's cache stage over the whole pool once, as prefill would have for real prompts."""
+    blocks = torch.arange(llm.kv.num_blocks, device=llm.device)
+    for layer, backend in enumerate(llm.backends):
+        if getattr(backend, "flow", None) is not None:
+            for chunk in blocks.split(4096):
+                backend._run_cache(layer, llm.kv, chunk, chunk)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -146,6 +176,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--profile", default="8x32768", help="decode case to break down by kernel ('' to skip)")
+    ap.add_argument("--flows", default="dense", help="comma-separated decode flows to compare on the same engine")
+    ap.add_argument("--param", action="append", default=[], help="flow parameter key=value for the sparse flows")
     ap.add_argument("--profile-prefill", type=int, default=32768, help="prompt length to break down (0 to skip)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -172,13 +204,29 @@ def main() -> None:
 
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                      "copy_bandwidth": bw, "matmul_flops": flops, "decode": [], "prefill": []}
-    for b, c in dec:
-        r = decode_case(llm, b, c, args.steps)
-        r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
-        r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
-        results["decode"].append(r)
-        print(f"decode {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
-              f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
+    from sparsetune.flow.params import parse_param_args
+
+    for flow in args.flows.split(","):
+        if flow != "dense" or llm.flow is not None:
+            llm.set_flow(None if flow == "dense" else flow, {} if flow == "dense" else parse_param_args(args.param))
+        if llm.flow is not None:
+            _prefill_fields(llm, dec)
+        for b, c in dec:
+            r = decode_case(llm, b, c, args.steps)
+            r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
+            r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
+            r["params"] = llm.flow.params() if llm.flow else {}
+            results["decode"].append(r)
+            print(f"decode {flow} {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
+                  f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
+    dense_rows = {(r["batch"], r["context"]): r for r in results["decode"] if r["flow"] == "dense"}
+    for r in results["decode"]:
+        d = dense_rows.get((r["batch"], r["context"]))
+        if d and r["flow"] != "dense":
+            r["speedup_vs_dense"] = d["step_ms"] / r["step_ms"]
+            r["floor_speedup"] = d["floor_ms"] / r["floor_ms"]
+            print(f"{r['flow']} {r['batch']}x{r['context']}: {r['speedup_vs_dense']:.2f}x over dense "
+                  f"(floor ratio {r['floor_speedup']:.2f}x -> {100 * r['speedup_vs_dense'] / r['floor_speedup']:.0f}% of it)")
 
     if args.profile:
         b, c = parse_cases(args.profile)[0]

@@ -42,3 +42,23 @@ def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
     outs = small.generate(prompts, params)
     assert small.stats.preemptions > 0
     assert [o.token_ids for o in outs] == reference
+
+
+@pytest.mark.parametrize("flow", ["quest", "block_topk"])
+def test_gpu_flow_graphs(flow, tmp_path):
+    """Flows on GPU (Triton sparse kernel, indexer inside the CUDA graph): full budget = dense;
+    at a small budget, graph replay = eager execution."""
+    _tiny_hf("qwen3", tmp_path, head_dim=64)
+    opts = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
+                cuda_graph_batch_sizes=(1, 2, 4), block_size=8)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (150, 37, 90)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    dense = [o.token_ids for o in LLM(**opts).generate(prompts, params)]
+    full = LLM(flow=flow, flow_params={"budget_ratio": "1.0", "dense_layers": "0"}, **opts)
+    assert [o.token_ids for o in full.generate(prompts, params)] == dense
+    small = {"budget": "32", "dense_layers": "0"}
+    graphed = LLM(flow=flow, flow_params=small, **opts)
+    assert graphed.runner.graphs
+    eager = LLM(flow=flow, flow_params=small, cuda_graph=False, **opts)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]

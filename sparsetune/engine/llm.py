@@ -100,10 +100,33 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv, self.backends, self.hooks, cfg.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.stats = EngineStats()
-        if self.flow is not None and not self.flow.full_attention:
-            self._attach_flow(self.flow)  # before graph capture: the flow's indexer is in the graphs
-        if self.device.type == "cuda" and cfg.cuda_graph:
-            self.runner.capture_graphs(cfg.cuda_graph_batch_sizes or DEFAULT_GRAPH_BATCH_SIZES)
+        self._install_flow(self.flow)
+
+    def _install_flow(self, flow) -> None:
+        """Route attention through `flow` (None or dense: full attention), then capture decode graphs.
+
+        The flow is attached before capture, so its indexer and selection are in the graphs."""
+        n = self.model_config.num_hidden_layers
+        self.set_attention(DenseAttention(self.model_config.head_dim**-0.5))
+        if flow is not None and not flow.full_attention:
+            self._attach_flow(flow)
+        if self.device.type == "cuda" and self.config.cuda_graph:
+            self.runner.capture_graphs(self.config.cuda_graph_batch_sizes or DEFAULT_GRAPH_BATCH_SIZES)
+        assert len(self.backends) == n
+
+    def set_flow(self, flow: str | None, params: dict[str, str] | None = None) -> None:
+        """Switch the decode flow of a live engine (same weights and KV pool); recaptures graphs."""
+        if self.scheduler.has_work():
+            raise RuntimeError("set_flow needs an idle engine")
+        block_size = self.config.block_size
+        self.config.flow, self.config.flow_params = flow, dict(params or {})
+        new = self._build_flow()
+        if self.config.block_size != block_size:
+            self.config.block_size = block_size
+            raise SparsetuneError(f"the KV pool uses blocks of {block_size}; a flow with block_size "
+                                  f"{new.block_size} needs a new engine")
+        self.flow = new
+        self._install_flow(new)
 
     # ---- setup ----------------------------------------------------------------------------------
 
