@@ -26,6 +26,7 @@ def generate(
     no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU."),
     flow: str = typer.Option(None, "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file."),
     param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
+    flow_executor: str = typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU)."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object to stdout."),
 ) -> None:
     """Generate a completion for one prompt."""
@@ -38,7 +39,7 @@ def generate(
     options = dict(
         device=device, dtype=dtype, random_weights=random_weights, kv_memory=parse_size(kv_memory, "--kv-memory"),
         block_size=block_size, max_model_len=max_model_len, cuda_graph=not no_cuda_graph, seed=seed, max_num_seqs=8,
-        flow=flow, flow_params=parse_param_args(param),
+        flow=flow, flow_params=parse_param_args(param), flow_executor=flow_executor,
     )
     with err.status(f"loading {model} and generating ..."):
         result = run(

@@ -23,6 +23,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     flow: str | None = None  # decode flow name or path to a flow file; None = dense
     flow_params: dict[str, str] = field(default_factory=dict)  # raw `--param key=value` strings
+    flow_executor: str | None = None  # "reference" | "compiled"; None: compiled on CUDA, reference on CPU
     random_weights: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict)

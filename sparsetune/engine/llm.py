@@ -173,14 +173,17 @@ class LLM:
         return flow
 
     def _attach_flow(self, flow) -> None:
-        from sparsetune.flow.runtime import FlowAttention
+        from sparsetune.flow.runtime import EXECUTORS, FlowAttention
 
         n = self.model_config.num_hidden_layers
         bad = [i for i in flow.dense_layers if not 0 <= i < n]
         if bad:
             raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {n}-layer model")
         sparse = [i for i in range(n) if i not in flow.dense_layers]
-        self.set_attention(FlowAttention(flow, self.model_config.head_dim**-0.5), sparse)
+        executor = self.config.flow_executor or ("compiled" if self.device.type == "cuda" else "reference")
+        if executor not in EXECUTORS:
+            raise SparsetuneError(f"--flow-executor {executor!r}: use one of {', '.join(EXECUTORS)}")
+        self.set_attention(FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor), sparse)
 
     def set_attention(self, backend: AttentionBackend, layers: Seq[int] | None = None) -> None:
         """Route attention of `layers` (default: all) through `backend`. Takes effect for new graphs."""

@@ -19,15 +19,32 @@ from sparsetune.flow.ops import FT
 from sparsetune.kernels import paged_decode
 
 
+EXECUTORS = ("reference", "compiled")
+
+
 class FlowAttention(DenseAttention):
+    """Executes a decode flow. `executor="reference"` runs the stages op by op in torch (the
+    ground truth); `"compiled"` hands the same stage functions to torch.compile, whose Inductor
+    backend fuses them into a few Triton kernels on GPU (C++ on CPU)."""
+
     name = "flow"
 
-    def __init__(self, flow: DecodeFlow, scale: float, use_triton: bool | None = None) -> None:
+    def __init__(
+        self, flow: DecodeFlow, scale: float, use_triton: bool | None = None, executor: str = "reference"
+    ) -> None:
         super().__init__(scale, use_triton)
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}")
         self.flow = flow
         self.name = flow.name
+        self.executor = executor
         self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [blocks + 1, Hkv, r, c]
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (blocks, counts)
+        self._select_fn = self._select_tensors
+        self._cache_fn = self._cache_tensors
+        if executor == "compiled":
+            self._select_fn = torch.compile(self._select_tensors, dynamic=False)
+            self._cache_fn = torch.compile(self._cache_tensors, dynamic=False)
 
     # ---- cache stage ------------------------------------------------------------------------------
 
@@ -49,22 +66,27 @@ class FlowAttention(DenseAttention):
             completing = ((pos % bs) == bs - 1) & (meta.seq_lens > 0)
             # Graph-safe: every row computes; rows that complete nothing write to the null block.
             target = torch.where(completing, phys, torch.full_like(phys, kv.null_block))
-            self._run_cache(layer, kv, phys, target)
+            self._run_cache(layer, kv, phys, target, fixed_shape=True)
 
-    def _run_cache(self, layer: int, kv: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
-        t, h, bs, d = src.numel(), kv.num_kv_heads, kv.block_size, kv.head_dim
-        k = FT(kv.k[layer][src].reshape(t * h, 1, bs, d))
-        v = FT(kv.v[layer][src].reshape(t * h, 1, bs, d))
-        out = self.flow.cache(k, v)
+    def _cache_tensors(self, k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The cache stage on the blocks `src` of one layer's pool → field name → `[T, Hkv, r, c]`."""
+        t, h, bs, d = src.numel(), k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+        out = self.flow.cache(FT(k_pool[src].reshape(t * h, 1, bs, d)), FT(v_pool[src].reshape(t * h, 1, bs, d)))
+        return {name: ft.data.reshape(t, h, *ft.shape[1:]) for name, ft in out.items()}
+
+    def _run_cache(self, layer: int, kv: KVCache, src: torch.Tensor, dst: torch.Tensor, fixed_shape: bool = False) -> None:
+        # Prefill chunks vary in size (no point compiling each); decode's shapes are fixed.
+        fn = self._cache_fn if fixed_shape else self._cache_tensors
+        out = fn(kv.k[layer], kv.v[layer], src)
         store = self.fields.get(layer)
         if store is None:
             store = {
-                name: torch.zeros(kv.num_blocks + 1, h, *ft.shape[1:], dtype=kv.k.dtype, device=kv.k.device)
-                for name, ft in out.items()
+                name: torch.zeros(kv.num_blocks + 1, *f.shape[1:], dtype=kv.k.dtype, device=kv.k.device)
+                for name, f in out.items()
             }
             self.fields[layer] = store
-        for name, ft in out.items():
-            store[name][dst] = ft.data.reshape(t, h, *ft.shape[1:]).to(store[name].dtype)
+        for name, f in out.items():
+            store[name][dst] = f.to(store[name].dtype)
 
     # ---- indexer + sparse attention -----------------------------------------------------------------
 
@@ -76,15 +98,25 @@ class FlowAttention(DenseAttention):
 
     def select(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Selected logical blocks `[B, Hkv, K]` and how many of them count `[B, Hkv]`."""
-        flow, bs = self.flow, kv.block_size
+        blocks, counts = self._select_fn(
+            q, meta.block_tables, meta.seq_lens, self.fields.get(layer, {}), kv.num_kv_heads, kv.block_size, kv.null_block
+        )
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for inspection, eager only
+            self.last_selection[layer] = (blocks, counts)
+        return blocks, counts
+
+    def _select_tensors(
+        self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
+        h: int, bs: int, null_block: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        flow = self.flow
         b, hq, d = q.shape
-        h = kv.num_kv_heads
         rows = b * h
-        width = meta.block_tables.shape[1]
-        nblocks = (meta.seq_lens.long() + bs - 1) // bs  # [B]
+        width = block_tables.shape[1]
+        nblocks = (seq_lens.long() + bs - 1) // bs  # [B]
         idx = torch.arange(width, device=q.device)
         # Table entries past a sequence's blocks are garbage: read the null block's fields instead.
-        table = torch.where(idx < nblocks[:, None], meta.block_tables.long(), kv.null_block)
+        table = torch.where(idx < nblocks[:, None], block_tables.long(), null_block)
         nb = nblocks.repeat_interleave(h)  # [R]
         valid = idx < nb[:, None]  # [R, width]
 
@@ -92,7 +124,7 @@ class FlowAttention(DenseAttention):
             FT(q.reshape(rows, 1, hq // h, d)),
             {
                 name: FT(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:]), valid)
-                for name, store in self.fields.get(layer, {}).items()
+                for name, store in stores.items()
             },
         )
         if sel.score is None:
@@ -116,8 +148,4 @@ class FlowAttention(DenseAttention):
             k_max = min(width, flow.budget_blocks(width))
         counts = torch.minimum(want, nb)
         top = score.topk(k_max, dim=1).indices  # forced (+inf) first, padding (-inf) last
-        blocks = top.to(torch.int32).view(b, h, k_max)
-        counts = counts.to(torch.int32).view(b, h)
-        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for inspection, eager only
-            self.last_selection[layer] = (blocks, counts)
-        return blocks, counts
+        return top.to(torch.int32).view(b, h, k_max), counts.to(torch.int32).view(b, h)

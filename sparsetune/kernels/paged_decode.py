@@ -48,6 +48,8 @@ from .fused_ops import cast_rtne
 __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "sparse_paged_decode_attention",
+    "sparse_paged_decode_attention_ref",
     "choose_num_splits",
     "DEFAULT_NUM_SMS",
 ]
@@ -142,11 +144,49 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _gather_kv(k_head, v_head, blk, slot, valid, offs_d, stride_kb, stride_kt, stride_vb, stride_vt):
+    """K and V rows (cache block `blk`, slot `slot`) of every lane; zeros where not `valid`."""
+    mask = valid[:, None]
+    k = tl.load(k_head + (blk * stride_kb + slot * stride_kt)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_head + (blk * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _load_sparse_ids(sel_row, bt_row, tile_start, end, seq_len, offs_n, BLOCK_SIZE: tl.constexpr):
+    """SPARSE tile: cache block, slot and validity of selected-token indices
+    j = tile_start + offs_n of one (sequence, kv head).
+
+    j // BLOCK_SIZE picks the selected logical block sel_row[j // BLOCK_SIZE] and
+    j % BLOCK_SIZE the offset in it; the token is valid if j < end (so entries of
+    sel_row at or past the count are never loaded) and its position lies inside
+    the sequence (the partial last block). Only valid lanes look up the block
+    table, and a (contract-violating) selected index outside
+    [0, ceil(seq_len / BLOCK_SIZE)) is masked out rather than dereferenced.
+    """
+    j = tile_start + offs_n
+    in_sel = j < end
+    lb = tl.load(sel_row + j // BLOCK_SIZE, mask=in_sel, other=0)
+    slot = j % BLOCK_SIZE
+    n_blk = tl.cdiv(seq_len, BLOCK_SIZE)
+    valid = in_sel & (lb >= 0) & (lb < n_blk) & (lb * BLOCK_SIZE + slot < seq_len)
+    blk = tl.load(bt_row + lb, mask=valid, other=0).to(tl.int64)
+    return blk, slot, valid
+
+
+@triton.jit
 def _attend_tile(
     q, k, v, valid, m_i, l_i, acc, qk_scale,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    EMPTY_SAFE: tl.constexpr = False,
 ):
-    """One online-softmax step (base 2) of the GROUP_PAD query rows over a tile."""
+    """One online-softmax step (base 2) of the GROUP_PAD query rows over a tile.
+
+    EMPTY_SAFE: the tile may have no valid token at all (while the running max is
+    still -inf), as a SPARSE tile that only covers the tail of a partial last
+    block; exp2 is then taken relative to 0 instead of -inf (no NaN) and the
+    tile contributes nothing. The dense loop never needs it.
+    """
     kv_dtype = k.dtype
     if UPCAST_DOT:
         k = k.to(tl.float32)
@@ -154,8 +194,12 @@ def _attend_tile(
     s = tl.where(valid[None, :], s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if EMPTY_SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # P is rounded to the cache dtype for the tensor-core PV product (the
     # standard flash-attention trade-off); l_i keeps the fp32 row sums.
@@ -196,6 +240,13 @@ def _paged_decode_split_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
+    sel_ptr,  # SPARSE only: int32 [B, Hkv, K] selected logical blocks
+    sel_counts_ptr,  # SPARSE only: int32 [B, Hkv]
+    max_sel,  # SPARSE only: K
+    stride_sb,
+    stride_sh,
+    stride_cb,
+    stride_ch,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -207,6 +258,7 @@ def _paged_decode_split_kernel(
     UPCAST_DOT: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     PREFETCH: tl.constexpr,
+    SPARSE: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -218,11 +270,20 @@ def _paged_decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * BLOCK_SIZE)
 
+    if SPARSE:
+        # The index space is the concatenation of the selected blocks, j in
+        # [0, count * BLOCK_SIZE); tokens past seq_len (partial last block) are
+        # masked per lane in the loop.
+        cnt = tl.load(sel_counts_ptr + b * stride_cb + kvh * stride_ch)
+        n_tok = tl.minimum(tl.maximum(cnt, 0), max_sel) * BLOCK_SIZE
+    else:
+        n_tok = seq_len
+
     # Split the *actual* length into num_splits runs of whole BLOCK_N tiles.
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    num_tiles = tl.cdiv(n_tok, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, n_tok)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -248,10 +309,20 @@ def _paged_decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
-    # Every iteration has >= 1 valid token (start < end, tiles start inside the
-    # split), so the running max is finite after the first one and exp2 never
+    if SPARSE:
+        # Two-level gather: selected logical block -> block table -> cache. A tile
+        # may hold no valid token (e.g. only the tail of a selected partial last
+        # block when BLOCK_SIZE > BLOCK_N), hence EMPTY_SAFE.
+        sel_row = sel_ptr + b.to(tl.int64) * stride_sb + kvh.to(tl.int64) * stride_sh
+        for tile_start in range(start, end, BLOCK_N):
+            blk, slot, valid = _load_sparse_ids(sel_row, bt_row, tile_start, end, seq_len, offs_n, BLOCK_SIZE)
+            k, v = _gather_kv(k_head, v_head, blk, slot, valid, offs_d, stride_kb, stride_kt, stride_vb, stride_vt)
+            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale,
+                                         DOT_PRECISION, UPCAST_DOT, EMULATE_BF16, True)
+    # Dense: every iteration has >= 1 valid token (start < end, tiles start inside
+    # the split), so the running max is finite after the first one and exp2 never
     # sees (-inf) - (-inf).
-    if PREFETCH:
+    elif PREFETCH:
         # Software pipelining by hand, in registers: the K/V tile of the next
         # iteration is requested before the current one is consumed, and the
         # block ids one tile further ahead, so neither the table lookup nor the
@@ -330,6 +401,160 @@ def _merge_splits_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, cast_rtne(res, out_ptr.dtype.element_ty, EMULATE_BF16))
 
 
+def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, fn_name):
+    """Shape/dtype checks shared by the dense and sparse entry points (shapes only).
+
+    Returns (block_tables, seq_lens) as int32 with a contiguous last dim."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k_cache.shape)} v={tuple(v_cache.shape)}")
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, kv_dim = k_cache.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: q {head_dim} vs cache {kv_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}"
+        )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share a dtype")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
+    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    seq_lens = seq_lens.contiguous()
+    if q.device.type != "cuda" and not _INTERPRET:
+        raise RuntimeError(
+            f"{fn_name} needs CUDA tensors (or TRITON_INTERPRET=1); use {fn_name}_ref on CPU"
+        )
+    return block_tables, seq_lens
+
+
+def _prepare_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be [B, Hq, D] with a contiguous last dim, got {tuple(out.shape)}")
+    return out
+
+
+def _resolve_block_n(block_n: int | None, head_dim: int, elem_size: int) -> int:
+    if block_n is None:
+        block_n = _default_block_n(head_dim, elem_size)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    return block_n
+
+
+def _launch_decode(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n, num_warps, num_stages, prefetch,
+    sel_blocks=None, sel_counts=None,
+) -> torch.Tensor:
+    """Stage 1 (+ stage 2 when split) for validated arguments; dense unless sel_* given."""
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    num_splits = max(1, int(num_splits))
+    block_n = _resolve_block_n(block_n, head_dim, k_cache.element_size())
+
+    is_fp32 = k_cache.dtype == torch.float32
+    # fp32 caches need exact fp32 products (tf32 would lose ~3 digits). The
+    # interpreter mis-handles bf16 tl.dot (it multiplies raw bit patterns), so
+    # there the operands are upcast to fp32 after rounding: numerically the same
+    # products as the bf16 tensor-core path.
+    dot_precision = "ieee" if is_fp32 else "tf32"
+    upcast_dot = _INTERPRET and k_cache.dtype == torch.bfloat16
+
+    direct = num_splits == 1
+    if direct:
+        part_o = out  # unused placeholders
+        part_lse = out
+        p_strides = (0, 0, 0)
+        l_strides = (0, 0)
+    else:
+        part_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        p_strides = part_o.stride()[:3]
+        l_strides = part_lse.stride()[:2]
+
+    sparse = sel_blocks is not None
+    if sparse:
+        sparse_args = (sel_blocks, sel_counts, sel_blocks.shape[2], sel_blocks.stride(0), sel_blocks.stride(1),
+                       sel_counts.stride(0), sel_counts.stride(1))
+    else:
+        # Unused by the dense specialisation (SPARSE=False is a constexpr).
+        sparse_args = (seq_lens, seq_lens, 0, 0, 0, 0, 0)
+
+    grid = (batch * num_kv_heads, num_splits)
+    _paged_decode_split_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_o,
+        part_lse,
+        float(scale) * _LOG2E,
+        max_blocks,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *p_strides,
+        *l_strides,
+        *sparse_args,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        DIRECT_OUT=direct,
+        DOT_PRECISION=dot_precision,
+        UPCAST_DOT=upcast_dot,
+        EMULATE_BF16=_INTERPRET,
+        PREFETCH=bool(prefetch) and not sparse,
+        SPARSE=sparse,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not direct:
+        _merge_splits_kernel[(num_q_heads, batch)](
+            part_o,
+            part_lse,
+            out,
+            num_splits,
+            *p_strides,
+            *l_strides,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            EMULATE_BF16=_INTERPRET,
+            num_warps=4 if num_splits * head_dim >= 2048 else 2,
+        )
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -365,131 +590,77 @@ def paged_decode_attention(
 
     Returns [B, Hq, D] in q's dtype (or `out`). No host synchronisation happens.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k_cache.shape)} v={tuple(v_cache.shape)}")
-    batch, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, kv_dim = k_cache.shape
-    if kv_dim != head_dim:
-        raise ValueError(f"head_dim mismatch: q {head_dim} vs cache {kv_dim}")
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError(
-            f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} vs batch {batch}"
-        )
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must share a dtype")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim")
-    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        block_tables = block_tables.to(torch.int32).contiguous()
-    if seq_lens.dtype != torch.int32:
-        seq_lens = seq_lens.to(torch.int32)
-    seq_lens = seq_lens.contiguous()
-    if q.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(
-            "paged_decode_attention needs CUDA tensors (or TRITON_INTERPRET=1); use paged_decode_attention_ref on CPU"
-        )
-
-    max_blocks = block_tables.shape[1]
-    group = num_q_heads // num_kv_heads
-    group_pad = max(16, triton.next_power_of_2(group))
+    block_tables, seq_lens = _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, "paged_decode_attention")
+    out = _prepare_out(q, out)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_blocks, block_size, _num_sms(q.device))
-    num_splits = max(1, int(num_splits))
-    if block_n is None:
-        block_n = _default_block_n(head_dim, k_cache.element_size())
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+        batch, num_kv_heads, block_size = q.shape[0], k_cache.shape[1], k_cache.shape[2]
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, _num_sms(q.device))
+    block_n = _resolve_block_n(block_n, q.shape[2], k_cache.element_size())
+    if q.shape[0] == 0:
+        return out
+    return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
+                          num_warps, num_stages, prefetch)
 
-    if out is None:
-        out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    elif out.shape != (batch, num_q_heads, head_dim) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [B, Hq, D] with a contiguous last dim, got {tuple(out.shape)}")
+
+def sparse_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sel_blocks: torch.Tensor,
+    sel_counts: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """Block-sparse decode attention over a paged KV cache (same kernel, SPARSE=True).
+
+    The query heads of kv head h of sequence b attend (exact fp32 softmax) over
+    the tokens of the selected *logical* blocks only:
+        {lb * bs + off : lb in sel_blocks[b, h, :sel_counts[b, h]], 0 <= off < bs,
+                         lb * bs + off < seq_lens[b]}
+    (logical block lb of sequence b is cache block block_tables[b, lb]).
+
+    Args (beyond `paged_decode_attention`'s):
+        sel_blocks: int32 [B, Hkv, K] logical block indices in
+            [0, ceil(seq_len / bs)), unique within a row, any order. Entries at
+            positions >= sel_counts[b, h] are never read.
+        sel_counts: int32 [B, Hkv] in [0, K]; 0 (or seq_len 0) gives zeros.
+        num_splits: default `choose_num_splits(B, Hkv, K, block_size, sms)`: K
+            selected blocks are the widest a row can be.
+
+    The selection order only changes the summation order. A selected index out
+    of range is ignored (masked), never dereferenced. Host decisions depend on
+    shapes only (CUDA-graph capturable); no host synchronisation happens.
+    """
+    block_tables, seq_lens = _check_decode_args(
+        q, k_cache, v_cache, block_tables, seq_lens, "sparse_paged_decode_attention"
+    )
+    batch, num_kv_heads, block_size = q.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if sel_blocks.dim() != 3 or tuple(sel_blocks.shape[:2]) != (batch, num_kv_heads):
+        raise ValueError(f"sel_blocks must be [B={batch}, Hkv={num_kv_heads}, K], got {tuple(sel_blocks.shape)}")
+    if tuple(sel_counts.shape) != (batch, num_kv_heads):
+        raise ValueError(f"sel_counts must be [B={batch}, Hkv={num_kv_heads}], got {tuple(sel_counts.shape)}")
+    if sel_blocks.dtype != torch.int32 or sel_blocks.stride(2) != 1:
+        sel_blocks = sel_blocks.to(torch.int32).contiguous()
+    if sel_counts.dtype != torch.int32:
+        sel_counts = sel_counts.to(torch.int32)
+    out = _prepare_out(q, out)
+    max_sel = sel_blocks.shape[2]
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_sel, block_size, _num_sms(q.device))
+    block_n = _resolve_block_n(block_n, q.shape[2], k_cache.element_size())
     if batch == 0:
         return out
-
-    is_fp32 = k_cache.dtype == torch.float32
-    # fp32 caches need exact fp32 products (tf32 would lose ~3 digits). The
-    # interpreter mis-handles bf16 tl.dot (it multiplies raw bit patterns), so
-    # there the operands are upcast to fp32 after rounding: numerically the same
-    # products as the bf16 tensor-core path.
-    dot_precision = "ieee" if is_fp32 else "tf32"
-    upcast_dot = _INTERPRET and k_cache.dtype == torch.bfloat16
-
-    direct = num_splits == 1
-    if direct:
-        part_o = out  # unused placeholders
-        part_lse = out
-        p_strides = (0, 0, 0)
-        l_strides = (0, 0)
-    else:
-        part_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        p_strides = part_o.stride()[:3]
-        l_strides = part_lse.stride()[:2]
-
-    grid = (batch * num_kv_heads, num_splits)
-    _paged_decode_split_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        out,
-        part_o,
-        part_lse,
-        float(scale) * _LOG2E,
-        max_blocks,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *p_strides,
-        *l_strides,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        DIRECT_OUT=direct,
-        DOT_PRECISION=dot_precision,
-        UPCAST_DOT=upcast_dot,
-        EMULATE_BF16=_INTERPRET,
-        PREFETCH=bool(prefetch),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if not direct:
-        _merge_splits_kernel[(num_q_heads, batch)](
-            part_o,
-            part_lse,
-            out,
-            num_splits,
-            *p_strides,
-            *l_strides,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            EMULATE_BF16=_INTERPRET,
-            num_warps=4 if num_splits * head_dim >= 2048 else 2,
-        )
-    return out
+    if max_sel == 0:  # nothing can be selected: all zeros (shape-only decision)
+        return out.zero_()
+    return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
+                          num_warps, num_stages, False, sel_blocks=sel_blocks, sel_counts=sel_counts)
 
 
 def paged_decode_attention_ref(
@@ -533,4 +704,52 @@ def paged_decode_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, v)  # [Hkv, G, D]
         out[b] = o.reshape(num_q_heads, head_dim).to(q.dtype)
+    return out
+
+
+def sparse_paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sel_blocks: torch.Tensor,
+    sel_counts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain torch twin of `sparse_paged_decode_attention` (same contract).
+
+    Per (sequence, kv head): list the selected token positions, gather their K/V
+    rows through the block table, attend with the group's query heads in fp32.
+    Reads seq_lens / sel_counts on the host, so not graph-capturable.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    max_sel = sel_blocks.shape[2]
+    out = torch.zeros_like(q)
+    offs = torch.arange(block_size, device=q.device)
+    lens = seq_lens.tolist()
+    counts = sel_counts.tolist()
+    for b in range(batch):
+        seq_len = lens[b]
+        if seq_len <= 0:
+            continue
+        table = block_tables[b].long()
+        for h in range(num_kv_heads):
+            cnt = min(counts[b][h], max_sel)
+            if cnt <= 0:
+                continue
+            logical = sel_blocks[b, h, :cnt].long()
+            pos = (logical[:, None] * block_size + offs[None, :]).reshape(-1)
+            pos = pos[(pos >= 0) & (pos < seq_len)]  # drops the partial last block's tail
+            if pos.numel() == 0:
+                continue
+            phys = table[pos // block_size]
+            slot = pos % block_size
+            k = k_cache[phys, h, slot].float()  # [n, D]
+            v = v_cache[phys, h, slot].float()
+            heads = slice(h * group, (h + 1) * group)
+            probs = torch.softmax(q[b, heads].float() @ k.T * scale, dim=-1)  # [G, n]
+            out[b, heads] = (probs @ v).to(q.dtype)
     return out
