@@ -115,11 +115,14 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
 
 CATEGORIES = [  # first match wins; kernel names lower-cased
     ("attention", ("paged_decode", "merge_splits", "cudnn", "fmha", "flash", "attention", "sdpa")),
+    ("topk", ("topk", "sort", "radix", "bitonic")),
+    ("flow stages (compiled)", ("triton_poi", "triton_red", "triton_per")),  # Inductor's kernels
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "sm90", "cublas", "matmul", "nvjet")),
     ("norm", ("rms_norm",)),
     ("rope+qknorm", ("rope",)),
     ("silu_mul", ("silu",)),
-    ("kv_store", ("index", "scatter")),
+    ("kv_store", ("store_kv",)),
+    ("gather/index", ("index", "gather", "scatter")),
     ("copy", ("copy", "elementwise")),
 ]
 
@@ -230,8 +233,10 @@ def main() -> None:
 
     if args.profile:
         b, c = parse_cases(args.profile)[0]
-        results["decode_profile"] = {"case": args.profile, "ms_by_category": profile_step(llm, False, b, c)}
-        print("eager decode step kernel time (ms):", results["decode_profile"]["ms_by_category"], flush=True)
+        results["decode_profile"] = {"case": args.profile, "flow": llm.flow.name if llm.flow else "dense",
+                                     "ms_by_category": profile_step(llm, False, b, c)}
+        print(f"eager decode step ({results['decode_profile']['flow']}) kernel time (ms):",
+              results["decode_profile"]["ms_by_category"], flush=True)
     if args.profile_prefill:
         n = args.profile_prefill
         results["prefill_profile"] = {"tokens": n, "ms_by_category": profile_step(llm, True, 1, n)}

@@ -13,9 +13,18 @@ What it does (about 1-2 minutes):
      and config variants (BLOCK_N / warps / stages, then num_splits around the
      heuristic's choice), reporting us, KV GB/s and the fraction of copy
      bandwidth, next to torch SDPA on a contiguous KV of the same size;
-  4. times the fused ops at decode (N=16) and prefill (N=32768) sizes against
+  4. times block-sparse paged decode (sparse_paged_decode_attention) at the same
+     shapes: 32K-token contexts of which K=128 random blocks (2048 tokens) per
+     (sequence, kv head) are selected, reporting GB/s on the KV bytes actually
+     read, next to dense paged decode over 2048-token contexts (same bytes);
+  5. times the fused ops at decode (N=16) and prefill (N=32768) sizes against
      their torch twins;
-  5. prints a compact table and optionally writes everything as JSON.
+  6. prints a compact table and optionally writes everything as JSON.
+
+Stream safety: triton's do_bench_cudagraph runs the benchmarked function on a
+fresh side stream that does NOT wait for the default stream, so every input must
+be fully written before timing starts (bench_us synchronises first), and nothing
+may be freed while work that uses it can still be in flight (_release_memory).
 
     python benchmarks/bench_kernels.py --compile-only [--target cuda:90]
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -71,6 +81,8 @@ from sparsetune.kernels.paged_decode import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
+    sparse_paged_decode_attention,
+    sparse_paged_decode_attention_ref,
 )
 
 DEVICE = "cuda"
@@ -82,6 +94,9 @@ ROPE_MAX_POS = 40960
 
 DECODE_POINTS = [(8, 32768), (16, 16384), (16, 32768), (64, 4096)]
 LARGE_POINTS = {(16, 32768)}
+# Block-sparse decode: (batch, context) points, K selected blocks per (seq, kv head).
+SPARSE_POINTS = [(16, 32768), (8, 32768)]
+SPARSE_K = 128  # 2048 tokens at block size 16
 FUSED_TOKENS = (16, 32768)  # decode, prefill
 CHECK_BATCH_CTX = (6, 1000)  # correctness case
 COPY_GIB = (2, 1)  # full, --quick
@@ -109,6 +124,23 @@ def cfg_name(cfg: Config) -> str:
 # --------------------------------------------------------------------------- #
 
 
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release_memory() -> None:
+    """Free cached device memory safely: wait for ALL streams first (a kernel
+    still running on a side stream may read the tensors just dropped), collect
+    garbage so no CUDA graph object outlives the tensors it references (a graph
+    keeps its private memory pool and raw pointers into its inputs), and only
+    then hand the cache back to the driver."""
+    _sync()
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_us(fn: Callable[[], Any], use_graph: bool = True, rep_ms: int = 60) -> float:
     """Median GPU time of fn in microseconds (CUDA graph replay when possible,
     which is how the engine runs decode and removes host launch overhead)."""
@@ -117,12 +149,23 @@ def bench_us(fn: Callable[[], Any], use_graph: bool = True, rep_ms: int = 60) ->
         t0 = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - t0)
-    if use_graph:
-        try:
-            return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-        except Exception as exc:  # noqa: BLE001 - fall back, but say so
-            print(f"  (cuda graph timing failed: {type(exc).__name__}: {exc}; using do_bench)")
-    return 1000.0 * triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+    # do_bench_cudagraph runs fn (eager warm-up, then capture and replay) on a
+    # fresh side stream with no dependency on the default stream, where the
+    # inputs were just initialised (normal_, randperm, int32 casts): without this
+    # barrier the first call can read a block table that is not written yet.
+    torch.cuda.synchronize()
+    try:
+        if use_graph:
+            try:
+                return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+            except Exception as exc:  # noqa: BLE001 - fall back, but say so
+                print(f"  (cuda graph timing failed: {type(exc).__name__}: {exc}; using do_bench)")
+                torch.cuda.synchronize()
+        return 1000.0 * triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+    finally:
+        # The graph and its side stream are gone once do_bench_cudagraph returns;
+        # make sure their work is finished too before the caller frees inputs.
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth_gbs(nbytes: int) -> float:
@@ -130,7 +173,7 @@ def copy_bandwidth_gbs(nbytes: int) -> float:
     dst = torch.empty_like(src)
     us = bench_us(lambda: dst.copy_(src), use_graph=False, rep_ms=100)
     del src, dst
-    torch.cuda.empty_cache()
+    _release_memory()
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
@@ -145,7 +188,18 @@ def make_paged_kv(batch: int, ctx: int, gen: torch.Generator, slack_blocks: int 
     block_tables = perm.view(batch, max_blocks).to(torch.int32).contiguous()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
     q = torch.empty((batch, HQ, HEAD_DIM), dtype=DTYPE, device=DEVICE).normal_(generator=gen)
+    _sync()  # initialised before any other stream uses them
     return q, k_cache, v_cache, block_tables, seq_lens
+
+
+def random_selection(batch: int, ctx: int, k_sel: int, gen: torch.Generator):
+    """K distinct random logical blocks per (sequence, kv head), in random order."""
+    n_blk = math.ceil(ctx / BLOCK_SIZE)
+    keys = torch.rand((batch, HKV, n_blk), device=DEVICE, generator=gen)
+    sel = keys.argsort(dim=-1)[..., :k_sel].to(torch.int32).contiguous()
+    counts = torch.full((batch, HKV), k_sel, dtype=torch.int32, device=DEVICE)
+    _sync()
+    return sel, counts
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -172,6 +226,32 @@ def check_configs(configs: list[Config], gen: torch.Generator) -> dict[str, floa
             out = paged_decode_attention(q, k, v, bt, seq_lens, scale, num_splits=splits, **cfg_kwargs(cfg))
             err = rel_err(out, ref)
             key = f"{cfg_name(cfg)}_splits{splits}"
+            errs[key] = err
+            if not (err < 1e-2) or not torch.equal(out[2], torch.zeros_like(out[2])):
+                raise SystemExit(f"correctness check FAILED for {key}: rel err {err:.3e}")
+    # Block-sparse: random selections with mixed counts (0 .. K, K for row 0 of
+    # sequence 0), random order, garbage past each count.
+    k_sel = max(2, math.ceil(ctx / BLOCK_SIZE) // 3)
+    g = torch.Generator().manual_seed(1)
+    sel = torch.full((batch, HKV, k_sel), 2**30, dtype=torch.int32)
+    counts = torch.zeros((batch, HKV), dtype=torch.int32)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        n_blk = math.ceil(seq_len / BLOCK_SIZE)
+        for h in range(HKV):
+            c = k_sel if (b, h) == (0, 0) else int(torch.randint(0, min(k_sel, n_blk) + 1, (1,), generator=g))
+            sel[b, h, :c] = torch.randperm(n_blk, generator=g)[:c].to(torch.int32)
+            counts[b, h] = c
+    sel, counts = sel.to(DEVICE), counts.to(DEVICE)
+    sparse_ref = sparse_paged_decode_attention_ref(q, k, v, bt, seq_lens, sel, counts, scale)
+    for cfg in configs:
+        if cfg[3]:
+            continue  # the hand-pipelined loop is dense-only
+        for splits in (1, 5):  # direct store and merged splits (auto gives 1 here)
+            kw = cfg_kwargs(cfg)
+            kw.pop("prefetch")
+            out = sparse_paged_decode_attention(q, k, v, bt, seq_lens, sel, counts, scale, num_splits=splits, **kw)
+            err = rel_err(out, sparse_ref)
+            key = f"sparse_{cfg_name(cfg)}_splits{splits}"
             errs[key] = err
             if not (err < 1e-2) or not torch.equal(out[2], torch.zeros_like(out[2])):
                 raise SystemExit(f"correctness check FAILED for {key}: rel err {err:.3e}")
@@ -210,7 +290,7 @@ def bench_decode_point(
 
     # Reference point: torch SDPA (GQA) on a contiguous KV of the same size.
     del k, v, bt
-    torch.cuda.empty_cache()
+    _release_memory()
     try:
         kc = torch.empty((batch, HKV, ctx, HEAD_DIM), dtype=DTYPE, device=DEVICE).normal_(generator=gen)
         vc = torch.empty_like(kc).normal_(generator=gen)
@@ -224,7 +304,66 @@ def bench_decode_point(
     except Exception as exc:  # noqa: BLE001 - reference point only
         res["sdpa_contiguous"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         print(f"  torch SDPA failed: {res['sdpa_contiguous']['error']}")
-    torch.cuda.empty_cache()
+    _release_memory()
+    return res
+
+
+def bench_sparse_point(
+    batch: int, ctx: int, k_sel: int, configs: list[Config], copy_gbs: float, gen: torch.Generator
+) -> dict[str, Any]:
+    """Block-sparse decode: `ctx`-token sequences, `k_sel` random blocks per (seq, kv head)."""
+    q, k, v, bt, seq_lens = make_paged_kv(batch, ctx, gen)
+    sel, counts = random_selection(batch, ctx, k_sel, gen)
+    scale = HEAD_DIM**-0.5
+    # Bytes actually read: K and V of the selected tokens (all blocks are full).
+    kv_bytes = batch * HKV * k_sel * BLOCK_SIZE * HEAD_DIM * 2 * 2
+    out = torch.empty_like(q)
+    auto_splits = choose_num_splits(batch, HKV, k_sel, BLOCK_SIZE, paged_decode._num_sms(q.device))
+    res: dict[str, Any] = {"batch": batch, "ctx": ctx, "k_sel": k_sel, "kv_bytes": kv_bytes,
+                           "auto_splits": auto_splits, "variants": {}}
+
+    ref = sparse_paged_decode_attention_ref(q, k, v, bt, seq_lens, sel, counts, scale)
+    got = sparse_paged_decode_attention(q, k, v, bt, seq_lens, sel, counts, scale)
+    res["rel_err_vs_ref"] = rel_err(got, ref)
+    del ref, got
+    if not res["rel_err_vs_ref"] < 1e-2:
+        raise SystemExit(f"sparse correctness FAILED at B={batch} ctx={ctx}: rel err {res['rel_err_vs_ref']:.3e}")
+
+    def report(key: str, us: float) -> None:
+        gbs = kv_bytes / (us * 1e-6) / 1e9
+        res["variants"][key] = {"us": us, "gbs": gbs, "frac_copy_bw": gbs / copy_gbs}
+        print(f"  {key:28s} {us:9.1f} us  {gbs:7.0f} GB/s  {gbs / copy_gbs:6.1%} of copy bw")
+
+    def run(cfg: Config, splits: int | None) -> float:
+        kw = cfg_kwargs(cfg)
+        kw.pop("prefetch")
+        fn = lambda: sparse_paged_decode_attention(  # noqa: E731
+            q, k, v, bt, seq_lens, sel, counts, scale, num_splits=splits, out=out, **kw
+        )
+        us = bench_us(fn)
+        report(f"sparse_{cfg_name(cfg)}_splits{splits if splits else auto_splits}", us)
+        return us
+
+    sparse_cfgs = [cfg for cfg in configs if not cfg[3]]  # no hand-pipelined sparse loop
+    times = {cfg: run(cfg, None) for cfg in sparse_cfgs}
+    best_cfg = min(times, key=times.get)
+    for splits in sorted({max(1, auto_splits // 2), auto_splits * 2} - {auto_splits}):
+        run(best_cfg, splits)
+    best_key = min(res["variants"], key=lambda kk: res["variants"][kk]["us"])
+    res["best"] = {"key": best_key, **res["variants"][best_key]}
+
+    # Same bytes, dense: the first k_sel blocks of every sequence (default config).
+    n_tok = k_sel * BLOCK_SIZE
+    bt_dense = bt[:, :k_sel]
+    lens_dense = torch.full_like(seq_lens, n_tok)
+    _sync()
+    us = bench_us(lambda: paged_decode_attention(q, k, v, bt_dense, lens_dense, scale, out=out))
+    gbs = kv_bytes / (us * 1e-6) / 1e9
+    res["dense_same_bytes"] = {"ctx": n_tok, "us": us, "gbs": gbs, "frac_copy_bw": gbs / copy_gbs}
+    print(f"  {'dense paged, ctx ' + str(n_tok):28s} {us:9.1f} us  {gbs:7.0f} GB/s  {gbs / copy_gbs:6.1%} of copy bw")
+
+    del q, k, v, bt, seq_lens, sel, counts, out, bt_dense, lens_dense
+    _release_memory()
     return res
 
 
@@ -269,8 +408,8 @@ def bench_fused(n_tokens: int, gen: torch.Generator) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
             print(f"  N={n_tokens:<6d} {name:18s} FAILED: {out[name]['error']}")
-    del x, r, gu, qkv
-    torch.cuda.empty_cache()
+    del x, r, gu, qkv, q, kk, cache, pos, hw, ops
+    _release_memory()
     return out
 
 
@@ -367,7 +506,8 @@ def _cubin_resources(cubin: bytes | None) -> dict[str, int]:
 
 _ABBREV = {"HEAD_DIM": "D", "GROUP": "G", "BLOCK_SIZE": "bs", "BLOCK_N": "bn", "DIRECT_OUT": "direct=", "BLOCK": "block",
            "NUM_Q_HEADS": "hq", "NUM_K_HEADS": "hk", "Q_HEADS_PAD": "hq_pad", "K_HEADS_PAD": "hk_pad", "HALF": "half",
-           "NORM": "norm=", "HAS_RESIDUAL": "residual=", "SPLITS_PAD": "splits_pad", "PREFETCH": "prefetch="}
+           "NORM": "norm=", "HAS_RESIDUAL": "residual=", "SPLITS_PAD": "splits_pad", "PREFETCH": "prefetch=",
+           "SPARSE": "sparse="}
 
 
 def compile_only(target_str: str, quick: bool) -> int:
@@ -398,6 +538,13 @@ def compile_only(target_str: str, quick: bool) -> int:
             sl = torch.empty((4,), dtype=torch.int32, device=meta)
             kw = {} if cfg is None else cfg_kwargs(cfg)
             paged_decode_attention(q, kc, kc, bt, sl, d**-0.5, num_splits=splits, **kw)
+            if kw.get("prefetch"):
+                continue  # dense-only loop
+            kw.pop("prefetch", None)
+            # Block-sparse variant of the same case (two-level gather, empty-tile-safe softmax).
+            sel = torch.empty((4, hkv, 8), dtype=torch.int32, device=meta)
+            cnt = torch.empty((4, hkv), dtype=torch.int32, device=meta)
+            sparse_paged_decode_attention(q, kc, kc, bt, sl, sel, cnt, d**-0.5, num_splits=splits, **kw)
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.empty((16, HIDDEN), dtype=dtype, device=meta)
             w = torch.empty((HIDDEN,), dtype=dtype, device=meta)
@@ -418,7 +565,7 @@ def compile_only(target_str: str, quick: bool) -> int:
         apply_rope(q, k, torch.empty((16,), dtype=torch.int32, device=meta), torch.empty((2048, 64), dtype=torch.float32, device=meta))
 
     failures = 0
-    print(f"{'kernel':30s} {'variant':60s} {'regs':>5s} {'smem':>7s} {'stack':>5s}")
+    print(f"{'kernel':30s} {'variant':76s} {'regs':>5s} {'smem':>7s} {'stack':>5s}")
     seen = set()
     for kernel, args, kwargs in launches:
         shown = {k: v for k, v in kwargs.items() if k not in ("UPCAST_DOT", "EMULATE_BF16")}
@@ -435,12 +582,12 @@ def compile_only(target_str: str, quick: bool) -> int:
         desc = f"{dtypes[0] if dtypes else ''} {desc} w{kwargs.get('num_warps')}s{kwargs.get('num_stages', '-')}"
         try:
             info = _aot_compile(kernel, args, kwargs, target)
-            print(f"{kernel.__name__:30s} {desc[:60]:60s} {info.get('regs', '?'):>5} {info['shared']:>7d} {info.get('stack', '?'):>5}")
+            print(f"{kernel.__name__:30s} {desc[:76]:76s} {info.get('regs', '?'):>5} {info['shared']:>7d} {info.get('stack', '?'):>5}")
             if info.get("stack", 0) > 0:
                 print("    ^ uses local memory (register spills)")
         except Exception as exc:  # noqa: BLE001
             failures += 1
-            print(f"{kernel.__name__:30s} {desc[:60]:60s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            print(f"{kernel.__name__:30s} {desc[:76]:76s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
     if failures:
         print(f"compile-only: {failures} of {len(seen)} variants FAILED for {target_str}")
         return 1
@@ -457,6 +604,7 @@ def _configure_cpu_smoke() -> None:
     """Tiny shapes on CPU so the whole flow runs under the interpreter in seconds."""
     global DEVICE, HQ, HKV, HEAD_DIM, HIDDEN, INTERMEDIATE, ROPE_MAX_POS
     global DECODE_POINTS, LARGE_POINTS, FUSED_TOKENS, CHECK_BATCH_CTX, COPY_GIB, CONFIGS_FULL, CONFIGS_QUICK
+    global SPARSE_POINTS, SPARSE_K
     DEVICE = "cpu"
     HQ, HKV, HEAD_DIM = 4, 2, 32
     HIDDEN, INTERMEDIATE, ROPE_MAX_POS = 64, 96, 128
@@ -466,6 +614,7 @@ def _configure_cpu_smoke() -> None:
     CHECK_BATCH_CTX = (6, 40)
     COPY_GIB = (1 / 1024, 1 / 1024)
     CONFIGS_FULL = CONFIGS_QUICK = [(16, 4, 3, False), (16, 4, 1, True)]
+    SPARSE_POINTS, SPARSE_K = [(1, 64)], 2
 
 
 
@@ -516,7 +665,18 @@ def main() -> int:
         except torch.cuda.OutOfMemoryError as exc:
             print(f"  OOM: {str(exc)[:120]}")
             results["decode"].append({"batch": batch, "ctx": ctx, "error": "OOM"})
-        torch.cuda.empty_cache()
+        _release_memory()
+
+    results["sparse"] = []
+    for batch, ctx in SPARSE_POINTS:
+        print(f"sparse decode B={batch} ctx={ctx} K={SPARSE_K} blocks "
+              f"(KV read {batch * HKV * SPARSE_K * BLOCK_SIZE * HEAD_DIM * 4 / 1e9:.3f} GB):")
+        try:
+            results["sparse"].append(bench_sparse_point(batch, ctx, SPARSE_K, configs, copy_gbs, gen))
+        except torch.cuda.OutOfMemoryError as exc:
+            print(f"  OOM: {str(exc)[:120]}")
+            results["sparse"].append({"batch": batch, "ctx": ctx, "k_sel": SPARSE_K, "error": "OOM"})
+        _release_memory()
 
     results["fused"] = {}
     for n_tokens in FUSED_TOKENS:
@@ -526,7 +686,7 @@ def main() -> int:
         except torch.cuda.OutOfMemoryError:
             print("  OOM")
             results["fused"][str(n_tokens)] = {"error": "OOM"}
-        torch.cuda.empty_cache()
+        _release_memory()
 
     # Compact summary.
     print("\n=== paged decode (Qwen3-8B: Hq 32, Hkv 8, D 128, bs 16, bf16) ===")
@@ -552,6 +712,15 @@ def main() -> int:
     if ranked:
         print("config ranking (geomean fraction of copy bw, auto splits): " + ", ".join(f"{k} {s:.1%}" for s, k in ranked))
         results["config_ranking"] = [{"config": k, "geomean_frac_copy_bw": s} for s, k in ranked]
+    print(f"\n=== block-sparse paged decode (same shapes, K={SPARSE_K} blocks of {BLOCK_SIZE} per seq and kv head) ===")
+    print(f"{'B':>4s} {'ctx':>6s} {'splits':>6s} {'best variant':30s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'dense us':>9s} {'dense %':>7s}")
+    for r in results["sparse"]:
+        if "error" in r:
+            print(f"{r['batch']:>4d} {r['ctx']:>6d} {r['error']}")
+            continue
+        best, dn = r["best"], r["dense_same_bytes"]
+        print(f"{r['batch']:>4d} {r['ctx']:>6d} {r['auto_splits']:>6d} {best['key']:30s} {best['us']:9.1f} {best['gbs']:7.0f} "
+              f"{best['frac_copy_bw']:6.1%} {dn['us']:9.1f} {dn['frac_copy_bw']:7.1%}")
     print("\n=== fused ops (bf16) ===")
     for n_tokens, ops in results["fused"].items():
         for name, val in ops.items():

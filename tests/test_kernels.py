@@ -269,6 +269,207 @@ def test_choose_num_splits_properties():
 
 
 # --------------------------------------------------------------------------- #
+# Sparse (block-sparse) paged decode attention
+# --------------------------------------------------------------------------- #
+
+
+class SparseSelection:
+    """Per-(sequence, kv head) selection of logical blocks for a DecodeCase.
+
+    Row (b, h) follows mode (b * Hkv + h) % 4 (or `modes` when given):
+      0: min(K, n_blk) blocks, the last (possibly partial) block included;
+      1: up to K blocks, the last block excluded;
+      2: count 0;
+      3: a random count in [1, min(K, n_blk)].
+    The selected blocks are in random order, except that `last_first` puts the
+    last block in front (then a BLOCK_N < block_size tile can cover only its
+    padding). Entries past the count are garbage, first of all valid but
+    unselected blocks of the sequence (reading one changes the result), then -1,
+    a huge index, the first index past the sequence and an index into the
+    table's garbage columns (whose cache blocks are NaN or out of bounds).
+    """
+
+    def __init__(self, case: DecodeCase, max_sel: int, seed: int, modes: list[int] | None = None,
+                 last_first: bool = False, full: bool = False, shuffle: bool = True) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.k = max_sel
+        sel = torch.empty((case.batch, case.hkv, max_sel), dtype=torch.int32)
+        counts = torch.zeros((case.batch, case.hkv), dtype=torch.int32)
+        self.sets: dict[tuple[int, int], list[int]] = {}  # selected logical blocks
+        max_blocks = case.block_tables.shape[1]
+        for b, L in enumerate(case.seq_lens_list):
+            n_blk = math.ceil(L / case.bs)
+            for h in range(case.hkv):
+                mode = 0 if full else (modes[(b * case.hkv + h) % len(modes)] if modes else (b * case.hkv + h) % 4)
+                if mode == 0:
+                    cnt = min(max_sel, n_blk)
+                    pool = list(range(n_blk - 1))
+                    chosen = ([n_blk - 1] if cnt else []) + [pool[i] for i in torch.randperm(len(pool), generator=gen)[: max(cnt - 1, 0)].tolist()]
+                elif mode == 1:
+                    cnt = min(max_sel, max(n_blk - 1, 0))
+                    chosen = torch.randperm(max(n_blk - 1, 0), generator=gen)[:cnt].tolist()
+                elif mode == 2:
+                    chosen = []
+                else:
+                    top = min(max_sel, n_blk)
+                    cnt = int(torch.randint(1, top + 1, (1,), generator=gen)) if top else 0
+                    chosen = torch.randperm(n_blk, generator=gen)[:cnt].tolist()
+                if full:
+                    chosen = list(range(n_blk))
+                if shuffle:
+                    chosen = [chosen[i] for i in torch.randperm(len(chosen), generator=gen).tolist()]
+                if last_first and n_blk - 1 in chosen:
+                    chosen.remove(n_blk - 1)
+                    chosen.insert(0, n_blk - 1)
+                unselected = [x for x in range(n_blk) if x not in chosen]
+                garbage = unselected[:1] + [HUGE_BLOCK_ID, -1] + unselected[1:2] + [n_blk, max_blocks - 1]
+                row = chosen + [garbage[i % len(garbage)] for i in range(max_sel - len(chosen))]
+                sel[b, h] = torch.tensor(row, dtype=torch.int32)
+                counts[b, h] = len(chosen)
+                self.sets[(b, h)] = chosen
+        # A strided view (row stride > K) of a wider buffer full of garbage.
+        wide = torch.full((case.batch, case.hkv, max_sel + 3), -7, dtype=torch.int32)
+        wide[:, :, :max_sel] = sel
+        self.sel_blocks = wide.to(DEVICE)[:, :, :max_sel]
+        self.sel_counts = counts.to(DEVICE)
+
+    def positions(self, case: DecodeCase, b: int, h: int) -> list[int]:
+        """Explicit token positions attended by (b, h)."""
+        L = case.seq_lens_list[b]
+        return sorted(t for lb in self.sets[(b, h)] for t in range(lb * case.bs, (lb + 1) * case.bs) if t < L)
+
+    def reference_fp64(self, case: DecodeCase) -> torch.Tensor:
+        """float64 attention over the selected positions, from the contiguous K/V."""
+        out = torch.zeros((case.batch, case.hq, case.d), dtype=torch.float64)
+        for b in range(case.batch):
+            for h in range(case.hkv):
+                pos = torch.tensor(self.positions(case, b, h), dtype=torch.long)
+                if pos.numel() == 0:
+                    continue
+                k = case.k_seqs[b][pos, h].double()  # [n, D]
+                v = case.v_seqs[b][pos, h].double()
+                q = case.q[b, h * case.group: (h + 1) * case.group].cpu().double()
+                p = torch.softmax(q @ k.T * case.scale, dim=-1)
+                out[b, h * case.group: (h + 1) * case.group] = p @ v
+        return out
+
+    def args(self, case: DecodeCase):
+        return (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                self.sel_blocks, self.sel_counts, case.scale)
+
+
+def check_zero_groups(out: torch.Tensor, case: DecodeCase, sel: SparseSelection) -> None:
+    for b in range(case.batch):
+        for h in range(case.hkv):
+            if not sel.positions(case, b, h):
+                rows = out[b, h * case.group: (h + 1) * case.group].cpu()
+                assert torch.equal(rows, torch.zeros_like(rows)), f"(b={b}, h={h}) attends nothing but is not zero"
+
+
+SPARSE_CASES = [
+    # (block_size, group, num_kv_heads, head_dim, dtype, seq_lens, K, block_n)
+    (16, 4, 2, 32, torch.float32, [37, 0, 160, 70], 4, None),
+    (16, 3, 2, 32, torch.bfloat16, [129, 50, 0], 6, None),
+    (1, 3, 2, 32, torch.bfloat16, [45, 0, 20], 24, None),
+    (1, 1, 2, 32, torch.float32, [30, 3], 16, 16),
+    (64, 1, 3, 32, torch.float32, [200, 5, 0, 64], 3, 16),
+    (64, 4, 2, 32, torch.bfloat16, [130, 0, 104], 2, None),
+]
+
+
+@pytest.mark.parametrize("block_size,group,hkv,head_dim,dtype,seq_lens,max_sel,block_n", SPARSE_CASES)
+def test_sparse_paged_decode_matches_fp64(block_size, group, hkv, head_dim, dtype, seq_lens, max_sel, block_n):
+    idx = SPARSE_CASES.index((block_size, group, hkv, head_dim, dtype, seq_lens, max_sel, block_n))
+    case = DecodeCase(seq_lens, hkv, group, head_dim, block_size, dtype, seed=2000 + idx).to(DEVICE)
+    sel = SparseSelection(case, max_sel, seed=3000 + idx)
+    counts = sel.sel_counts.cpu()
+    # The case exercises what it claims: empty and full (K) rows, and (for
+    # block_size > 1) a partial last block both selected and not selected.
+    assert (counts == 0).any() and (counts == max_sel).any()
+    if block_size > 1:
+        partial = {b for b, L in enumerate(seq_lens) if L % block_size}
+        last_in = [(math.ceil(seq_lens[b] / block_size) - 1) in sel.sets[(b, h)] for b in partial for h in range(hkv)]
+        assert any(last_in) and not all(last_in)
+    ref64 = sel.reference_fp64(case)
+    tol = DECODE_TOL[dtype]
+
+    twin = paged_decode.sparse_paged_decode_attention_ref(*sel.args(case))
+    assert twin.dtype == dtype and twin.shape == (case.batch, case.hq, head_dim)
+    err_twin = rel_err(twin, ref64)
+    assert err_twin < tol, f"ref twin rel err {err_twin:.3e} >= {tol}"
+    check_zero_groups(twin, case, sel)
+
+    out = case.poisoned_out()
+    res = paged_decode.sparse_paged_decode_attention(*sel.args(case), num_splits=3, out=out, block_n=block_n)
+    assert res.data_ptr() == out.data_ptr() and res.dtype == dtype
+    err = rel_err(out, ref64)
+    assert err < tol, f"triton rel err {err:.3e} >= {tol} (twin: {err_twin:.3e})"
+    check_zero_groups(out, case, sel)
+    assert rel_err(out, twin) < tol
+
+    auto = paged_decode.sparse_paged_decode_attention(*sel.args(case), block_n=block_n)
+    assert rel_err(auto, ref64) < tol
+    check_zero_groups(auto, case, sel)
+
+
+@pytest.mark.parametrize("block_size,dtype,block_n", [(16, torch.float32, 16), (1, torch.float32, 16), (64, torch.bfloat16, 32)])
+def test_sparse_full_selection_equals_dense(block_size, dtype, block_n):
+    """Selecting every block of every sequence is dense attention: in block order
+    with one split it is the very same computation (bit-identical); shuffled, with
+    several splits, it agrees to rounding."""
+    seq_lens = [0, 5, 70]
+    case = DecodeCase(seq_lens, num_kv_heads=2, group=3, head_dim=32, block_size=block_size, dtype=dtype, seed=17).to(DEVICE)
+    max_sel = max(math.ceil(L / block_size) for L in seq_lens)
+    in_order = SparseSelection(case, max_sel, seed=18, full=True, shuffle=False)
+    shuffled = SparseSelection(case, max_sel, seed=19, full=True)
+    dense1 = paged_decode.paged_decode_attention(*case.args(), num_splits=1, block_n=block_n)
+    sparse1 = paged_decode.sparse_paged_decode_attention(*in_order.args(case), num_splits=1, block_n=block_n)
+    assert torch.equal(sparse1, dense1)
+    dense = paged_decode.paged_decode_attention(*case.args(), num_splits=3, block_n=block_n)
+    sparse = paged_decode.sparse_paged_decode_attention(*shuffled.args(case), num_splits=3, block_n=block_n)
+    assert rel_err(sparse, dense) < TWIN_TOL[dtype]
+    assert rel_err(sparse, case.reference_fp64()) < DECODE_TOL[dtype]
+
+
+def test_sparse_num_splits_agree():
+    """1 (direct store), 3 and 8 splits agree, including splits that start inside
+    the padding of a selected partial last block (empty tiles, empty splits) and
+    more splits than tiles."""
+    seq_lens = [200, 7]
+    case = DecodeCase(seq_lens, num_kv_heads=2, group=4, head_dim=32, block_size=64, dtype=torch.float32, seed=23).to(DEVICE)
+    sel = SparseSelection(case, 3, seed=24, modes=[0, 3, 1, 2], last_first=True)
+    ref64 = sel.reference_fp64(case)
+    outs = {}
+    for num_splits, block_n in [(1, 16), (3, 16), (8, 16), (3, 64)]:
+        out = paged_decode.sparse_paged_decode_attention(
+            *sel.args(case), num_splits=num_splits, block_n=block_n, out=case.poisoned_out()
+        )
+        err = rel_err(out, ref64)
+        assert err < 1e-5, f"splits={num_splits} block_n={block_n}: rel err {err:.3e}"
+        check_zero_groups(out, case, sel)
+        outs[(num_splits, block_n)] = out
+    base = outs[(1, 16)]
+    for key, out in outs.items():
+        assert rel_err(out, base) < 1e-5, key
+
+
+def test_sparse_paged_decode_rejects_bad_shapes():
+    case = DecodeCase([20, 9], num_kv_heads=2, group=2, head_dim=32, block_size=16, dtype=torch.float32, seed=5).to(DEVICE)
+    sel = SparseSelection(case, 2, seed=6)
+    q, k, v, bt, sl, sb, sc, scale = sel.args(case)
+    with pytest.raises(ValueError):
+        paged_decode.sparse_paged_decode_attention(q, k, v, bt, sl, sb[:, :1], sc, scale)  # Hkv mismatch
+    with pytest.raises(ValueError):
+        paged_decode.sparse_paged_decode_attention(q, k, v, bt, sl, sb, sc[:1], scale)  # batch mismatch
+    with pytest.raises(ValueError):
+        paged_decode.sparse_paged_decode_attention(q, k, v, bt, sl, sb[..., 0], sc, scale)  # not [B, Hkv, K]
+    # K = 0: nothing can be selected, zeros without a launch.
+    out = paged_decode.sparse_paged_decode_attention(q, k, v, bt, sl, sb[:, :, :0], torch.zeros_like(sc), scale,
+                                                     out=case.poisoned_out())
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+# --------------------------------------------------------------------------- #
 # Fused ops
 # --------------------------------------------------------------------------- #
 
@@ -435,6 +636,9 @@ def test_kernels_compile_for_hopper():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compile-only: all" in proc.stdout, proc.stdout[-3000:]
+    # The block-sparse specialisation is among them (bs 1, 16, 64+, direct and merged).
+    sparse_lines = [line for line in proc.stdout.splitlines() if "sparse=True" in line]
+    assert len(sparse_lines) >= 4 and any("direct=True" in line for line in sparse_lines), proc.stdout[-3000:]
 
 
 @pytest.mark.skipif(
@@ -443,7 +647,7 @@ def test_kernels_compile_for_hopper():
 )
 def test_benchmark_script_cpu_smoke(tmp_path):
     """The GPU benchmark's whole flow (correctness gate, sweeps, SDPA reference,
-    fused ops, summary, JSON) on CPU with tiny shapes, so it cannot rot unnoticed
+    block-sparse points, fused ops, summary, JSON) on CPU with tiny shapes, so it cannot rot unnoticed
     before it gets scarce GPU time."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out_json = tmp_path / "bench.json"
@@ -463,5 +667,10 @@ def test_benchmark_script_cpu_smoke(tmp_path):
     point = res["decode"][0]
     assert point["best"]["us"] > 0 and "us" in point["sdpa_contiguous"]
     assert all(err < 1e-2 for err in res["correctness"].values())
+    assert any(key.startswith("sparse_") for key in res["correctness"])
+    assert [(r["batch"], r["ctx"], r["k_sel"]) for r in res["sparse"]] == [(1, 64, 2)]
+    sp = res["sparse"][0]
+    assert sp["rel_err_vs_ref"] < 1e-2 and sp["best"]["us"] > 0 and sp["dense_same_bytes"]["ctx"] == 2 * 16
+    assert sp["kv_bytes"] == 1 * 2 * 2 * 16 * 32 * 2 * 2  # B * Hkv * K * bs * D * 2 bytes * (K and V)
     assert set(res["fused"]["3"]) == {"rms_norm", "rms_norm+residual", "silu_and_mul", "apply_rope", "qk_norm_rope"}
     assert all("us" in v for v in res["fused"]["3"].values())

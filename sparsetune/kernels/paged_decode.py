@@ -29,6 +29,16 @@ byte exactly once at close to HBM bandwidth):
 * Stage 2 (`_merge_splits_kernel`), grid (num_q_heads, batch): log-sum-exp merge
   of the per-split partial outputs. Skipped when num_splits == 1 (stage 1 then
   writes the normalised output directly).
+* Block-sparse decode (`sparse_paged_decode_attention`) is the same two stages
+  with the stage-1 constexpr SPARSE=True (the dense specialisation compiles to
+  exactly the code it had before the flag existed). Each (sequence, kv head)
+  attends over its selected logical blocks sel_blocks[b, h, :sel_counts[b, h]]:
+  the index space j in [0, count * block_size) is split like a dense sequence;
+  token j lives in logical block sel_blocks[b, h, j // block_size], offset
+  j % block_size, i.e. cache block block_tables[b, that block], and counts if
+  its position is < seq_len (the last block may be partial). The lookup is one
+  more gather than dense (selection -> block table -> cache); a tile may then
+  hold no valid token, which the online softmax tolerates (EMPTY_SAFE).
 
 Everything the host decides (num_splits, tile sizes, grid) depends on tensor
 SHAPES only and nothing reads tensor values on the host, so the call can be
