@@ -222,6 +222,11 @@ def main() -> None:
             results["decode"].append(r)
             print(f"decode {flow} {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
                   f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
+        if args.profile:
+            b, c = parse_cases(args.profile)[0]
+            prof = {"case": args.profile, "flow": flow, "ms_by_category": profile_step(llm, False, b, c)}
+            results.setdefault("decode_profiles", []).append(prof)
+            print(f"eager decode step ({flow}, {args.profile}) kernel time (ms):", prof["ms_by_category"], flush=True)
     dense_rows = {(r["batch"], r["context"]): r for r in results["decode"] if r["flow"] == "dense"}
     for r in results["decode"]:
         d = dense_rows.get((r["batch"], r["context"]))
@@ -231,12 +236,6 @@ def main() -> None:
             print(f"{r['flow']} {r['batch']}x{r['context']}: {r['speedup_vs_dense']:.2f}x over dense "
                   f"(floor ratio {r['floor_speedup']:.2f}x -> {100 * r['speedup_vs_dense'] / r['floor_speedup']:.0f}% of it)")
 
-    if args.profile:
-        b, c = parse_cases(args.profile)[0]
-        results["decode_profile"] = {"case": args.profile, "flow": llm.flow.name if llm.flow else "dense",
-                                     "ms_by_category": profile_step(llm, False, b, c)}
-        print(f"eager decode step ({results['decode_profile']['flow']}) kernel time (ms):",
-              results["decode_profile"]["ms_by_category"], flush=True)
     if args.profile_prefill:
         n = args.profile_prefill
         results["prefill_profile"] = {"tokens": n, "ms_by_category": profile_step(llm, True, 1, n)}
