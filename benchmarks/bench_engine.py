@@ -161,6 +161,7 @@ def profile_step(llm: LLM, is_prefill: bool, batch: int, ctx: int) -> list[tuple
     return sorted(((c, round(ms, 3)) for c, ms in cats.items()), key=lambda kv: -kv[1])
 
 
+@torch.inference_mode()
 def _prefill_fields(llm: LLM, dec: list[tuple[int, int]]) -> None:
     """Run the flow's cache stage over the whole pool once, as prefill would have for real prompts."""
     blocks = torch.arange(llm.kv.num_blocks, device=llm.device)
