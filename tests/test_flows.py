@@ -228,3 +228,15 @@ def test_compiled_executor_equals_reference(name):
     for f in ref.fields[0]:
         assert torch.allclose(ref.fields[0][f], comp.fields[0][f], atol=1e-6, rtol=1e-6)
     assert selected_sets(ref, kv, bt, meta, q) == selected_sets(comp, kv, bt, meta, q)
+
+
+@pytest.mark.parametrize("sx,sy", [(5, 1), (1, 5), (5, 5), (1, 1)])
+def test_gemm_op_matches_einsum(sx, sy):
+    from sparsetune.flow import ops as F
+    from sparsetune.flow.ops import FT
+
+    g = torch.Generator().manual_seed(sx * 10 + sy)
+    x = torch.randn(3, sx, 4, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(3, sy, 2, 8, generator=g, dtype=torch.float64)
+    want = torch.einsum("rsmk,rsnk->rsmn", x.expand(3, max(sx, sy), 4, 8), y.expand(3, max(sx, sy), 2, 8))
+    assert torch.allclose(F.gemm(FT(x), FT(y)).data, want)

@@ -244,7 +244,17 @@ def gemm(x: FT, y: FT) -> FT:
     _check_rank3(x, y)
     if x.shape[2] != y.shape[2]:
         raise ValueError(f"inner dims differ: {x.shape[2]} vs {y.shape[2]}")
-    return FT(torch.matmul(x.data, y.data.transpose(-1, -2)), _merge_mask(x, y))
+    (r, sx, m, k), (sy, n) = x.data.shape, y.shape[:2]
+    # One side constant over blocks (e.g. the query): fold the block axis into the other side's
+    # rows, so each row is one real GEMM instead of S tiny ones.
+    if sy == 1 and sx > 1:
+        out = torch.matmul(x.data.reshape(r, sx * m, k), y.data[:, 0].transpose(-1, -2)).view(r, sx, m, n)
+    elif sx == 1 and sy > 1:
+        out = torch.matmul(x.data[:, 0], y.data.reshape(r, sy * n, k).transpose(-1, -2))
+        out = out.view(r, m, sy, n).transpose(1, 2)
+    else:
+        out = torch.matmul(x.data, y.data.transpose(-1, -2))
+    return FT(out, _merge_mask(x, y))
 
 
 # ---- reductions (keepdim) -----------------------------------------------------------------------
