@@ -100,7 +100,7 @@ def test_streaming_keeps_sinks_and_window_only():
 
 
 @pytest.mark.parametrize("name,extra", [("quest", {}), ("block_topk", {}), ("streaming", {"local_blocks": "4096"}),
-                                        ("block_topk", {"block_size": "1"})])
+                                        ("block_topk", {"block_size": "1"}), ("h2o", {}), ("tidal", {})])
 def test_full_budget_equals_dense(name, extra):
     report = check_flow(name, extra, head_dim=HEAD_DIM, group=GROUP)
     assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order
@@ -186,14 +186,15 @@ def test_flows_new_then_check_passes(tmp_path):
     assert report["name"] == "my_flow" and report["full_budget_rel_err"] < 1e-6
 
 
-def test_engine_quest_generous_budget_equals_dense(smollm):
+@pytest.mark.parametrize("flow", ["quest", "tidal"])
+def test_engine_generous_budget_equals_dense(smollm, flow):
     from sparsetune.engine.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
 
     prompts = ["What is the capital of France?", "Name three primary colours and say which one you like most."]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     dense = [o.token_ids for o in smollm.generate(prompts, params)]
-    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow="quest", flow_params={"budget": "4096"})
+    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow=flow, flow_params={"budget": "4096"})
     assert [o.token_ids for o in llm.generate(prompts, params)] == dense
 
 
@@ -240,3 +241,52 @@ def test_gemm_op_matches_einsum(sx, sy):
     y = torch.randn(3, sy, 2, 8, generator=g, dtype=torch.float64)
     want = torch.einsum("rsmk,rsnk->rsmn", x.expand(3, max(sx, sy), 4, 8), y.expand(3, max(sx, sy), 2, 8))
     assert torch.allclose(F.gemm(FT(x), FT(y)).data, want)
+
+
+def test_h2o_state_accumulates_across_steps():
+    """H2O's running total per block equals the sum of per-step estimated masses (direct torch)."""
+    lens = [20 * 16 + 5, 12 * 16 + 1]
+    kv, bt, meta, _ = paged_case(16, lens, seed=7)
+    flow = build_flow("h2o", {"budget": "64", "decay": "0.9"})
+    attn = FlowAttention(flow, HEAD_DIM**-0.5)
+    prefill_cache(attn, kv, bt, lens)
+    g = torch.Generator().manual_seed(9)
+    acc = [torch.zeros(-(-n // 16), HKV, dtype=torch.float64) for n in lens]
+    for step in range(3):
+        q = torch.randn(len(lens), HKV * GROUP, HEAD_DIM, generator=g, dtype=torch.float64)
+        got = selected_sets(attn, kv, bt, meta, q)
+        for b, n in enumerate(lens):
+            nblocks, nfull = -(-n // 16), n // 16
+            for h in range(HKV):
+                cent = kv.k[0][bt[b, :nblocks].long(), h].mean(1)  # [nblocks, D]
+                cent[nfull:] = 0  # the partial block's fields were never computed (zeros)
+                logit = (q[b, h * GROUP : (h + 1) * GROUP] @ cent.T).amax(0)  # [nblocks]
+                acc[b][:, h] = 0.9 * acc[b][:, h] + torch.softmax(logit * HEAD_DIM**-0.5, 0)
+                stored = attn.fields[0]["acc"][bt[b, :nblocks].long(), h].view(-1)
+                assert torch.allclose(stored, acc[b][:, h], atol=1e-9), (step, b, h)
+                assert got[b][h] == reference_selection(acc[b][:, h], nblocks, 4, 1, 2)
+
+
+def test_tidal_selects_by_attention_mass_and_reuses():
+    lens = [18 * 16 + 9, 25 * 16]
+    kv, bt, meta, q = paged_case(16, lens, seed=5)
+    kv = KVCache(3, kv.num_blocks, HKV, 16, HEAD_DIM, torch.float64, "cpu")  # 3 layers, same layout
+    kv.k.normal_(generator=torch.Generator().manual_seed(2))
+    kv.v.normal_(generator=torch.Generator().manual_seed(3))
+    flow = build_flow("tidal", {"budget": "80", "dense_layers": "", "select_layers": "0"})
+    attn = FlowAttention(flow, HEAD_DIM**-0.5)
+    first = selected_sets(attn, kv, bt, meta, q)  # layer 0 selects
+    for b, n in enumerate(lens):
+        nblocks = -(-n // 16)
+        for h in range(HKV):
+            keys = kv.k[0][bt[b, :nblocks].long(), h].reshape(-1, HEAD_DIM)[:n]  # [n, D] real tokens
+            logits = q[b, h * GROUP : (h + 1) * GROUP] @ keys.T * HEAD_DIM**-0.5  # [G, n]
+            probs = torch.softmax(logits, -1)  # exact attention
+            mass = torch.zeros(GROUP, nblocks * 16, dtype=torch.float64)
+            mass[:, :n] = probs
+            score = mass.view(GROUP, nblocks, 16).sum(-1).amax(0)
+            assert first[b][h] == reference_selection(score, nblocks, 5, 1, 2)
+    q2 = torch.randn_like(q)
+    blocks0, counts0 = attn.select(0, q, kv, meta)
+    blocks1, counts1 = attn.select(1, q2, kv, meta)  # not a select layer: reuses layer 0's choice
+    assert torch.equal(blocks0, blocks1) and torch.equal(counts0, counts1)

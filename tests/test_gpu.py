@@ -44,7 +44,7 @@ def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
     assert [o.token_ids for o in outs] == reference
 
 
-@pytest.mark.parametrize("flow", ["quest", "block_topk"])
+@pytest.mark.parametrize("flow", ["quest", "block_topk", "h2o", "tidal"])
 def test_gpu_flow_graphs(flow, tmp_path):
     """Flows on GPU (Triton sparse kernel, indexer inside the CUDA graph): full budget = dense;
     at a small budget, graph replay = eager execution."""
@@ -55,9 +55,10 @@ def test_gpu_flow_graphs(flow, tmp_path):
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (150, 37, 90)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     dense = [o.token_ids for o in LLM(**opts).generate(prompts, params)]
-    full = LLM(flow=flow, flow_params={"budget_ratio": "1.0", "dense_layers": "0"}, **opts)
+    sel = {"select_layers": "1"} if flow == "tidal" else {}
+    full = LLM(flow=flow, flow_params={"budget_ratio": "1.0", "dense_layers": "0", **sel}, **opts)
     assert [o.token_ids for o in full.generate(prompts, params)] == dense
-    small = {"budget": "32", "dense_layers": "0"}
+    small = {"budget": "32", "dense_layers": "0", **sel}
     graphed = LLM(flow=flow, flow_params=small, **opts)
     assert graphed.runner.graphs
     eager = LLM(flow=flow, flow_params=small, cuda_graph=False, **opts)

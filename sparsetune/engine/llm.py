@@ -180,6 +180,11 @@ class LLM:
         if bad:
             raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {n}-layer model")
         sparse = [i for i in range(n) if i not in flow.dense_layers]
+        if flow.select_layers and sparse and sparse[0] not in flow.select_layers:
+            raise SparsetuneError(
+                f"--param select_layers: the first sparse layer ({sparse[0]}) must select, "
+                f"since later layers reuse its choice; got {list(flow.select_layers)}"
+            )
         executor = self.config.flow_executor or ("compiled" if self.device.type == "cuda" else "reference")
         if executor not in EXECUTORS:
             raise SparsetuneError(f"--flow-executor {executor!r}: use one of {', '.join(EXECUTORS)}")

@@ -6,7 +6,9 @@ A flow declares hyperparameters as class attributes of type `Param` and two stag
   `k`, `v` are one block of one KV head, `[1, block_size, head_dim]`; each field is `[1, r, c]`.
 - `index(self, q, fields) -> F.topk(score)`: every decode step, per layer; `q` is the query
   heads of one KV head's group, `[1, group, head_dim]`; each field comes back as `[S, r, c]`
-  over the sequence's S blocks; `score` is `[S, 1, 1]`.
+  over the sequence's S blocks; `score` is `[S, 1, 1]`. `F.save(fields, name, x)` stores a
+  new value of a field for the next step (state); with `uses_keys = True` the raw keys are
+  field "k", `[S, block_size, head_dim]` (tokens past the sequence end read as zeros).
 
 The runtime always keeps the first `sink_blocks` and last `local_blocks` blocks (the last one
 holds the newest token) and fills the rest of the budget with the top-scoring blocks.
@@ -26,6 +28,7 @@ class DecodeFlow:
     name: ClassVar[str] = ""
     source: ClassVar[str] = ""  # the published rule this flow implements
     full_attention: ClassVar[bool] = False  # True: no selection at all (the `dense` flow)
+    uses_keys: ClassVar[bool] = False  # True: the indexer also gets the raw keys as field "k" [S, block, D]
 
     # Every selection flow accepts these (Vortex defaults: block 16, first block + last two).
     block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (selection granularity)")
@@ -34,6 +37,8 @@ class DecodeFlow:
     sink_blocks = Param(1, low=0, high=1024, doc="first blocks always kept (attention sinks)")
     local_blocks = Param(2, low=1, high=1024, doc="last blocks always kept (recent window; includes the current block)")
     dense_layers = Param((0,), kind=tuple, doc="layers that keep full attention (comma-separated indices)")
+    select_layers = Param((), kind=tuple, doc="layers that run the indexer; other sparse layers reuse the "
+                          "latest selection (empty: every sparse layer selects)")
 
     def __init__(self, **values: Any) -> None:
         params = self.param_specs()

@@ -23,7 +23,7 @@ import torch
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow import ops as F
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.ops import FT, FlowError, Selection, Trace
+from sparsetune.flow.ops import FT, Fields, FlowError, Selection, Trace
 from sparsetune.flow.registry import get_flow_class
 
 _VALUE_BUILTINS = {"dict", "len", "range", "tuple", "list", "float", "int", "round"}
@@ -82,18 +82,6 @@ def static_problems(cls: type[DecodeFlow]) -> list[str]:
     return problems
 
 
-class _RecordingFields(dict):
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key: str) -> FT:
-        if key not in self:
-            raise KeyError(f"field {key!r} is not written by cache(); it writes: {', '.join(self) or 'nothing'}")
-        self.read.add(key)
-        return super().__getitem__(key)
-
-
 def _flow_line(cls: type[DecodeFlow], exc: BaseException) -> str:
     path = inspect.getsourcefile(cls)
     for fr in reversed(traceback.extract_tb(exc.__traceback__)):
@@ -104,7 +92,7 @@ def _flow_line(cls: type[DecodeFlow], exc: BaseException) -> str:
 
 def _run_stages(
     flow: DecodeFlow, head_dim: int, group: int, num_blocks: int, rows: int = 2
-) -> tuple[dict, Trace, int, _RecordingFields]:
+) -> tuple[dict, Trace, int, Fields]:
     """Run both stages on dummy inputs, recording ops (and how many came from the cache stage)."""
     g = torch.Generator().manual_seed(0)
     bs = flow.block_size
@@ -121,9 +109,11 @@ def _run_stages(
             if t.shape[0] != 1:
                 raise FlowError(f"cache() field {name!r} has shape {list(t.shape)}; reduce over the block's tokens (dim 1) so it is [1, r, c]")
         valid = torch.arange(num_blocks)[None, :] < torch.tensor([num_blocks, max(1, num_blocks - 2)])[:rows, None]
-        fields = _RecordingFields(
+        fields = Fields(
             {n: FT(t.data.expand(rows, num_blocks, *t.shape[1:]).contiguous(), valid) for n, t in out.items()}
         )
+        if flow.uses_keys:
+            dict.__setitem__(fields, "k", FT(torch.randn(rows, num_blocks, bs, head_dim, generator=g), valid))
         q = FT(torch.randn(rows, 1, group, head_dim, generator=g))
         sel = flow.index(q, fields)
         if not isinstance(sel, Selection):
@@ -178,7 +168,7 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     from sparsetune.flow.runtime import FlowAttention
     from sparsetune.kernels.paged_decode import paged_decode_attention_ref
 
-    params = {**raw, "budget_ratio": "1.0"}
+    params = {**raw, "budget_ratio": "1.0", "select_layers": ""}  # one layer: it must select
     flow = cls.from_strings(params)
     bs, hkv = flow.block_size, 2
     lens = [5 * bs + 3, 2 * bs, 1]

@@ -43,6 +43,23 @@ class FT:
         return f"FT{list(self.shape)}"
 
 
+class Fields(dict):
+    """The fields an indexer sees (name → `[S, r, c]`). Records which were read, and values
+    saved with `F.save` (state carried to the next decode step, e.g. H2O's accumulated mass)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.read: set[str] = set()
+        self.saved: dict[str, FT] = {}
+
+    def __getitem__(self, key: str) -> FT:
+        if key not in self:
+            hint = " (raw keys need `uses_keys = True` on the flow)" if key == "k" else ""
+            raise KeyError(f"field {key!r} is not written by cache(){hint}; it writes: {', '.join(self) or 'nothing'}")
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
 @dataclass
 class Selection:
     """What an indexer returns: block scores to rank (None: only the always-kept blocks)."""
@@ -383,6 +400,17 @@ def fill(x: FT, value: float) -> FT:
 # ---- selection ----------------------------------------------------------------------------------
 
 
+def save(fields: Fields, name: str, value: FT) -> None:
+    """Store `value` (shaped like the field) into field `name` for the next step (Save)."""
+    if not isinstance(fields, Fields) or name not in fields or name == "k":
+        raise FlowError(_where() + f"F.save: {name!r} is not a field written by cache()")
+    if not isinstance(value, FT) or value.shape != dict.__getitem__(fields, name).shape:
+        got = list(value.shape) if isinstance(value, FT) else type(value).__name__
+        raise FlowError(_where() + f"F.save({name!r}): value {got} must have the field's shape "
+                        f"{list(dict.__getitem__(fields, name).shape)}")
+    fields.saved[name] = value
+
+
 def topk(score: FT) -> Selection:
     """Exact top-k over blocks by `score` `[S, 1, 1]`; k comes from the flow's budget."""
     if not isinstance(score, FT):
@@ -402,5 +430,5 @@ def keep_only_forced() -> Selection:
 
 OPS = {
     name: obj for name, obj in globals().items()
-    if callable(obj) and (getattr(obj, "is_flow_op", False) or name in ("topk", "keep_only_forced"))
+    if callable(obj) and (getattr(obj, "is_flow_op", False) or name in ("topk", "keep_only_forced", "save"))
 }

@@ -15,7 +15,7 @@ import torch
 from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.ops import FT
+from sparsetune.flow.ops import FT, Fields
 from sparsetune.kernels import paged_decode
 
 
@@ -40,6 +40,8 @@ class FlowAttention(DenseAttention):
         self.executor = executor
         self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [blocks + 1, Hkv, r, c]
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (blocks, counts)
+        # The latest selection of this step, reused by layers outside `select_layers` (TidalDecode).
+        self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
         self._select_fn = self._select_tensors
         self._cache_fn = self._cache_tensors
         if executor == "compiled":
@@ -98,17 +100,34 @@ class FlowAttention(DenseAttention):
 
     def select(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Selected logical blocks `[B, Hkv, K]` and how many of them count `[B, Hkv]`."""
-        blocks, counts = self._select_fn(
-            q, meta.block_tables, meta.seq_lens, self.fields.get(layer, {}), kv.num_kv_heads, kv.block_size, kv.null_block
-        )
+        reuse = self.flow.select_layers and layer not in self.flow.select_layers
+        if reuse:
+            if self._shared is None:
+                raise RuntimeError(f"layer {layer} reuses a selection but no select layer ran before it")
+            blocks, counts = self._shared
+        else:
+            stores = self.fields.get(layer, {})
+            blocks, counts, saved = self._select_fn(
+                q, meta.block_tables, meta.seq_lens, stores, kv.k[layer] if self.flow.uses_keys else None,
+                kv.num_kv_heads, kv.block_size, kv.null_block,
+            )
+            table = torch.where(
+                torch.arange(meta.block_tables.shape[1], device=q.device) < (meta.seq_lens[:, None] + kv.block_size - 1) // kv.block_size,
+                meta.block_tables.long(), kv.null_block,
+            )
+            for name, value in saved.items():  # state for the next step; padding lands in the null block
+                stores[name][table] = value.to(stores[name].dtype)
+            self._shared = (blocks, counts)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for inspection, eager only
             self.last_selection[layer] = (blocks, counts)
         return blocks, counts
 
     def _select_tensors(
         self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
-        h: int, bs: int, null_block: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Indexer + selection as one tensor function (what the compiled executor compiles).
+        Returns blocks, counts and the saved state values as `[B, W, Hkv, r, c]`."""
         flow = self.flow
         b, hq, d = q.shape
         rows = b * h
@@ -120,13 +139,19 @@ class FlowAttention(DenseAttention):
         nb = nblocks.repeat_interleave(h)  # [R]
         valid = idx < nb[:, None]  # [R, width]
 
-        sel = flow.index(
-            FT(q.reshape(rows, 1, hq // h, d)),
+        fields = Fields(
             {
                 name: FT(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:]), valid)
                 for name, store in stores.items()
-            },
+            }
         )
+        if k_pool is not None:
+            # Raw keys [R, W, bs, D]; slots past the sequence end hold stale data: zero them.
+            keys = k_pool[table].permute(0, 2, 1, 3, 4)  # [B, Hkv, W, bs, D]
+            live = (idx[:, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[:, None, None]  # [B, W, bs]
+            keys = keys * live[:, None, :, :, None].to(keys.dtype)
+            dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))
+        sel = flow.index(FT(q.reshape(rows, 1, hq // h, d)), fields)
         if sel.score is None:
             score = torch.zeros(rows, width, device=q.device)
         else:
@@ -148,4 +173,7 @@ class FlowAttention(DenseAttention):
             k_max = min(width, flow.budget_blocks(width))
         counts = torch.minimum(want, nb)
         top = score.topk(k_max, dim=1).indices  # forced (+inf) first, padding (-inf) last
-        return top.to(torch.int32).view(b, h, k_max), counts.to(torch.int32).view(b, h)
+        saved = {
+            name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
+        }
+        return top.to(torch.int32).view(b, h, k_max), counts.to(torch.int32).view(b, h), saved
