@@ -45,6 +45,9 @@ class FlowAttention(DenseAttention):
         self._select_fn = self._select_tensors
         self._cache_fn = self._cache_tensors
         if executor == "compiled":
+            # One code object serves every flow class and batch shape; dynamo's default of 8
+            # variants per code object is too few once several flows run in one process.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._select_fn = torch.compile(self._select_tensors, dynamic=False)
             self._cache_fn = torch.compile(self._cache_tensors, dynamic=False)
 
