@@ -155,20 +155,21 @@ class FlowAttention(DenseAttention):
             keys = keys * live[:, None, :, :, None].to(keys.dtype)
             dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))
         sel = flow.index(FT(q.reshape(rows, 1, hq // h, d)), fields)
+        forced_n = flow.sink_blocks + flow.local_blocks
         if sel.score is None:
-            score = torch.zeros(rows, width, device=q.device)
-        else:
-            score = sel.score.data.reshape(rows, width).float()
+            # Only the always-kept blocks (StreamingLLM): their indices are arithmetic, no top-k.
+            k = torch.arange(min(width, forced_n), device=q.device)
+            tail = nb[:, None] - forced_n + k  # the last local_blocks blocks
+            blocks = torch.where((nb[:, None] >= forced_n) & (k >= flow.sink_blocks), tail, k)
+            counts = torch.minimum(nb, torch.full_like(nb, forced_n))
+            return blocks.to(torch.int32).view(b, h, -1), counts.to(torch.int32).view(b, h), {}
+        score = sel.score.data.reshape(rows, width).float()
         forced = (idx < flow.sink_blocks) | (idx >= nb[:, None] - flow.local_blocks)
         lowest = torch.finfo(torch.float32).min
         score = score.nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
         score = score.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
 
-        forced_n = flow.sink_blocks + flow.local_blocks
-        if sel.score is None:
-            want = torch.full_like(nb, forced_n)
-            k_max = min(width, forced_n)
-        elif flow.budget_ratio is not None:
+        if flow.budget_ratio is not None:
             want = torch.ceil(nb.double() * flow.budget_ratio).long().clamp(min=forced_n)
             k_max = min(width, flow.budget_blocks(width))
         else:
