@@ -1,0 +1,57 @@
+"""List the heaviest GPU kernels of one eager decode step of a flow (for indexer work).
+
+    python benchmarks/top_kernels.py --flow quest --batch 16 --context 32768 --param budget=2048
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sparsetune.engine.llm import LLM
+from sparsetune.engine.scheduler import Batch
+from sparsetune.engine.sequence import SamplingParams, Sequence
+from sparsetune.flow.params import parse_param_args
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--flow", default="quest")
+    ap.add_argument("--param", action="append", default=[])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args()
+    blocks = a.batch * (a.context // 16 + 2) + 64
+    llm = LLM(model=a.model, random_weights=True, num_kv_blocks=blocks, max_num_seqs=a.batch, cuda_graph=False,
+              max_model_len=a.context + 64, flow=a.flow, flow_params=parse_param_args(a.param))
+    for layer in range(llm.kv.num_layers):
+        llm.kv.k[layer].normal_()
+        llm.kv.v[layer].normal_()
+    seqs = []
+    for _ in range(a.batch):
+        s = Sequence(torch.randint(0, 1000, (a.context,)).tolist(), SamplingParams())
+        llm.block_manager.grow(s, a.context)
+        s.num_computed = a.context - 1
+        seqs.append(s)
+    step = Batch(False, seqs, [1] * a.batch)
+    for _ in range(2):
+        llm.runner.run(step)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.runner.run(step)
+        torch.cuda.synchronize()
+    rows = sorted(
+        ((ev.key, ev.device_time_total / 1e3, ev.count) for ev in prof.key_averages() if ev.device_time_total > 0),
+        key=lambda r: -r[1],
+    )
+    for name, ms, n in rows[: a.top]:
+        print(f"{ms:8.3f} ms  {n:5d}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
