@@ -47,7 +47,7 @@ def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
 @pytest.mark.parametrize("flow", ["quest", "block_topk", "h2o", "tidal"])
 def test_gpu_flow_graphs(flow, tmp_path):
     """Flows on GPU (Triton sparse kernel, indexer inside the CUDA graph): full budget = dense;
-    at a small budget, graph replay = eager execution."""
+    at a small budget, the compiled executor in CUDA graphs = the reference executor run eagerly."""
     _tiny_hf("qwen3", tmp_path, head_dim=64)
     opts = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
                 cuda_graph_batch_sizes=(1, 2, 4), block_size=8)
@@ -61,5 +61,6 @@ def test_gpu_flow_graphs(flow, tmp_path):
     small = {"budget": "32", "dense_layers": "0", **sel}
     graphed = LLM(flow=flow, flow_params=small, **opts)
     assert graphed.runner.graphs
-    eager = LLM(flow=flow, flow_params=small, cuda_graph=False, **opts)
+    eager = LLM(flow=flow, flow_params=small, cuda_graph=False, flow_executor="reference", **opts)
+    assert graphed.backends[1].executor == "compiled" and eager.backends[1].executor == "reference"
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
