@@ -157,34 +157,22 @@ def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x, y) -> F
     return FT(fn(x.data, y.data), _merge_mask(x, y))
 
 
-@_op()
-def add(x: FT, y: FT | float) -> FT:
-    return _binary(torch.add, x, y)
+def _binary_op(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    @_op()
+    def op(x: FT, y: FT | float) -> FT:
+        return _binary(fn, x, y)
+
+    op.__name__ = op.__qualname__ = name
+    op.__wrapped__.__name__ = name  # type: ignore[attr-defined]
+    return op
 
 
-@_op()
-def sub(x: FT, y: FT | float) -> FT:
-    return _binary(torch.sub, x, y)
-
-
-@_op()
-def mul(x: FT, y: FT | float) -> FT:
-    return _binary(torch.mul, x, y)
-
-
-@_op()
-def div(x: FT, y: FT | float) -> FT:
-    return _binary(torch.div, x, y)
-
-
-@_op()
-def maximum(x: FT, y: FT | float) -> FT:
-    return _binary(torch.maximum, x, y)
-
-
-@_op()
-def minimum(x: FT, y: FT | float) -> FT:
-    return _binary(torch.minimum, x, y)
+add = _binary_op("add", torch.add)
+sub = _binary_op("sub", torch.sub)
+mul = _binary_op("mul", torch.mul)
+div = _binary_op("div", torch.div)
+maximum = _binary_op("maximum", torch.maximum)
+minimum = _binary_op("minimum", torch.minimum)
 
 
 @_op()
@@ -215,25 +203,10 @@ silu = _unary("silu", torch.nn.functional.silu)
 
 # ---- comparisons: boolean flow tensors for `where` ----------------------------------------------
 
-
-@_op()
-def gt(x: FT, y: FT | float) -> FT:
-    return _binary(torch.gt, x, y)
-
-
-@_op()
-def ge(x: FT, y: FT | float) -> FT:
-    return _binary(torch.ge, x, y)
-
-
-@_op()
-def lt(x: FT, y: FT | float) -> FT:
-    return _binary(torch.lt, x, y)
-
-
-@_op()
-def le(x: FT, y: FT | float) -> FT:
-    return _binary(torch.le, x, y)
+gt = _binary_op("gt", torch.gt)
+ge = _binary_op("ge", torch.ge)
+lt = _binary_op("lt", torch.lt)
+le = _binary_op("le", torch.le)
 
 
 @_op()
