@@ -12,8 +12,12 @@ from sparsetune.flow.base import DecodeFlow
 
 
 def flows_dir() -> Path:
+    """`SPARSETUNE_FLOWS`, else the repo's `flows/` (editable install), else the installed copy."""
     env = os.environ.get("SPARSETUNE_FLOWS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "flows"
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2] / "flows"
+    return repo if repo.is_dir() else Path(sys.prefix) / "share" / "sparsetune" / "flows"
 
 
 def load_file(path: Path) -> type[DecodeFlow]:
