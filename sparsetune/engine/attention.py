@@ -136,9 +136,11 @@ class DenseAttention(AttentionBackend):
                 out[s:e] = _sdpa(q[s:e].transpose(0, 1), ki, vi, ctx, self.scale).transpose(0, 1)
         return out
 
+    def triton_path(self, q: torch.Tensor) -> bool:
+        return q.is_cuda if self.use_triton is None else self.use_triton
+
     def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        triton_path = q.is_cuda if self.use_triton is None else self.use_triton
-        fn = paged_decode.paged_decode_attention if triton_path else paged_decode.paged_decode_attention_ref
+        fn = paged_decode.paged_decode_attention if self.triton_path(q) else paged_decode.paged_decode_attention_ref
         return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, self.scale)
 
 

@@ -106,13 +106,11 @@ class LLM:
         """Route attention through `flow` (None or dense: full attention), then capture decode graphs.
 
         The flow is attached before capture, so its indexer and selection are in the graphs."""
-        n = self.model_config.num_hidden_layers
         self.set_attention(DenseAttention(self.model_config.head_dim**-0.5))
         if flow is not None and not flow.full_attention:
             self._attach_flow(flow)
         if self.device.type == "cuda" and self.config.cuda_graph:
             self.runner.capture_graphs(self.config.cuda_graph_batch_sizes or DEFAULT_GRAPH_BATCH_SIZES)
-        assert len(self.backends) == n
 
     def set_flow(self, flow: str | None, params: dict[str, str] | None = None) -> None:
         """Switch the decode flow of a live engine (same weights and KV pool); recaptures graphs."""

@@ -275,29 +275,21 @@ def _reduce(x: FT, dim: int, how: str) -> FT:
     return FT(out, None if dim == 0 else x.mask)
 
 
-@_op()
-def sum(x: FT, dim: int) -> FT:  # noqa: A001
-    return _reduce(x, dim, "sum")
+def _reduce_op(name: str):
+    @_op()
+    def op(x: FT, dim: int) -> FT:
+        return _reduce(x, dim, name)
+
+    op.__name__ = op.__qualname__ = name
+    op.__wrapped__.__name__ = name  # type: ignore[attr-defined]
+    return op
 
 
-@_op()
-def mean(x: FT, dim: int) -> FT:
-    return _reduce(x, dim, "mean")
-
-
-@_op()
-def max(x: FT, dim: int) -> FT:  # noqa: A001
-    return _reduce(x, dim, "max")
-
-
-@_op()
-def min(x: FT, dim: int) -> FT:  # noqa: A001
-    return _reduce(x, dim, "min")
-
-
-@_op()
-def l2norm(x: FT, dim: int) -> FT:
-    return _reduce(x, dim, "l2norm")
+sum = _reduce_op("sum")  # noqa: A001 - the flow op set's own names (F.sum, F.max, ...)
+mean = _reduce_op("mean")
+max = _reduce_op("max")  # noqa: A001
+min = _reduce_op("min")  # noqa: A001
+l2norm = _reduce_op("l2norm")
 
 
 @_op()

@@ -97,8 +97,8 @@ class FlowAttention(DenseAttention):
 
     def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         blocks, counts = self.select(layer, q, kv, meta)
-        triton_path = q.is_cuda if self.use_triton is None else self.use_triton
-        fn = paged_decode.sparse_paged_decode_attention if triton_path else paged_decode.sparse_paged_decode_attention_ref
+        sparse = paged_decode.sparse_paged_decode_attention
+        fn = sparse if self.triton_path(q) else paged_decode.sparse_paged_decode_attention_ref
         return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, blocks, counts, self.scale)
 
     def select(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,13 +110,9 @@ class FlowAttention(DenseAttention):
             blocks, counts = self._shared
         else:
             stores = self.fields.get(layer, {})
-            blocks, counts, saved = self._select_fn(
+            blocks, counts, saved, table = self._select_fn(
                 q, meta.block_tables, meta.seq_lens, stores, kv.k[layer] if self.flow.uses_keys else None,
                 kv.num_kv_heads, kv.block_size, kv.null_block,
-            )
-            table = torch.where(
-                torch.arange(meta.block_tables.shape[1], device=q.device) < (meta.seq_lens[:, None] + kv.block_size - 1) // kv.block_size,
-                meta.block_tables.long(), kv.null_block,
             )
             for name, value in saved.items():  # state for the next step; padding lands in the null block
                 stores[name][table] = value.to(stores[name].dtype)
@@ -128,9 +124,10 @@ class FlowAttention(DenseAttention):
     def _select_tensors(
         self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
         k_pool: torch.Tensor | None, h: int, bs: int, null_block: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Indexer + selection as one tensor function (what the compiled executor compiles).
-        Returns blocks, counts and the saved state values as `[B, W, Hkv, r, c]`."""
+        Returns blocks, counts, the saved state values as `[B, W, Hkv, r, c]` and the block
+        table they belong to (entries past each sequence pointing at the null block)."""
         flow = self.flow
         b, hq, d = q.shape
         rows = b * h
@@ -162,7 +159,7 @@ class FlowAttention(DenseAttention):
             tail = nb[:, None] - forced_n + k  # the last local_blocks blocks
             blocks = torch.where((nb[:, None] >= forced_n) & (k >= flow.sink_blocks), tail, k)
             counts = torch.minimum(nb, torch.full_like(nb, forced_n))
-            return blocks.to(torch.int32).view(b, h, -1), counts.to(torch.int32).view(b, h), {}
+            return blocks.to(torch.int32).view(b, h, -1), counts.to(torch.int32).view(b, h), {}, table
         score = sel.score.data.reshape(rows, width).float()
         forced = (idx < flow.sink_blocks) | (idx >= nb[:, None] - flow.local_blocks)
         lowest = torch.finfo(torch.float32).min
@@ -180,4 +177,4 @@ class FlowAttention(DenseAttention):
         saved = {
             name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
         }
-        return top.to(torch.int32).view(b, h, k_max), counts.to(torch.int32).view(b, h), saved
+        return top.to(torch.int32).view(b, h, k_max), counts.to(torch.int32).view(b, h), saved, table
