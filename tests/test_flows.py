@@ -100,7 +100,8 @@ def test_streaming_keeps_sinks_and_window_only():
 
 
 @pytest.mark.parametrize("name,extra", [("quest", {}), ("block_topk", {}), ("streaming", {"local_blocks": "4096"}),
-                                        ("block_topk", {"block_size": "1"}), ("h2o", {}), ("tidal", {})])
+                                        ("block_topk", {"block_size": "1"}), ("h2o", {}), ("tidal", {}),
+                                        ("double_sparse", {}), ("double_sparse", {"block_size": "1", "channels": "8"})])
 def test_full_budget_equals_dense(name, extra):
     report = check_flow(name, extra, head_dim=HEAD_DIM, group=GROUP)
     assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order
@@ -212,13 +213,17 @@ def test_engine_small_budget_really_selects(smollm):
     assert llm.backends[0].name == "dense"
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk"])
+@pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse"])
 def test_compiled_executor_equals_reference(name):
     """torch.compile'd stages (Inductor; C++ on CPU, Triton on GPU) select exactly what the reference does."""
+    from sparsetune.flow.calibrate import synthetic_calibration
+
     lens = [30 * 16 + 7, 11 * 16]
     kv, bt, meta, q = paged_case(16, lens, seed=3)
     flow = build_flow(name, {"budget": "96"})
-    ref, comp = FlowAttention(flow, HEAD_DIM**-0.5), FlowAttention(flow, HEAD_DIM**-0.5, executor="compiled")
+    cal = synthetic_calibration(1, HKV, HEAD_DIM) if flow.calibrated else None
+    ref = FlowAttention(flow, HEAD_DIM**-0.5, calibration=cal)
+    comp = FlowAttention(flow, HEAD_DIM**-0.5, executor="compiled", calibration=cal)
     for attn in (ref, comp):
         prefill_cache(attn, kv, bt, lens)
     # Decode-time cache stage through each executor: the block of a token that completes it.

@@ -1,4 +1,4 @@
-"""`sparsetune flows list | show | check | new`."""
+"""`sparsetune flows list | show | check | new | calibrate`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.table import Table
 
 from sparsetune.cli.output import emit_json, err
 
-app = typer.Typer(help="List, show, check and create flows.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="List, show, check, create and calibrate flows.", no_args_is_help=True, add_completion=False)
 
 TEMPLATE = '''"""{title}: one line on the rule this flow implements, and where it comes from.
 
@@ -126,4 +126,38 @@ def new(
     cls = "".join(p.capitalize() for p in name.split("_")) or "MyFlow"
     path.write_text(TEMPLATE.format(title=name.replace("_", " ").capitalize(), name=name, cls=cls, file=path))
     err.print(f"wrote {path}; next: sparsetune flows check {path}")
+    sys.stdout.write(str(path) + "\n")
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
+    text: Path = typer.Option(None, "--text", help="A UTF-8 text file to calibrate on (default: the built-in English text)."),
+    tokens: int = typer.Option(2048, "--tokens", help="Tokens of the text to run at most."),
+    out: Path = typer.Option(None, "--out", help="Where to write (default: the model's file, which --param calibration=auto reads)."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed-only runs)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Rank each layer's KV-head channels by mean|q*k| for calibrated flows (double_sparse)."""
+    import json
+
+    from sparsetune.errors import SparsetuneError
+    from sparsetune.flow.calibrate import calibrate as run
+
+    if text is not None and not text.is_file():
+        raise SparsetuneError(f"--text {text}: no such file")
+    try:
+        content = None if text is None else text.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SparsetuneError(f"--text {text}: not UTF-8 text") from None
+    with err.status(f"loading {model} and calibrating ..."):
+        path = run(model=model, text=content, tokens=tokens, random_weights=random_weights, device=device, out=out)
+    data = json.loads(path.read_text())
+    if json_out:
+        emit_json({"path": str(path), "model": data["model"], "tokens": data["tokens"], "num_layers": data["num_layers"]})
+        return
+    use = "--flow double_sparse reads it" if out is None else f"use it with --param calibration={path}"
+    err.print(f"[dim]{data['model']}: {data['tokens']} tokens, {data['num_layers']} layers x "
+              f"{data['num_kv_heads']} KV heads; {use}[/]")
     sys.stdout.write(str(path) + "\n")

@@ -186,7 +186,15 @@ class LLM:
         executor = self.config.flow_executor or ("compiled" if self.device.type == "cuda" else "reference")
         if executor not in EXECUTORS:
             raise SparsetuneError(f"--flow-executor {executor!r}: use one of {', '.join(EXECUTORS)}")
-        self.set_attention(FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor), sparse)
+        calibration = None
+        if flow.calibrated:  # per-layer channel order, for this model and its shapes
+            from sparsetune.flow.calibrate import resolve_calibration
+
+            mcfg = self.model_config
+            calibration = resolve_calibration(flow, self.resolved.name, self.resolved.random_weights,
+                                              n, mcfg.num_key_value_heads, mcfg.head_dim)
+        attn = FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor, calibration=calibration)
+        self.set_attention(attn, sparse)
 
     def set_attention(self, backend: AttentionBackend, layers: Seq[int] | None = None) -> None:
         """Route attention of `layers` (default: all) through `backend`. Takes effect for new graphs."""

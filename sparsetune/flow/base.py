@@ -10,12 +10,20 @@ A flow declares hyperparameters as class attributes of type `Param` and two stag
   new value of a field for the next step (state); with `uses_keys = True` the raw keys are
   field "k", `[S, block_size, head_dim]` (tokens past the sequence end read as zeros).
 
+Either stage may take a third parameter, `const`: per-layer, per-KV-head constants (name →
+`[1, r, c]`). A `calibrated` flow gets `const["channels"]`, `[1, channels, head_dim]`: row i is
+one-hot at the i-th most important channel of that layer's KV head, from an offline calibration
+(`sparsetune flows calibrate`, `flow/calibrate.py`), so `F.gemm(k, const["channels"])` keeps the
+top channels of each key (DoubleSparse's label cache). A calibrated flow declares the params
+`calibration` (a file, or "auto": the default file of the engine's model) and `channels`.
+
 The runtime always keeps the first `sink_blocks` and last `local_blocks` blocks (the last one
 holds the newest token) and fills the rest of the budget with the top-scoring blocks.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, ClassVar
 
@@ -29,6 +37,9 @@ class DecodeFlow:
     source: ClassVar[str] = ""  # the published rule this flow implements
     full_attention: ClassVar[bool] = False  # True: no selection at all (the `dense` flow)
     uses_keys: ClassVar[bool] = False  # True: the indexer also gets the raw keys as field "k" [S, block, D]
+    calibrated: ClassVar[bool] = False  # True: needs a channel calibration; stages get const["channels"]
+    # Which stages take `const` (found once per class, so the runtime's traced code only reads a dict).
+    _takes_const: ClassVar[dict[str, bool]] = {"cache": False, "index": False}
 
     # Every selection flow accepts these (Vortex defaults: block 16, first block + last two).
     block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (selection granularity)")
@@ -39,6 +50,12 @@ class DecodeFlow:
     dense_layers = Param((0,), kind=tuple, doc="layers that keep full attention (comma-separated indices)")
     select_layers = Param((), kind=tuple, doc="layers that run the indexer; other sparse layers reuse the "
                           "latest selection (empty: every sparse layer selects)")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._takes_const = {s: "const" in inspect.signature(getattr(cls, s)).parameters for s in ("cache", "index")}
+        if cls.calibrated and not {"calibration", "channels"} <= set(cls.param_specs()):
+            raise TypeError(f"calibrated flow {cls.__name__} must declare the params `calibration` and `channels`")
 
     def __init__(self, **values: Any) -> None:
         params = self.param_specs()
@@ -81,6 +98,13 @@ class DecodeFlow:
 
     def index(self, q: FT, fields: dict[str, FT]) -> Selection:
         raise NotImplementedError
+
+    def run_cache(self, k: FT, v: FT, const: dict[str, FT]) -> dict[str, FT]:
+        """The cache stage, given the constants if it takes them (what the runtime and checker call)."""
+        return self.cache(k, v, const) if self._takes_const["cache"] else self.cache(k, v)
+
+    def run_index(self, q: FT, fields: dict[str, FT], const: dict[str, FT]) -> Selection:
+        return self.index(q, fields, const) if self._takes_const["index"] else self.index(q, fields)
 
     # ---- budget ---------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from sparsetune.flow.ops import FT, Fields, FlowError, Selection, Trace
 from sparsetune.flow.registry import get_flow_class
 
 _VALUE_BUILTINS = {"dict", "len", "range", "tuple", "list", "float", "int", "round"}
-_STAGES = ("cache", "index")
+_STAGES = {"cache": "self, k, v", "index": "self, q, fields"}  # stage → its parameters
 
 
 @dataclass
@@ -62,6 +62,10 @@ def static_problems(cls: type[DecodeFlow]) -> list[str]:
     for fn in ast.walk(tree):
         if not (isinstance(fn, ast.FunctionDef) and fn.name in set(_STAGES) | methods - {"__init__"}):
             continue
+        args = [a.arg for a in fn.args.args]
+        if fn.name in _STAGES and not (len(args) == 3 or len(args) == 4 and args[3] == "const"):
+            problems.append(f"{where(fn)}: {fn.name}() takes ({_STAGES[fn.name]}) plus, optionally, `const`; "
+                            f"got ({', '.join(args)})")
         for node in ast.walk(fn):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 problems.append(f"{where(node)}: imports are not allowed inside a flow stage")
@@ -90,6 +94,17 @@ def _flow_line(cls: type[DecodeFlow], exc: BaseException) -> str:
     return f"{path}: "
 
 
+def _constants(flow: DecodeFlow, rows: int, head_dim: int) -> dict[str, FT]:
+    """The stages' `const` over `rows` KV heads; a calibrated flow gets a synthetic channel order."""
+    from sparsetune.flow.calibrate import synthetic_calibration
+    from sparsetune.flow.runtime import channel_selector, const_rows
+
+    if not flow.calibrated:
+        return {}
+    [order] = synthetic_calibration(1, rows, head_dim)
+    return const_rows({"channels": channel_selector(order, flow.channels)}, 1)
+
+
 def _run_stages(
     flow: DecodeFlow, head_dim: int, group: int, num_blocks: int, rows: int = 2
 ) -> tuple[dict, Trace, int, Fields]:
@@ -98,10 +113,11 @@ def _run_stages(
     bs = flow.block_size
     k = FT(torch.randn(rows, 1, bs, head_dim, generator=g))
     v = FT(torch.randn(rows, 1, bs, head_dim, generator=g))
+    const = _constants(flow, rows, head_dim)
     trace = Trace()
     F._TRACE.append(trace)
     try:
-        out = flow.cache(k, v)
+        out = flow.run_cache(k, v, const)
         n_cache = len(trace.records)
         if not isinstance(out, dict) or not all(isinstance(t, FT) for t in out.values()):
             raise FlowError("cache() must return a dict of flow tensors, e.g. {'kmax': F.max(k, dim=1)}")
@@ -115,7 +131,7 @@ def _run_stages(
         if flow.uses_keys:
             dict.__setitem__(fields, "k", FT(torch.randn(rows, num_blocks, bs, head_dim, generator=g), valid))
         q = FT(torch.randn(rows, 1, group, head_dim, generator=g))
-        sel = flow.index(q, fields)
+        sel = flow.run_index(q, fields, const)
         if not isinstance(sel, Selection):
             raise FlowError("index() must end in `return F.topk(score)` (or F.keep_only_forced())")
         if sel.score is not None and sel.score.shape != (num_blocks, 1, 1):
@@ -139,6 +155,8 @@ def check_flow(name_or_path: str, raw_params: dict[str, str] | None = None, head
         _, t_big, _, _ = _run_stages(flow, head_dim, group, num_blocks=8)
     except FlowError as e:
         raise SparsetuneError(str(e)) from None
+    except SparsetuneError:  # e.g. a bad `channels` for the head_dim
+        raise
     except Exception as e:  # noqa: BLE001 - a flow program can fail in any way; report where
         raise SparsetuneError(f"{_flow_line(cls, e)}{type(e).__name__}: {e}") from None
     unread = set(out) - fields.read
@@ -165,6 +183,7 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     """Max relative error of the flow at budget_ratio=1 against dense paged decode (float64)."""
     from sparsetune.engine.attention import AttentionMetadata
     from sparsetune.engine.kv_cache import KVCache
+    from sparsetune.flow.calibrate import synthetic_calibration
     from sparsetune.flow.runtime import FlowAttention
     from sparsetune.kernels.paged_decode import paged_decode_attention_ref
 
@@ -184,7 +203,9 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
         start += n
     width = max(nblk)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    attn = FlowAttention(flow, head_dim**-0.5)
+    # A calibrated flow is checked without a model: a synthetic channel order stands in.
+    calibration = synthetic_calibration(1, hkv, head_dim) if flow.calibrated else None
+    attn = FlowAttention(flow, head_dim**-0.5, calibration=calibration)
     # Cache stage over every full block, as a prefill that wrote all tokens would run it.
     blocks = torch.cat([bt[i, : lens[i] // bs] for i in range(len(lens))]).long()
     if blocks.numel():

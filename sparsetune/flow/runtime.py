@@ -5,21 +5,44 @@ block the write completes and stores the fields per physical block. On decode it
 fields of each sequence's blocks, runs the indexer per (request, KV head) row, applies the
 always-kept blocks and the budget, takes an exact top-k on device, and attends over the
 selected blocks with the sparse paged kernel. Decode reads tensors only (no host values), so
-the whole step, indexer included, is captured in the engine's CUDA graphs.
+the whole step, indexer included, is captured in the engine's CUDA graphs. A calibrated flow's
+per-layer constants (`const`) are tensors passed into the stage functions like the pool, so the
+compiled executor sees them as inputs, not as captured attributes.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
+from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.ops import FT, Fields
 from sparsetune.kernels import paged_decode
 
 
 EXECUTORS = ("reference", "compiled")
+
+
+def channel_selector(order: Sequence[Sequence[int]], channels: int) -> torch.Tensor:
+    """A calibrated flow's constant "channels" for one layer, `[Hkv, channels, D]` (float32): row i
+    is one-hot at the i-th most important channel of the KV head (`order`: per head, best first)."""
+    idx = torch.tensor(order, dtype=torch.long)
+    d = idx.shape[1]
+    if channels > d:
+        raise SparsetuneError(f"--param channels={channels}: the model's heads have {d} channels; pick at most {d}")
+    return torch.nn.functional.one_hot(idx[:, :channels], d).float()
+
+
+def const_rows(const: dict[str, torch.Tensor], n: int) -> dict[str, FT]:
+    """Per-KV-head constants `[Hkv, r, c]` as flow tensors over `n * Hkv` rows ordered (n, head),
+    the layout of the stages' rows (blocks x heads in the cache stage, requests x heads in the
+    indexer). A view when n == 1 or Hkv == 1, else a small copy: (n, head) rows of a per-head
+    constant are no strided view."""
+    return {name: FT(c.expand(n, *c.shape).reshape(n * c.shape[0], 1, *c.shape[1:])) for name, c in const.items()}
 
 
 class FlowAttention(DenseAttention):
@@ -30,12 +53,22 @@ class FlowAttention(DenseAttention):
     name = "flow"
 
     def __init__(
-        self, flow: DecodeFlow, scale: float, use_triton: bool | None = None, executor: str = "reference"
+        self, flow: DecodeFlow, scale: float, use_triton: bool | None = None, executor: str = "reference",
+        calibration: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> None:
+        """`calibration`: a calibrated flow's channel order per layer and KV head, most important
+        first (`flow.calibrate.load_calibration`)."""
         super().__init__(scale, use_triton)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}")
+        if flow.calibrated and calibration is None:
+            raise ValueError(f"flow {flow.name!r} is calibrated: pass its channel calibration")
         self.flow = flow
+        # Built (and `channels` checked against head_dim) now, on the host; moved to the pool's
+        # device and dtype on first use, as the field stores are created (the engine's warm-up
+        # step before graph capture is eager).
+        self._selectors = [channel_selector(order, flow.channels) for order in calibration] if flow.calibrated else []
+        self._const: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [Hkv, r, c]
         self.name = flow.name
         self.executor = executor
         self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [blocks + 1, Hkv, r, c]
@@ -73,16 +106,28 @@ class FlowAttention(DenseAttention):
             target = torch.where(completing, phys, torch.full_like(phys, kv.null_block))
             self._run_cache(layer, kv, phys, target, fixed_shape=True)
 
-    def _cache_tensors(self, k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor) -> dict[str, torch.Tensor]:
+    def constants(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
+        """The flow's constants of `layer` (name → `[Hkv, r, c]`), in the pool's dtype and device."""
+        if not self.flow.calibrated:
+            return {}
+        const = self._const.get(layer)
+        if const is None:
+            const = self._const[layer] = {"channels": self._selectors[layer].to(kv.k.device, kv.k.dtype)}
+        return const
+
+    def _cache_tensors(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor, const: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """The cache stage on the blocks `src` of one layer's pool → field name → `[T, Hkv, r, c]`."""
         t, h, bs, d = src.numel(), k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
-        out = self.flow.cache(FT(k_pool[src].reshape(t * h, 1, bs, d)), FT(v_pool[src].reshape(t * h, 1, bs, d)))
+        k, v = FT(k_pool[src].reshape(t * h, 1, bs, d)), FT(v_pool[src].reshape(t * h, 1, bs, d))
+        out = self.flow.run_cache(k, v, const_rows(const, t))
         return {name: ft.data.reshape(t, h, *ft.shape[1:]) for name, ft in out.items()}
 
     def _run_cache(self, layer: int, kv: KVCache, src: torch.Tensor, dst: torch.Tensor, fixed_shape: bool = False) -> None:
         # Prefill chunks vary in size (no point compiling each); decode's shapes are fixed.
         fn = self._cache_fn if fixed_shape else self._cache_tensors
-        out = fn(kv.k[layer], kv.v[layer], src)
+        out = fn(kv.k[layer], kv.v[layer], src, self.constants(layer, kv))
         store = self.fields.get(layer)
         if store is None:
             store = {
@@ -112,7 +157,7 @@ class FlowAttention(DenseAttention):
             stores = self.fields.get(layer, {})
             blocks, counts, saved, table = self._select_fn(
                 q, meta.block_tables, meta.seq_lens, stores, kv.k[layer] if self.flow.uses_keys else None,
-                kv.num_kv_heads, kv.block_size, kv.null_block,
+                kv.num_kv_heads, kv.block_size, kv.null_block, self.constants(layer, kv),
             )
             for name, value in saved.items():  # state for the next step; padding lands in the null block
                 stores[name][table] = value.to(stores[name].dtype)
@@ -123,7 +168,7 @@ class FlowAttention(DenseAttention):
 
     def _select_tensors(
         self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
-        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int,
+        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Indexer + selection as one tensor function (what the compiled executor compiles).
         Returns blocks, counts, the saved state values as `[B, W, Hkv, r, c]` and the block
@@ -151,7 +196,7 @@ class FlowAttention(DenseAttention):
             live = (idx[:, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[:, None, None]  # [B, W, bs]
             keys = keys * live[:, None, :, :, None].to(keys.dtype)
             dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))
-        sel = flow.index(FT(q.reshape(rows, 1, hq // h, d)), fields)
+        sel = flow.run_index(FT(q.reshape(rows, 1, hq // h, d)), fields, const_rows(const, b))
         forced_n = flow.sink_blocks + flow.local_blocks
         if sel.score is None:
             # Only the always-kept blocks (StreamingLLM): their indices are arithmetic, no top-k.
