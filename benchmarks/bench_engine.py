@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -115,7 +116,9 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
 
 CATEGORIES = [  # first match wins; kernel names lower-cased
     ("attention", ("paged_decode", "merge_splits", "cudnn", "fmha", "flash", "attention", "sdpa")),
-    ("topk", ("topk", "sort", "radix", "bitonic")),
+    ("topk", ("topk", "sort", "radix", "bitonic")),  # torch.topk, and sparsetune's _select_topk_kernel
+    ("indexer (generated)", ("flow_indexer",)),
+    ("cache stage (generated)", ("flow_cache",)),
     ("flow stages (compiled)", ("triton_poi", "triton_red", "triton_per")),  # Inductor's kernels
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "sm90", "cublas", "matmul", "nvjet")),
     ("norm", ("rms_norm",)),
@@ -208,11 +211,21 @@ def main() -> None:
 
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                      "copy_bandwidth": bw, "matmul_flops": flops, "decode": [], "prefill": []}
+    from sparsetune.flow.calibrate import synthetic_calibration, write_calibration
     from sparsetune.flow.params import parse_param_args
+    from sparsetune.flow.registry import get_flow_class
 
     for flow in args.flows.split(","):
+        params = {} if flow == "dense" else parse_param_args(args.param)
+        if flow != "dense" and get_flow_class(flow).calibrated and "calibration" not in params:
+            # Random weights have no meaningful channel ranking, and speed does not depend on
+            # which channels are picked: a seeded random order stands in.
+            cfg = llm.model_config
+            order = synthetic_calibration(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+            path = Path(tempfile.gettempdir()) / f"sparsetune-synthetic-calibration-{args.model}.json"
+            params["calibration"] = str(write_calibration(path, args.model, order, None, 0, "synthetic (benchmark)"))
         if flow != "dense" or llm.flow is not None:
-            llm.set_flow(None if flow == "dense" else flow, {} if flow == "dense" else parse_param_args(args.param))
+            llm.set_flow(None if flow == "dense" else flow, params)
         if llm.flow is not None:
             _prefill_fields(llm, dec)
         for b, c in dec:

@@ -62,9 +62,11 @@ elif os.environ.pop("TRITON_INTERPRET", None) not in (None, "0"):
     print("note: ignoring TRITON_INTERPRET for the benchmark", file=sys.stderr)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from common import bench_us as common_bench_us  # noqa: E402
 
 from sparsetune.kernels import fused_ops, paged_decode  # noqa: E402
 from sparsetune.kernels.fused_ops import (  # noqa: E402
@@ -142,30 +144,13 @@ def _release_memory() -> None:
 
 
 def bench_us(fn: Callable[[], Any], use_graph: bool = True, rep_ms: int = 60) -> float:
-    """Median GPU time of fn in microseconds (CUDA graph replay when possible,
-    which is how the engine runs decode and removes host launch overhead)."""
+    """common.bench_us, or one wall-clock call in --cpu-smoke mode."""
     if CPU_SMOKE:
         fn()
         t0 = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - t0)
-    # do_bench_cudagraph runs fn (eager warm-up, then capture and replay) on a
-    # fresh side stream with no dependency on the default stream, where the
-    # inputs were just initialised (normal_, randperm, int32 casts): without this
-    # barrier the first call can read a block table that is not written yet.
-    torch.cuda.synchronize()
-    try:
-        if use_graph:
-            try:
-                return 1000.0 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-            except Exception as exc:  # noqa: BLE001 - fall back, but say so
-                print(f"  (cuda graph timing failed: {type(exc).__name__}: {exc}; using do_bench)")
-                torch.cuda.synchronize()
-        return 1000.0 * triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
-    finally:
-        # The graph and its side stream are gone once do_bench_cudagraph returns;
-        # make sure their work is finished too before the caller frees inputs.
-        torch.cuda.synchronize()
+    return common_bench_us(fn, use_graph, rep_ms)
 
 
 def copy_bandwidth_gbs(nbytes: int) -> float:

@@ -108,6 +108,8 @@ def check(
               f"{report.field_bytes_per_block} B cached per block per KV head (bf16); indexer "
               f"{report.indexer_flops_per_block} FLOPs per block per KV head per step; "
               f"full budget vs dense rel. err {report.full_budget_rel_err if report.full_budget_rel_err is not None else '-'}")
+    if report.compiled:
+        err.print("compiled executor (GPU): " + "; ".join(f"{s}: {p}" for s, p in report.compiled.items()))
 
 
 @app.command()

@@ -93,11 +93,17 @@ def calibrate(
     scores = (recorder.sums / len(ids)).cpu()  # [L, Hkv, D]
     order = scores.argsort(dim=-1, descending=True, stable=True)
     path = Path(out).expanduser() if out is not None else default_path(llm.resolved.name, random_weights)
+    return write_calibration(path, llm.resolved.name, order.tolist(), scores.tolist(), len(ids), STATISTIC)
+
+
+def write_calibration(
+    path: Path, model: str, channels: Calibration, scores: list | None, tokens: int, statistic: str
+) -> Path:
+    """Write a calibration file (the format `load_calibration` reads)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "model": llm.resolved.name, "statistic": STATISTIC, "num_layers": cfg.num_hidden_layers,
-        "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "tokens": len(ids),
-        "channels": order.tolist(), "scores": scores.tolist(),
+        "model": model, "statistic": statistic, "num_layers": len(channels), "num_kv_heads": len(channels[0]),
+        "head_dim": len(channels[0][0]), "tokens": tokens, "channels": channels, "scores": scores,
     }))
     return path
 

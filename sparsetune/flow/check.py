@@ -42,6 +42,7 @@ class CheckReport:
     indexer_flops_fixed: int = 0
     ops: list[str] = field(default_factory=list)
     full_budget_rel_err: float | None = None
+    compiled: dict[str, str] = field(default_factory=dict)  # stage -> how the compiled executor runs it on GPU
     ok: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -170,6 +171,7 @@ def check_flow(name_or_path: str, raw_params: dict[str, str] | None = None, head
     report.indexer_flops_per_block = max(0, (f8 - f4) // 4)
     report.indexer_flops_fixed = max(0, f4 - 4 * report.indexer_flops_per_block)
     report.ops = [r.op for r in t_small.records]
+    report.compiled = compiled_paths(flow, head_dim, group, bool(report.fields))
     report.full_budget_rel_err = full_budget_error(cls, raw_params or {}, head_dim, group)
     report.ok = report.full_budget_rel_err < 1e-5
     if not report.ok:
@@ -177,6 +179,18 @@ def check_flow(name_or_path: str, raw_params: dict[str, str] | None = None, head
             f"{cls.path}: at full budget the flow differs from dense attention (rel. err {report.full_budget_rel_err:.2e})"
         )
     return report
+
+
+def compiled_paths(flow: DecodeFlow, head_dim: int, group: int, has_fields: bool) -> dict[str, str]:
+    """How the compiled executor runs each stage on GPU: a generated kernel, or why not."""
+    from sparsetune.flow import codegen
+
+    const_dims = {"channels": (flow.channels, head_dim)} if flow.calibrated else None
+    why = codegen.why_not(flow, group, head_dim, const_dims)
+    paths = {s: "generated Triton kernel" if r is None else f"torch.compile ({r})" for s, r in why.items()}
+    if not has_fields:
+        paths["cache"] = "none (no fields)"
+    return paths
 
 
 def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int, group: int) -> float:

@@ -84,7 +84,18 @@ class Trace:
     loaded: set[str] = field(default_factory=set)
 
 
+@dataclass
+class GraphNode:
+    """One op call, as the kernel generator (`sparsetune.flow.codegen`) reads a program."""
+
+    op: str
+    args: tuple
+    kwargs: dict
+    out: FT
+
+
 _TRACE: list[Trace] = []
+_GRAPH: list[list[GraphNode]] = []  # while non-empty, every op call is appended to the last list
 _FLOW_DIR = str(Path(__file__).parent)
 
 
@@ -109,6 +120,8 @@ def _op(flops: Callable[..., int] | None = None):
                 raise
             except (RuntimeError, ValueError, IndexError, TypeError) as e:
                 raise FlowError(_where() + f"F.{fn.__name__}{_shapes(args)}: {e}") from None
+            if _GRAPH and isinstance(out, FT):
+                _GRAPH[-1].append(GraphNode(fn.__name__, args, kwargs, out))
             if _TRACE and isinstance(out, FT):
                 loc = _caller_line()
                 per_row = flops(*args, **kwargs) if flops else math.prod(out.shape)

@@ -19,9 +19,11 @@ import torch
 from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
+from sparsetune.flow import codegen
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.ops import FT, Fields
 from sparsetune.kernels import paged_decode
+from sparsetune.kernels.select_topk import select_topk
 
 
 EXECUTORS = ("reference", "compiled")
@@ -76,13 +78,65 @@ class FlowAttention(DenseAttention):
         # The latest selection of this step, reused by layers outside `select_layers` (TidalDecode).
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
         self._select_fn = self._select_tensors
+        self._score_fn = self._score_tensors
         self._cache_fn = self._cache_tensors
+        # The generated kernels (indexer, cache stage), built on first use; None: not block-local.
+        self._generated: dict[str, codegen.IndexerKernel | codegen.CacheKernel | None] = {}
+        self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
+        self._forced_only = False  # the indexer keeps only sink/local blocks (known once it is traced)
         if executor == "compiled":
             # One code object serves every flow class and batch shape; dynamo's default of 8
             # variants per code object is too few once several flows run in one process.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._select_fn = torch.compile(self._select_tensors, dynamic=False)
+            self._score_fn = torch.compile(self._score_tensors, dynamic=False)
             self._cache_fn = torch.compile(self._cache_tensors, dynamic=False)
+
+    def _generated_path(self, x: torch.Tensor) -> bool:
+        """The compiled executor on the Triton path runs sparsetune's own kernels: the generated
+        stages where they are block-local, the radix-select top-k always."""
+        return self.executor == "compiled" and self.triton_path(x)
+
+    def _const_dims(self) -> dict[str, tuple[int, int]]:
+        return {"channels": tuple(self._selectors[0].shape[1:])} if self.flow.calibrated else {}
+
+    def _indexer_kernel(self, kv: KVCache, group: int) -> codegen.IndexerKernel | None:
+        """The generated indexer (None: not block-local; the compiled torch indexer runs), built once."""
+        if "index" not in self._generated:
+            const_dims, d = self._const_dims(), kv.head_dim
+            try:
+                dims = codegen.field_dims(self.flow, d, const_dims)
+                self._generated["index"] = codegen.build_indexer(self.flow, group, d, dims, const_dims)
+                self.paths["index"] = "generated Triton kernel + radix-select top-k"
+            except codegen.ForcedOnly:
+                self._generated["index"], self._forced_only = None, True
+                self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
+            except codegen.NotBlockLocal as e:
+                self._generated["index"] = None
+                self.paths["index"] = f"torch.compile (not block-local: {e}) + radix-select top-k"
+        return self._generated["index"]  # type: ignore[return-value]
+
+    def _cache_kernel(self, kv: KVCache) -> codegen.CacheKernel | None:
+        """The generated cache stage (None: not block-local; the compiled torch stage runs), built once."""
+        if "cache" not in self._generated:
+            try:
+                self._generated["cache"] = codegen.build_cache(self.flow, kv.head_dim, self._const_dims())
+                self.paths["cache"] = "generated Triton kernel"
+            except codegen.NotBlockLocal as e:
+                self._generated["cache"] = None
+                self.paths["cache"] = f"torch.compile (not block-local: {e})"
+        return self._generated["cache"]  # type: ignore[return-value]
+
+    def _stores(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
+        """Layer's field stores, `[blocks + 1, Hkv, r, c]` each (the last block is the null block)."""
+        store = self.fields.get(layer)
+        if store is None:
+            dims = codegen.field_dims(self.flow, kv.head_dim, self._const_dims())
+            store = self.fields[layer] = {
+                name: torch.zeros(kv.num_blocks + 1, kv.num_kv_heads, *rc, dtype=kv.k.dtype, device=kv.k.device)
+                for name, rc in dims.items()
+            }
+        return store
 
     # ---- cache stage ------------------------------------------------------------------------------
 
@@ -100,6 +154,12 @@ class FlowAttention(DenseAttention):
                 self._run_cache(layer, kv, blocks, blocks)
         else:
             pos = meta.positions
+            cache = self._cache_kernel(kv) if self._generated_path(kv.k) else None
+            store = self._stores(layer, kv)
+            if cache is not None and store:
+                cache.decode(kv.k[layer], kv.v[layer], pos, meta.block_tables, meta.seq_lens, kv.null_block,
+                             store, self.constants(layer, kv))
+                return
             phys = meta.block_tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long()
             completing = ((pos % bs) == bs - 1) & (meta.seq_lens > 0)
             # Graph-safe: every row computes; rows that complete nothing write to the null block.
@@ -125,16 +185,17 @@ class FlowAttention(DenseAttention):
         return {name: ft.data.reshape(t, h, *ft.shape[1:]) for name, ft in out.items()}
 
     def _run_cache(self, layer: int, kv: KVCache, src: torch.Tensor, dst: torch.Tensor, fixed_shape: bool = False) -> None:
+        store = self._stores(layer, kv)
+        if not store:
+            return
+        if self._generated_path(kv.k):
+            cache = self._cache_kernel(kv)
+            if cache is not None:
+                cache(kv.k[layer], kv.v[layer], src, dst, store, self.constants(layer, kv))
+                return
         # Prefill chunks vary in size (no point compiling each); decode's shapes are fixed.
         fn = self._cache_fn if fixed_shape else self._cache_tensors
         out = fn(kv.k[layer], kv.v[layer], src, self.constants(layer, kv))
-        store = self.fields.get(layer)
-        if store is None:
-            store = {
-                name: torch.zeros(kv.num_blocks + 1, *f.shape[1:], dtype=kv.k.dtype, device=kv.k.device)
-                for name, f in out.items()
-            }
-            self.fields[layer] = store
         for name, f in out.items():
             store[name][dst] = f.to(store[name].dtype)
 
@@ -154,11 +215,22 @@ class FlowAttention(DenseAttention):
                 raise RuntimeError(f"layer {layer} reuses a selection but no select layer ran before it")
             blocks, counts = self._shared
         else:
-            stores = self.fields.get(layer, {})
-            blocks, counts, saved, table = self._select_fn(
-                q, meta.block_tables, meta.seq_lens, stores, kv.k[layer] if self.flow.uses_keys else None,
-                kv.num_kv_heads, kv.block_size, kv.null_block, self.constants(layer, kv),
-            )
+            stores = self._stores(layer, kv)
+            args = (q, meta.block_tables, meta.seq_lens, stores, kv.k[layer] if self.flow.uses_keys else None,
+                    kv.num_kv_heads, kv.block_size, kv.null_block, self.constants(layer, kv))
+            generated = self._generated_path(q)
+            indexer = self._indexer_kernel(kv, q.shape[1] // kv.num_kv_heads) if generated else None
+            if indexer is not None:  # sparsetune's kernels: scoring, then the radix-select top-k
+                score, counts = indexer(*args[:5], args[8], kv.num_kv_heads, kv.null_block)
+                saved, table = {}, meta.block_tables
+                blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, select_topk)
+            elif generated and not self._forced_only:  # compiled torch scoring, radix-select top-k
+                score, counts, saved, table = self._score_fn(*args)
+                blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, select_topk)
+            else:  # reference, CPU-compiled, or always-kept blocks only: one tensor function
+                blocks, counts, saved, table = self._select_fn(*args)
+            b = q.shape[0]
+            blocks, counts = blocks.view(b, kv.num_kv_heads, -1), counts.view(b, kv.num_kv_heads)
             for name, value in saved.items():  # state for the next step; padding lands in the null block
                 stores[name][table] = value.to(stores[name].dtype)
             self._shared = (blocks, counts)
@@ -170,9 +242,34 @@ class FlowAttention(DenseAttention):
         self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
         k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """Indexer + selection as one tensor function (what the compiled executor compiles).
-        Returns blocks, counts, the saved state values as `[B, W, Hkv, r, c]` and the block
-        table they belong to (entries past each sequence pointing at the null block)."""
+        """Indexer + selection with torch.topk, as one tensor function (the reference, and what the
+        compiled executor compiles where the generated kernels do not run)."""
+        score, counts, saved, table = self._score_tensors(q, block_tables, seq_lens, stores, k_pool, h, bs, null_block, const)
+        return self._top_blocks(score, counts, seq_lens, h, bs, _torch_topk), counts, saved, table
+
+    def _top_blocks(
+        self, score: torch.Tensor | None, counts: torch.Tensor, seq_lens: torch.Tensor, h: int, bs: int, topk
+    ) -> torch.Tensor:
+        """The selected blocks `[R, K]`: the first `counts[r]` entries of row r count."""
+        flow = self.flow
+        width = (score.shape[1] if score is not None else None)
+        if score is None:
+            # Only the always-kept blocks (StreamingLLM): their indices are arithmetic, no top-k.
+            forced_n = flow.sink_blocks + flow.local_blocks
+            nb = ((seq_lens.long() + bs - 1) // bs).repeat_interleave(h)
+            k = torch.arange(forced_n, device=seq_lens.device)
+            tail = nb[:, None] - forced_n + k  # the last local_blocks blocks
+            return torch.where((nb[:, None] >= forced_n) & (k >= flow.sink_blocks), tail, k).to(torch.int32)
+        return topk(score, counts, min(width, flow.budget_blocks(width)))
+
+    def _score_tensors(
+        self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
+        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The indexer over every (request, KV head) row, in float32 or wider. Returns the masked
+        scores `[R, W]` (always-kept blocks +inf, blocks past the sequence -inf; None for a flow
+        that keeps only those), the blocks each row attends `[R]`, the saved state values as
+        `[B, W, Hkv, r, c]` and the block table they belong to (past each sequence: the null block)."""
         flow = self.flow
         b, hq, d = q.shape
         rows = b * h
@@ -186,7 +283,7 @@ class FlowAttention(DenseAttention):
 
         fields = Fields(
             {
-                name: FT(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:]), valid)
+                name: FT(_wide(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:])), valid)
                 for name, store in stores.items()
             }
         )
@@ -194,32 +291,33 @@ class FlowAttention(DenseAttention):
             # Raw keys [R, W, bs, D]; slots past the sequence end hold stale data: zero them.
             keys = k_pool[table].permute(0, 2, 1, 3, 4)  # [B, Hkv, W, bs, D]
             live = (idx[:, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[:, None, None]  # [B, W, bs]
-            keys = keys * live[:, None, :, :, None].to(keys.dtype)
+            keys = _wide(keys) * live[:, None, :, :, None]
             dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))
-        sel = flow.run_index(FT(q.reshape(rows, 1, hq // h, d)), fields, const_rows(const, b))
+        const_ft = const_rows({n: _wide(c) for n, c in const.items()}, b)
+        sel = flow.run_index(FT(_wide(q).reshape(rows, 1, hq // h, d)), fields, const_ft)
         forced_n = flow.sink_blocks + flow.local_blocks
         if sel.score is None:
-            # Only the always-kept blocks (StreamingLLM): their indices are arithmetic, no top-k.
-            k = torch.arange(min(width, forced_n), device=q.device)
-            tail = nb[:, None] - forced_n + k  # the last local_blocks blocks
-            blocks = torch.where((nb[:, None] >= forced_n) & (k >= flow.sink_blocks), tail, k)
-            counts = torch.minimum(nb, torch.full_like(nb, forced_n))
-            return blocks.to(torch.int32).view(b, h, -1), counts.to(torch.int32).view(b, h), {}, table
+            return None, torch.minimum(nb, torch.full_like(nb, forced_n)).to(torch.int32), {}, table
         score = sel.score.data.reshape(rows, width).float()
         forced = (idx < flow.sink_blocks) | (idx >= nb[:, None] - flow.local_blocks)
         lowest = torch.finfo(torch.float32).min
         score = score.nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
         score = score.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-
         if flow.budget_ratio is not None:
             want = torch.ceil(nb.double() * flow.budget_ratio).long().clamp(min=forced_n)
-            k_max = min(width, flow.budget_blocks(width))
         else:
             want = torch.full_like(nb, flow.budget_blocks(1 << 30))
-            k_max = min(width, flow.budget_blocks(width))
-        counts = torch.minimum(want, nb)
-        top = score.topk(k_max, dim=1).indices  # forced (+inf) first, padding (-inf) last
         saved = {
             name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
         }
-        return top.to(torch.int32).view(b, h, k_max), counts.to(torch.int32).view(b, h), saved, table
+        return score, torch.minimum(want, nb).to(torch.int32), saved, table
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """Indexer math runs in float32 (float64 stays): the generated kernels compute in fp32
+    registers, and bf16 products would reorder close blocks."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _torch_topk(score: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    return score.topk(k, dim=1).indices.to(torch.int32)  # forced (+inf) first, padding (-inf) last

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""One layer's block selection at decode: Inductor path vs the generated indexer + radix top-k.
+
+    python benchmarks/bench_indexer.py [--flows block_topk,quest] [--cases 16x32768,8x32768]
+
+Qwen3-8B attention shapes (32 query / 8 KV heads, head dim 128, bf16, blocks of 16), one
+layer's KV pool filled with random keys, the flow's cache-stage fields computed over every
+block, shuffled block tables; budget 2048 tokens. For each flow and (batch, context) it times,
+under CUDA graph replay:
+  - `inductor`: the compiled executor's Inductor path (gather, stages, torch.topk);
+  - `generated`: the generated indexer kernel + the radix-select top-k kernel;
+  - their parts (scoring kernel alone, radix select alone, torch.topk on the same scores);
+and the floor: the cached-field bytes the indexer must read / measured copy bandwidth.
+It also reports how often both paths choose the same blocks (they score in different
+precisions: Inductor in the field dtype, the generated kernel in fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import bench_us, measure_copy_bandwidth  # noqa: E402
+
+from sparsetune.engine.kv_cache import KVCache  # noqa: E402
+from sparsetune.flow import codegen  # noqa: E402
+from sparsetune.flow.calibrate import synthetic_calibration  # noqa: E402
+from sparsetune.flow.codegen import build_indexer  # noqa: E402
+from sparsetune.flow.registry import build_flow  # noqa: E402
+from sparsetune.flow.runtime import FlowAttention  # noqa: E402
+from sparsetune.kernels import select_topk as topk_mod  # noqa: E402
+from sparsetune.kernels.select_topk import select_topk  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+
+
+def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: int) -> dict:
+    flow = build_flow(flow_name, {"budget": str(budget), "dense_layers": ""})
+    nb = -(-ctx // BS)
+    kv = KVCache(1, batch * (nb + extra) + 1, HKV, BS, D, torch.bfloat16, "cuda")
+    kv.k.normal_()
+    kv.v.normal_()
+    # The engine's tables are wider than the context (room to generate): `extra` more columns.
+    bt = torch.randperm(batch * (nb + extra), device="cuda").view(batch, nb + extra).to(torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
+    calib = synthetic_calibration(1, HKV, D) if flow.calibrated else None
+    attn = FlowAttention(flow, D**-0.5, executor="compiled", calibration=calib)
+    const = attn.constants(0, kv)
+    attn._run_cache(0, kv, bt[:, :nb].flatten().long(), bt[:, :nb].flatten().long())
+    stores = attn.fields[0]
+    dims = {n: tuple(t.shape[2:]) for n, t in stores.items()}
+    ker = build_indexer(flow, HQ // HKV, D, dims, attn._const_dims())
+    k_max = min(nb + extra, flow.budget_blocks(nb + extra))
+
+    def inductor():  # the compiled torch indexer + torch.topk (what runs for non-block-local flows)
+        return attn._select_fn(q, bt, seq_lens, stores, None, HKV, BS, kv.null_block, const)[0]
+
+    def scores():
+        return ker(q, bt, seq_lens, stores, None, const, HKV, kv.null_block)
+
+    sc, counts = scores()
+
+    def generated():
+        return select_topk(*scores(), k_max)
+
+    t = {
+        "inductor": bench_us(inductor),
+        "generated": bench_us(generated),
+        "scoring": bench_us(scores),
+        "radix_select": bench_us(lambda: select_topk(sc, counts, k_max)),
+        "torch_topk": bench_us(lambda: sc.topk(k_max, dim=1)),
+    }
+    for bits in (1, 2, 4):
+        for warps in (4, 8):
+            topk_mod.RADIX_BITS, topk_mod.NUM_WARPS = bits, warps
+            t[f"radix{bits}_w{warps}"] = bench_us(lambda: select_topk(sc, counts, k_max))
+    topk_mod.RADIX_BITS, topk_mod.NUM_WARPS = 2, 0
+    field_bytes = batch * HKV * nb * sum(2 * r * c for r, c in dims.values())
+    floor_us = 1e6 * field_bytes / bw
+    a = inductor().view(batch, HKV, k_max)
+    b = generated().view(batch, HKV, k_max)
+    same = sum(
+        len(set(a[i, h].tolist()) & set(b[i, h].tolist())) for i in range(batch) for h in range(HKV)
+    ) / (batch * HKV * k_max)
+    return {"flow": flow_name, "batch": batch, "context": ctx, "block_s": ker.block_s, "us": t,
+            "field_bytes": field_bytes, "floor_us": floor_us, "same_blocks": same}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flows", default="block_topk,quest")
+    ap.add_argument("--cases", default="16x32768,8x32768")
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--table-extra", type=int, default=10, help="block-table columns past the context (engine: ~10)")
+    ap.add_argument("--elems", default="", help="sweep the generator's per-program element budget, e.g. 4096,16384")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    bw = measure_copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    sweep = [int(x) for x in args.elems.split(",") if x] or [codegen._ELEMS_PER_PROGRAM]
+    for name, elems in [(f, e) for f in args.flows.split(",") for e in sweep]:
+        codegen._ELEMS_PER_PROGRAM = elems
+        for c in args.cases.split(","):
+            b, n = (int(x) for x in c.split("x"))
+            r = case(name, b, n, args.budget, bw, args.table_extra)
+            rows.append(r)
+            t = r["us"]
+            print(f"{name:11s} {b:3d}x{n:<6d} inductor {t['inductor']:7.1f} us | generated {t['generated']:6.1f} us "
+                  f"(scoring {t['scoring']:5.1f}, radix select {t['radix_select']:5.1f}; torch.topk {t['torch_topk']:5.1f}) "
+                  f"| field floor {r['floor_us']:5.1f} us, scoring at {100 * r['floor_us'] / t['scoring']:4.0f}% "
+                  f"| BLOCK_S {r['block_s']} | same blocks {100 * r['same_blocks']:.1f}%")
+            print("   radix select sweep: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items() if k.startswith("radix")))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

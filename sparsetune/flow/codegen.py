@@ -1,0 +1,513 @@
+"""Generate Triton kernels from a flow's stages: the compiled executor's fast path.
+
+A stage is traced once on small dummy tensors (every `F.*` call is recorded, `ops._GRAPH`). If
+every op is *block-local* (its output for block s depends only on block s: elementwise ops,
+comparisons, `where`, `gemm`, reductions over the inner axes, `transpose`, `mask_slice`,
+`fill`), the stage is rewritten as straight-line Triton code:
+
+- **indexer** (`build_indexer`): one program owns `BLOCK_S` blocks of one (request, KV head)
+  row. It loads the group's query heads once, each block's fields once through the block table
+  (the group shares them; Inductor's fused reduction re-read them per query head), evaluates
+  the program in fp32 registers and writes the row's masked score (always-kept blocks +inf,
+  blocks past the sequence -inf, NaN → lowest) and the row's block count (budget) for the
+  radix-select top-k (`sparsetune.kernels.select_topk`).
+- **cache stage** (`build_cache`): one program per (block, KV head): load the block's keys and
+  values, compute the fields, store them (to the null block when the block is not complete),
+  replacing a gather, the Inductor kernels and an index_put per field.
+
+Ops across blocks (softmax/normalize/reductions over dim 0, conv1d), `reshape`, and state
+(`F.save`) are not block-local: such a flow keeps the Inductor path, and `why_not` says why.
+
+Every value is a 3-D tensor `[S, a, b]` (S = BLOCK_S, or 1 for block-constant values such as
+the query, constants, or anything in the cache stage); inner axes are padded to powers of two,
+and reductions (including the contraction of `gemm`) mask the padding with their neutral
+element, so padding never reaches a real value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparsetune.flow import ops as F
+from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.ops import FT, Fields
+
+_NEUTRAL = {"sum": "0.0", "mean": "0.0", "l2norm": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
+_BINARY = {"add": "({x} + {y})", "sub": "({x} - {y})", "mul": "({x} * {y})", "div": "({x} / {y})",
+           "maximum": "tl.maximum({x}, {y})", "minimum": "tl.minimum({x}, {y})",
+           "gt": "({x} > {y})", "ge": "({x} >= {y})", "lt": "({x} < {y})", "le": "({x} <= {y})"}
+_UNARY = {"abs": "tl.abs({x})", "exp": "tl.exp({x})", "log": "tl.log({x})", "relu": "tl.maximum({x}, 0.0)",
+          "sigmoid": "tl.sigmoid({x})", "silu": "({x} * tl.sigmoid({x}))"}
+_ELEMS_PER_PROGRAM = 16384  # the largest intermediate of one program, in fp32 elements (4 warps)
+_F32_MAX = "3.4028234663852886e38"
+
+
+class NotBlockLocal(Exception):
+    """The stage cannot become one block-local kernel; the message says which op and why."""
+
+
+class ForcedOnly(NotBlockLocal):
+    """The indexer scores nothing (`F.keep_only_forced`): the selection is arithmetic, no kernel."""
+
+
+def _p2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class _Val:
+    name: str
+    s: bool  # varies over blocks
+    a: int
+    b: int
+    is_bool: bool = False
+
+    def shape(self) -> str:
+        return f"[{'BLOCK_S' if self.s else 1}, {_p2(self.a)}, {_p2(self.b)}]"
+
+
+def _ref(x: _Val | str) -> str:
+    """An operand in generated code: a tile's variable or a float literal."""
+    return x.name if isinstance(x, _Val) else x
+
+
+def _tile_load(var: str, ptr: str, base: str, r: int, c: int, s2: str, s3: str, over_s: bool, extra: str = "") -> str:
+    """`var = ` a `[S or 1, r, c]` fp32 tile at `ptr + base + i*s2 + j*s3` (`base` is a vector
+    over the tile's blocks when `over_s`), padding read as 0."""
+    ri, ci = f"tl.arange(0, {_p2(r)})", f"tl.arange(0, {_p2(c)})"
+    base = f"({base})[:, None, None]" if over_s else base
+    mask = f"({ri} < {r})[None, :, None] & ({ci} < {c})[None, None, :]{extra}"
+    return (f"    {var} = tl.load({ptr} + {base} + {ri}[None, :, None] * {s2} + {ci}[None, None, :] * {s3},"
+            f" mask={mask}, other=0.0).to(tl.float32)")
+
+
+@dataclass
+class _Emitter:
+    """Turns recorded op nodes into Triton statements over named input tiles."""
+
+    inputs: dict[int, tuple[str, bool]]  # id(FT) -> (variable, varies over blocks)
+    vals: dict[int, _Val] = field(default_factory=dict)
+    body: list[str] = field(default_factory=list)
+    used: set[str] = field(default_factory=set)
+    biggest: int = 1  # the largest per-block intermediate over blocks, in elements (sets BLOCK_S)
+
+    def value(self, x) -> _Val | str:
+        if isinstance(x, FT):
+            if id(x) not in self.vals:
+                if id(x) not in self.inputs:
+                    raise NotBlockLocal("a tensor comes from outside the flow op set")
+                var, over_s = self.inputs[id(x)]
+                self.used.add(var)
+                self.vals[id(x)] = _Val(var, over_s, x.shape[1], x.shape[2])
+            return self.vals[id(x)]
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise NotBlockLocal(f"unsupported operand {x!r}")
+        return repr(float(x))
+
+    def tensor(self, x) -> _Val:
+        v = self.value(x)
+        if not isinstance(v, _Val):
+            raise NotBlockLocal(f"expected a flow tensor, got {x!r}")
+        return v
+
+    @staticmethod
+    def _axis_mask(axis: int, n: int) -> str:
+        idx = ["None", "None", "None"]
+        idx[axis] = ":"
+        return f"(tl.arange(0, {_p2(n)}) < {n})[{', '.join(idx)}]"
+
+    def emit(self, nodes: list[F.GraphNode]) -> None:
+        for node in nodes:
+            fn = getattr(F, node.op)
+            bound = inspect.signature(fn.__wrapped__).bind(*node.args, **node.kwargs)
+            bound.apply_defaults()
+            self._emit_one(node, bound.arguments)
+
+    def _emit_one(self, node: F.GraphNode, a: dict) -> None:
+        out = f"v{len(self.body)}"
+        res = _Val(out, False, node.out.shape[1], node.out.shape[2])
+        op = node.op
+        if op in _BINARY:
+            x, y = self.value(a["x"]), self.value(a["y"])
+            res.s = any(isinstance(t, _Val) and t.s for t in (x, y))
+            res.is_bool = op in ("gt", "ge", "lt", "le")
+            code = _BINARY[op].format(x=_ref(x), y=_ref(y))
+        elif op in _UNARY:
+            x = self.tensor(a["x"])
+            res.s = x.s
+            code = _UNARY[op].format(x=x.name)
+        elif op == "scale":
+            x = self.tensor(a["x"])
+            res.s = x.s
+            code = f"({x.name} * {float(a['alpha'])!r} + {float(a['beta'])!r})"
+        elif op == "where":
+            c, x, y = self.tensor(a["cond"]), self.value(a["x"]), self.value(a["y"])
+            res.s = any(isinstance(t, _Val) and t.s for t in (c, x, y))
+            code = f"tl.where({c.name}, {_ref(x)}, {_ref(y)})"
+        elif op in _NEUTRAL:
+            x, dim = self.tensor(a["x"]), a["dim"]
+            if dim == 0:
+                raise NotBlockLocal(f"F.{op}(dim=0) reduces across blocks")
+            n = (x.a, x.b)[dim - 1]
+            src = f"({x.name} * {x.name})" if op == "l2norm" else x.name
+            if _p2(n) != n:
+                src = f"tl.where({self._axis_mask(dim, n)}, {src}, {_NEUTRAL[op]})"
+            red = {"max": "tl.max", "min": "tl.min"}.get(op, "tl.sum")
+            code = f"tl.expand_dims({red}({src}, axis={dim}), {dim})"
+            code = {"mean": f"({code} / {n})", "l2norm": f"tl.sqrt({code})"}.get(op, code)
+            res.s = x.s
+        elif op == "gemm":
+            x, y = self.tensor(a["x"]), self.tensor(a["y"])
+            k = x.b
+            kmask = f"(tl.arange(0, {_p2(k)}) < {k})"
+            if x.a == 1 or y.a == 1:
+                # A matrix-vector product (e.g. one centroid against the query group): stay 3-D,
+                # [S, m or n, k] -> sum over k; 4-D tiles cost Triton layout conversions.
+                prod = f"({x.name} * {y.name})"
+                if _p2(k) != k:
+                    prod = f"tl.where({kmask}[None, None, :], {prod}, 0.0)"
+                code = f"tl.expand_dims(tl.sum({prod}, axis=2), {1 if x.a == 1 else 2})"
+            else:
+                # A matrix product: a static loop over the rows of the operand with fewer of them,
+                # each a 3-D multiply-reduce placed into its output column (or row). 4-D tiles
+                # [S, m, n, k] would be simpler and spill registers.
+                res.s = x.s or y.s
+                self.body.append(f"    {out} = tl.zeros({res.shape()}, tl.float32)")
+                loop, other, axis = (y, x, 2) if y.a <= x.a else (x, y, 1)
+                sel = f"(tl.arange(0, {_p2(loop.a)}) == i)"
+                put = f"{sel}[None, None, :]" if axis == 2 else f"{sel}[None, :, None]"
+                prod = f"({other.name} * tl.sum(tl.where({sel}[None, :, None], {loop.name}, 0.0), axis=1)[:, None, :])"
+                if _p2(k) != k:
+                    prod = f"tl.where({kmask}[None, None, :], {prod}, 0.0)"
+                part = f"tl.expand_dims(tl.sum({prod}, axis=2), {axis})"
+                self.body += [f"    for i in tl.static_range({loop.a}):",
+                              f"        {out} += tl.where({put}, {part}, 0.0)"]
+                code = out
+            res.s = x.s or y.s
+            if res.s:  # the product tile, [S, max(m, n), k]
+                self.biggest = max(self.biggest, _p2(max(x.a, y.a)) * _p2(k))
+        elif op == "transpose":
+            x = self.tensor(a["x"])
+            res.s, res.is_bool = x.s, x.is_bool
+            code = f"tl.permute({x.name}, (0, 2, 1))"
+        elif op == "mask_slice":
+            x, dim = self.tensor(a["x"]), a["dim"]
+            idx = ["None", "None", "None"]
+            idx[dim] = ":"
+            ar = f"tl.arange(0, {_p2((x.a, x.b)[dim - 1])})"
+            inside = f"({ar} >= {int(a['start'])}) & ({ar} < {int(a['end'])})"
+            res.s = x.s
+            code = (f"(tl.where({inside}, {float(a['inside'])!r}, {float(a['outside'])!r})[{', '.join(idx)}]"
+                    f" + tl.zeros({res.shape()}, tl.float32))")
+        elif op == "fill":
+            res.s = self.tensor(a["x"]).s
+            code = f"tl.full({res.shape()}, {float(a['value'])!r}, tl.float32)"
+        else:
+            raise NotBlockLocal(f"F.{op} is not block-local")
+        if res.s:  # block-constant values (the query's own math) do not grow with BLOCK_S
+            self.biggest = max(self.biggest, _p2(res.a) * _p2(res.b))
+        self.vals[id(node.out)] = res
+        self.body.append(f"    {out} = {code}")
+
+
+def _record(call) -> tuple[object, list[F.GraphNode]]:
+    nodes: list[F.GraphNode] = []
+    F._GRAPH.append(nodes)
+    try:
+        return call(), nodes
+    finally:
+        F._GRAPH.pop()
+
+
+def _dummy_consts(const_dims: dict[str, tuple[int, int]], g: torch.Generator) -> dict[str, FT]:
+    return {n: FT(torch.randn(1, 1, *rc, generator=g)) for n, rc in const_dims.items()}
+
+
+def _source(name: str, signature: list[str], lines: list[str], doc: str) -> str:
+    return "\n".join([f'"""{doc}"""', "import triton", "import triton.language as tl", "", "", "@triton.jit",
+                      f"def {name}({', '.join(signature)}):", *lines, ""])
+
+
+# ---- indexer ----------------------------------------------------------------------------------
+
+
+@dataclass
+class IndexerKernel:
+    """A generated indexer and what to pass it; `__call__` returns masked scores `[B*Hkv, W]`
+    (fp32) and the number of blocks each row attends `[B*Hkv]` (int32)."""
+
+    kernel: object
+    fields: list[str]
+    consts: list[str]
+    uses_keys: bool
+    block_s: int
+    source: str
+
+    def __call__(
+        self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+        stores: dict[str, torch.Tensor], k_pool: torch.Tensor | None, consts: dict[str, torch.Tensor],
+        hkv: int, null_block: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, width = block_tables.shape
+        rows = b * hkv
+        out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
+        counts = torch.empty(rows, dtype=torch.int32, device=q.device)
+        args: list[object] = [q, q.stride(0), q.stride(1), block_tables, block_tables.stride(0), seq_lens,
+                              out, out.stride(0), counts, width, hkv, null_block]
+        for name in self.fields:
+            st = stores[name]
+            args += [st, st.stride(0), st.stride(1), st.stride(2), st.stride(3)]
+        if self.uses_keys:
+            assert k_pool is not None
+            args += [k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)]
+        for name in self.consts:
+            c = consts[name]
+            args += [c, c.stride(0), c.stride(1), c.stride(2)]
+        grid = (rows, -(-width // self.block_s))
+        self.kernel[grid](*args, BLOCK_S=self.block_s, num_warps=4)  # type: ignore[index]
+        return out, counts
+
+
+def indexer_source(
+    flow: DecodeFlow, group: int, head_dim: int, field_dims: dict[str, tuple[int, int]],
+    const_dims: dict[str, tuple[int, int]] | None = None,
+) -> tuple[str, list[str], list[str], bool, int]:
+    """Triton source of the flow's indexer; raises NotBlockLocal. Returns (source, fields and
+    consts in argument order, whether it reads raw keys, BLOCK_S)."""
+    g = torch.Generator().manual_seed(0)
+    nblk, bs = 5, flow.block_size
+    q = FT(torch.randn(1, 1, group, head_dim, generator=g))
+    fields = Fields({n: FT(torch.randn(1, nblk, *rc, generator=g)) for n, rc in field_dims.items()})
+    inputs = {id(q): ("q_in", False)}
+    inputs.update({id(dict.__getitem__(fields, n)): (f"f_{n}", True) for n in field_dims})
+    if flow.uses_keys:
+        keys = FT(torch.randn(1, nblk, bs, head_dim, generator=g))
+        dict.__setitem__(fields, "k", keys)
+        inputs[id(keys)] = ("k_in", True)
+    const = _dummy_consts(const_dims or {}, g)
+    inputs.update({id(t): (f"c_{n}", False) for n, t in const.items()})
+    sel, nodes = _record(lambda: flow.run_index(q, fields, const))
+    if fields.saved:
+        raise NotBlockLocal("it saves state (F.save)")
+    if sel.score is None:
+        raise ForcedOnly("it selects no scored blocks (keep_only_forced)")
+    em = _Emitter(inputs)
+    em.emit(nodes)
+    sv = em.tensor(sel.score)
+    if sv.is_bool:
+        raise NotBlockLocal("the score is boolean")
+    score = sv.name if sv.s else f"({sv.name} + tl.zeros([BLOCK_S, 1, 1], tl.float32))"
+    block_s = max(1, min(64, _ELEMS_PER_PROGRAM // em.biggest))
+    block_s = 1 << (block_s.bit_length() - 1)
+
+    sig = ["q", "stride_qb", "stride_qh", "bt", "stride_bt", "seq_lens", "out", "stride_o", "counts", "W", "HKV", "NULL"]
+    loads = [_tile_load("q_in", "q", f"b * stride_qb + h * {group} * stride_qh", group, head_dim, "stride_qh", "1", False)]
+    fields_used = [n for n in field_dims if f"f_{n}" in em.used]
+    for n in fields_used:
+        sig += [f"f_{n}_ptr", f"f_{n}_s0", f"f_{n}_s1", f"f_{n}_s2", f"f_{n}_s3"]
+        loads.append(_tile_load(f"f_{n}", f"f_{n}_ptr", f"phys * f_{n}_s0 + h * f_{n}_s1", *field_dims[n],
+                                f"f_{n}_s2", f"f_{n}_s3", True))
+    uses_keys = "k_in" in em.used
+    if uses_keys:
+        sig += ["k_ptr", "k_s0", "k_s1", "k_s2"]
+        live = f" & ((j[:, None, None] * {bs} + tl.arange(0, {_p2(bs)})[None, :, None]) < seq_len)"
+        loads.append(_tile_load("k_in", "k_ptr", "phys * k_s0 + h * k_s1", bs, head_dim, "k_s2", "1", True, live))
+    consts_used = [n for n in (const_dims or {}) if f"c_{n}" in em.used]
+    for n in consts_used:
+        sig += [f"c_{n}_ptr", f"c_{n}_s0", f"c_{n}_s1", f"c_{n}_s2"]
+        loads.append(_tile_load(f"c_{n}", f"c_{n}_ptr", f"h * c_{n}_s0", *(const_dims or {})[n],
+                                f"c_{n}_s1", f"c_{n}_s2", False))
+    if flow.budget_ratio is not None:
+        # ceil(nb * ratio) in float64, as the reference computes it.
+        want = [f"    p = nb.to(tl.float64) * {float(flow.budget_ratio)!r}", "    want = p.to(tl.int32)",
+                "    want = want + (want.to(tl.float64) < p).to(tl.int32)",
+                f"    want = tl.maximum(want, {flow.sink_blocks + flow.local_blocks})"]
+    else:
+        want = [f"    want = {flow.budget_blocks(1 << 30)}"]
+    lines = [
+        "    row = tl.program_id(0)",
+        "    b = row // HKV",
+        "    h = row % HKV",
+        "    j = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)",
+        "    seq_len = tl.load(seq_lens + b)",
+        f"    nb = (seq_len + {bs - 1}) // {bs}",
+        "    live = j < nb",
+        "    phys = tl.load(bt + b * stride_bt + j, mask=live, other=NULL).to(tl.int64)",
+        *loads,
+        *em.body,
+        f"    sc = tl.reshape({score}, (BLOCK_S,))",
+        f"    sc = tl.where(sc != sc, -{_F32_MAX}, sc)",
+        f"    sc = tl.minimum(tl.maximum(sc, -{_F32_MAX}), {_F32_MAX})",
+        f"    sc = tl.where((j < {flow.sink_blocks}) | (j >= nb - {flow.local_blocks}), float('inf'), sc)",
+        "    sc = tl.where(live, sc, float('-inf'))",
+        "    tl.store(out + row * stride_o + j, sc, mask=j < W)",
+        *want,
+        "    tl.store(counts + row, tl.minimum(want, nb), mask=tl.program_id(1) == 0)",
+    ]
+    doc = f"Generated by sparsetune.flow.codegen: the indexer of flow {flow.name!r} (group {group}, head_dim {head_dim})."
+    src = _source("flow_indexer", sig + ["BLOCK_S: tl.constexpr"], lines, doc)
+    return src, fields_used, consts_used, uses_keys, block_s
+
+
+def build_indexer(
+    flow: DecodeFlow, group: int, head_dim: int, field_dims: dict[str, tuple[int, int]],
+    const_dims: dict[str, tuple[int, int]] | None = None,
+) -> IndexerKernel:
+    """The generated indexer for this flow and shapes (raises NotBlockLocal)."""
+    src, fields, consts, uses_keys, block_s = indexer_source(flow, group, head_dim, field_dims, const_dims)
+    return IndexerKernel(_load_kernel(src, "flow_indexer"), fields, consts, uses_keys, block_s, src)
+
+
+# ---- cache stage ------------------------------------------------------------------------------
+
+
+@dataclass
+class CacheKernel:
+    """A generated cache stage: fields of blocks `src` (one per request) written to blocks `dst`."""
+
+    kernel: object
+    fields: list[str]
+    consts: list[str]
+    source: str
+
+    def __call__(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+        stores: dict[str, torch.Tensor], consts: dict[str, torch.Tensor],
+    ) -> None:
+        self._launch(k_pool, v_pool, src, dst, None, None, 0, stores, consts)
+
+    def decode(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+        seq_lens: torch.Tensor, null_block: int, stores: dict[str, torch.Tensor], consts: dict[str, torch.Tensor],
+    ) -> None:
+        """A decode step: each request's block holding `positions[i]`, stored only if that token
+        completes it (else to the null block): no index arithmetic outside the kernel."""
+        self._launch(k_pool, v_pool, positions, positions, block_tables, seq_lens, null_block, stores, consts)
+
+    def _launch(self, k_pool, v_pool, src, dst, block_tables, seq_lens, null_block, stores, consts) -> None:
+        hkv = k_pool.shape[1]
+        from_pos = block_tables is not None
+        bt = block_tables if from_pos else src
+        args: list[object] = [k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+                              v_pool, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), src, dst, hkv,
+                              bt, bt.stride(0), seq_lens if from_pos else src, null_block]
+        for name in self.fields:
+            st = stores[name]
+            args += [st, st.stride(0), st.stride(1), st.stride(2), st.stride(3)]
+        for name in self.consts:
+            c = consts[name]
+            args += [c, c.stride(0), c.stride(1), c.stride(2)]
+        self.kernel[(src.numel() * hkv,)](*args, FROM_POSITIONS=from_pos, num_warps=4)  # type: ignore[index]
+
+
+def cache_source(
+    flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None
+) -> tuple[str, list[str], list[str]]:
+    """Triton source of the flow's cache stage; raises NotBlockLocal. Returns (source, fields in
+    argument order, consts in argument order)."""
+    g = torch.Generator().manual_seed(0)
+    bs = flow.block_size
+    k = FT(torch.randn(1, 1, bs, head_dim, generator=g))
+    v = FT(torch.randn(1, 1, bs, head_dim, generator=g))
+    const = _dummy_consts(const_dims or {}, g)
+    inputs = {id(k): ("k_in", False), id(v): ("v_in", False)}
+    inputs.update({id(t): (f"c_{n}", False) for n, t in const.items()})
+    out, nodes = _record(lambda: flow.run_cache(k, v, const))
+    em = _Emitter(inputs)
+    em.emit(nodes)
+    sig = ["k_ptr", "k_s0", "k_s1", "k_s2", "v_ptr", "v_s0", "v_s1", "v_s2", "src", "dst", "HKV", "bt", "stride_bt",
+           "seq_lens", "NULL"]
+    loads = [_tile_load(f"{x}_in", f"{x}_ptr", f"blk * {x}_s0 + h * {x}_s1", bs, head_dim, f"{x}_s2", "1", False)
+             for x in ("k", "v") if f"{x}_in" in em.used]
+    consts_used = [n for n in (const_dims or {}) if f"c_{n}" in em.used]
+    const_sig = []
+    for n in consts_used:
+        const_sig += [f"c_{n}_ptr", f"c_{n}_s0", f"c_{n}_s1", f"c_{n}_s2"]
+        loads.append(_tile_load(f"c_{n}", f"c_{n}_ptr", f"h * c_{n}_s0", *(const_dims or {})[n],
+                                f"c_{n}_s1", f"c_{n}_s2", False))
+    stores: list[str] = []
+    names = list(out)
+    for n in names:
+        val = em.tensor(out[n])
+        r, c = out[n].shape[1:]
+        ri, ci = f"tl.arange(0, {_p2(r)})", f"tl.arange(0, {_p2(c)})"
+        stores.append(
+            f"    tl.store(f_{n}_ptr + dst_blk * f_{n}_s0 + h * f_{n}_s1 + {ri}[None, :, None] * f_{n}_s2"
+            f" + {ci}[None, None, :] * f_{n}_s3, {val.name},"
+            f" mask=({ri} < {r})[None, :, None] & ({ci} < {c})[None, None, :])"
+        )
+    sig += [p for n in names for p in (f"f_{n}_ptr", f"f_{n}_s0", f"f_{n}_s1", f"f_{n}_s2", f"f_{n}_s3")] + const_sig
+    lines = ["    row = tl.program_id(0)", "    i = row // HKV", "    h = row % HKV",
+             "    if FROM_POSITIONS:",  # decode: src holds each request's new position
+             "        pos = tl.load(src + i)",
+             f"        blk = tl.load(bt + i * stride_bt + pos // {bs}).to(tl.int64)",
+             f"        done = (pos % {bs} == {bs - 1}) & (tl.load(seq_lens + i) > 0)",
+             "        dst_blk = tl.where(done, blk, NULL).to(tl.int64)",
+             "    else:",
+             "        blk = tl.load(src + i).to(tl.int64)",
+             "        dst_blk = tl.load(dst + i).to(tl.int64)",
+             *loads, *em.body, *stores]
+    doc = f"Generated by sparsetune.flow.codegen: the cache stage of flow {flow.name!r} (head_dim {head_dim})."
+    return _source("flow_cache", sig + ["FROM_POSITIONS: tl.constexpr"], lines, doc), names, consts_used
+
+
+def build_cache(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> CacheKernel:
+    src, fields, consts = cache_source(flow, head_dim, const_dims)
+    return CacheKernel(_load_kernel(src, "flow_cache"), fields, consts, src)
+
+
+# ---- loading and reporting ----------------------------------------------------------------------
+
+_LOADED: dict[str, object] = {}
+
+
+def _load_kernel(src: str, fn_name: str) -> object:
+    """Triton reads a kernel's source from its file: write it once per content hash, import it."""
+    key = hashlib.sha256(src.encode()).hexdigest()[:16]
+    if key not in _LOADED:
+        d = Path(tempfile.gettempdir()) / f"sparsetune-kernels-{os.getuid()}"
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{fn_name}_{key}.py"
+        if not path.exists() or path.read_text() != src:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(src)
+            tmp.replace(path)
+        name = f"sparsetune_generated_{fn_name}_{key}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        _LOADED[key] = getattr(module, fn_name)
+    return _LOADED[key]
+
+
+def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+    """The inner shape `(r, c)` of each field the cache stage writes (from one dummy block)."""
+    kv = FT(torch.zeros(1, 1, flow.block_size, head_dim))
+    const = _dummy_consts(const_dims or {}, torch.Generator().manual_seed(0))
+    return {n: tuple(t.shape[1:]) for n, t in flow.run_cache(kv, kv, const).items()}  # type: ignore[misc]
+
+
+def why_not(flow: DecodeFlow, group: int = 4, head_dim: int = 64,
+            const_dims: dict[str, tuple[int, int]] | None = None) -> dict[str, str | None]:
+    """For each stage: None if it becomes a generated kernel, else the reason it does not."""
+    dims = field_dims(flow, head_dim, const_dims)
+    reasons: dict[str, str | None] = {}
+    for stage, make in (("cache", lambda: cache_source(flow, head_dim, const_dims)),
+                        ("index", lambda: indexer_source(flow, group, head_dim, dims, const_dims))):
+        try:
+            make()
+            reasons[stage] = None
+        except NotBlockLocal as e:
+            reasons[stage] = str(e)
+    return reasons

@@ -1,0 +1,112 @@
+"""Per-row top-k selection of KV blocks on device: a Triton radix select + its torch twin.
+
+`select_topk(scores [R, W] fp32, counts [R] int32, k_max) -> [R, k_max] int32`: row r keeps
+the indices of its `counts[r]` largest scores (ties: the lower index wins), written in
+ascending index order into `out[r, :counts[r]]`; the rest of the row is 0. The sparse decode
+kernel reads only the first `counts[r]` entries, so neither score order nor padding matters.
+
+Why not `torch.topk`: it sorts (a radix sort plus a gather, ~28 µs per layer for 128 rows of
+2K blocks on an H200) while the selection needs only the set. Here one program owns one row,
+holds its scores in registers, and finds the k-th largest score by building its 32-bit key
+from the top, RADIX_BITS bits per counting pass over registers (no memory traffic), then
+writes the winners with a prefix sum. Floats map to integers with the same order
+(`i ^ 0x7FFFFFFF` for negative floats), so ±inf work as always-kept / never-kept markers.
+Nothing is read on the host: the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["select_topk", "select_topk_ref", "MAX_WIDTH"]
+
+_INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+MAX_WIDTH = 16384  # widest row held in registers; wider rows go through torch (see select_topk)
+RADIX_BITS = 2  # key bits settled per counting pass (1, 2 or 4; benchmarks/bench_indexer.py sweeps it)
+NUM_WARPS = 0  # 0: by row width
+
+
+@triton.jit
+def _keys(scores, stride_s, r, offs, W):
+    """Row r's scores at `offs` as int64 keys in [0, 2^32) with the floats' order (negative floats
+    flip their magnitude bits); past the row: -1, below everything."""
+    valid = offs < W
+    bits = tl.load(scores + r * stride_s + offs, mask=valid, other=float("-inf")).to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    return tl.where(valid, key, -1)
+
+
+@triton.jit
+def _select_topk_kernel(
+    scores, counts, out, W, K, stride_s, stride_o, K_PAD: tl.constexpr, MAIN: tl.constexpr, TAIL: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):
+    # The row is held as a power-of-two main tile plus a small tail tile, so a width just past a
+    # power of two (the engine's 2058 blocks) costs 2048 + 16 lanes, not 4096.
+    r = tl.program_id(0)
+    offs = tl.arange(0, MAIN)
+    offs2 = MAIN + tl.arange(0, TAIL)
+    key = _keys(scores, stride_s, r, offs, W)
+    key2 = _keys(scores, stride_s, r, offs2, W)
+    k = tl.load(counts + r)
+    # RADIX_BITS bits per pass: count the keys at or above each of the 2^bits candidate thresholds
+    # at once; counts fall as the candidate rises, so the passing ones are a prefix (digit 0
+    # always passes: at least k keys are >= t).
+    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
+    t = tl.zeros([], dtype=tl.int64)
+    for i in tl.static_range(32 // RADIX_BITS):
+        cand = t | (digits << (32 - RADIX_BITS * (i + 1)))
+        n = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+        n += tl.sum((key2[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+        t = t | ((tl.sum((n >= k).to(tl.int64), axis=0) - 1) << (32 - RADIX_BITS * (i + 1)))
+    # t is now the k-th largest key: take everything above it, then ties in index order.
+    above, above2 = key > t, key2 > t
+    tie, tie2 = (key == t).to(tl.int32), (key2 == t).to(tl.int32)
+    room = k - tl.sum(above.to(tl.int32), axis=0) - tl.sum(above2.to(tl.int32), axis=0)
+    take = above | ((tie > 0) & (tl.cumsum(tie, axis=0) <= room))
+    take2 = above2 | ((tie2 > 0) & (tl.sum(tie, axis=0) + tl.cumsum(tie2, axis=0) <= room))
+    pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    pos2 = tl.sum(take.to(tl.int32), axis=0) + tl.cumsum(take2.to(tl.int32), axis=0) - 1
+    tl.store(out + r * stride_o + pos, offs, mask=take)
+    tl.store(out + r * stride_o + pos2, offs2, mask=take2)
+    slot = tl.arange(0, K_PAD)
+    tl.store(out + r * stride_o + slot, tl.zeros([K_PAD], dtype=tl.int32), mask=(slot >= k) & (slot < K))
+
+
+def select_topk(scores: torch.Tensor, counts: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Triton path (CUDA, or CPU under TRITON_INTERPRET=1); rows wider than MAX_WIDTH use the twin."""
+    if scores.dim() != 2 or counts.shape != scores.shape[:1]:
+        raise ValueError(f"scores must be [R, W] and counts [R], got {tuple(scores.shape)} / {tuple(counts.shape)}")
+    rows, width = scores.shape
+    if width > MAX_WIDTH or k_max > width:
+        return select_topk_ref(scores, counts, k_max)
+    if scores.device.type != "cuda" and not _INTERPRET:
+        raise RuntimeError("select_topk needs CUDA tensors (or TRITON_INTERPRET=1); use select_topk_ref on CPU")
+    scores = scores.float()
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    out = torch.empty(rows, k_max, dtype=torch.int32, device=scores.device)
+    main = 1 << (width.bit_length() - 1)  # the largest power of two <= width
+    tail = triton.next_power_of_2(max(1, width - main))
+    _select_topk_kernel[(rows,)](
+        scores, counts.to(torch.int32).contiguous(), out, width, k_max, scores.stride(0), out.stride(0),
+        K_PAD=triton.next_power_of_2(k_max), MAIN=main, TAIL=tail, RADIX_BITS=RADIX_BITS,
+        num_warps=NUM_WARPS or (4 if main <= 1024 else 8 if main <= 8192 else 16),
+    )
+    return out
+
+
+def select_topk_ref(scores: torch.Tensor, counts: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Torch twin with the same output: the selected indices ascending, then zeros."""
+    rows, width = scores.shape
+    order = torch.sort(scores.float(), dim=1, descending=True, stable=True).indices  # ties: lower index first
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(width, device=scores.device).expand(rows, width))
+    take = rank < counts.long()[:, None]
+    # Winners go to their rank among winners (ascending index); the others to a spare column.
+    pos = torch.where(take, take.long().cumsum(1) - 1, width)
+    out = torch.zeros(rows, width + 1, dtype=torch.int32, device=scores.device)
+    out.scatter_(1, pos, torch.arange(width, device=scores.device, dtype=torch.int32).expand(rows, width).contiguous())
+    return out[:, :k_max].contiguous()

@@ -1,0 +1,195 @@
+"""The compiled executor's own kernels: the radix-select top-k and the generated indexer.
+
+Without a GPU both run through the Triton interpreter (enabled before any kernel module is
+imported). The top-k is checked against a brute-force ranking written here; the generated
+indexer against the reference executor's scores (float64 paged data) and selections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from sparsetune.kernels import select_topk as topk_mod  # noqa: E402
+
+if not torch.cuda.is_available() and not topk_mod._INTERPRET:
+    topk_mod = importlib.reload(topk_mod)  # imported earlier without the interpreter
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def brute_force(scores: torch.Tensor, counts: torch.Tensor, k_max: int) -> torch.Tensor:
+    out = torch.zeros(scores.shape[0], k_max, dtype=torch.int32)
+    for r in range(scores.shape[0]):
+        k = int(counts[r])
+        ranked = sorted(range(scores.shape[1]), key=lambda i: (-scores[r, i].item(), i))[:k]
+        out[r, :k] = torch.tensor(sorted(ranked), dtype=torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("radix_bits", [1, 2, 4])
+@pytest.mark.parametrize("width", [1, 37, 64, 300])
+def test_select_topk_matches_brute_force(radix_bits, width, monkeypatch):
+    monkeypatch.setattr(topk_mod, "RADIX_BITS", radix_bits)
+    g = torch.Generator().manual_seed(width)
+    rows = 6
+    s = torch.randn(rows, width, generator=g)
+    s[0, : min(3, width)] = float("inf")  # always-kept blocks
+    s[1, width // 2 :] = float("-inf")  # past the sequence
+    s[2] = torch.randint(0, 4, (width,), generator=g).float()  # many ties: lower index wins
+    s[3] = -s[3].abs()  # negative floats keep their order
+    k_max = min(width, 17)
+    counts = torch.tensor([min(width, 5), min(width // 2 + (width == 1), 9), k_max, 0, k_max, 1], dtype=torch.int32)
+    want = brute_force(s, counts, k_max)
+    got = topk_mod.select_topk(s.to(DEVICE), counts.to(DEVICE), k_max).cpu()
+    assert torch.equal(got, want)
+    assert torch.equal(topk_mod.select_topk_ref(s, counts, k_max), want)
+
+
+# ---- the generated indexer and cache stage ------------------------------------------------------
+
+from sparsetune.flow import codegen  # noqa: E402
+from sparsetune.flow.calibrate import synthetic_calibration  # noqa: E402
+from sparsetune.flow.registry import build_flow  # noqa: E402
+from sparsetune.flow.runtime import FlowAttention  # noqa: E402
+from test_flows import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache  # noqa: E402
+
+# Every block-local op, non-power-of-two group (3) and slices, all three gemm forms.
+WIDE_FLOW = textwrap.dedent('''
+    from sparsetune.flow import DecodeFlow
+    from sparsetune.flow import ops as F
+
+
+    class Wide(DecodeFlow):
+        name = "wide"
+
+        def cache(self, k, v):
+            return {"kmax": F.max(k, dim=1), "kmin": F.min(k, dim=1), "ksum": F.sum(k, dim=1),
+                    "vn": F.l2norm(F.transpose(v), dim=2), "keys": F.scale(k, alpha=0.5, beta=0.1)}
+
+        def index(self, q, fields):
+            qm = F.mul(q, F.mask_slice(q, 0, 20, dim=2, inside=1.0, outside=0.5))
+            up = F.maximum(F.mul(qm, fields["kmax"]), F.mul(qm, fields["kmin"]))  # [S, G, D]
+            s1 = F.mean(F.sum(up, dim=2), dim=1)
+            s2 = F.max(F.max(F.gemm(fields["keys"], q), dim=1), dim=2)  # [S, bs, G] first
+            c = F.gemm(fields["ksum"], q)  # [S, 1, G]
+            s3 = F.min(F.sigmoid(F.div(c, 8.0)), dim=2)
+            vn = F.gemm(F.transpose(fields["vn"]), F.abs(q))  # [S, 1, G]
+            s4 = F.l2norm(F.log(F.add(F.relu(vn), 1.0)), dim=2)
+            s5 = F.sum(F.silu(F.sub(F.exp(F.scale(c, alpha=0.01)), F.fill(c, 1.0))), dim=2)
+            ex = F.exp(F.scale(F.gemm(fields["keys"], q), alpha=0.01))  # [S, bs, G], padding exp(0) = 1
+            s6 = F.max(F.gemm(ex, F.exp(F.scale(c, alpha=0.01))), dim=1)  # contracts over G = 3
+            mix = F.add(F.add(F.add(s1, s2), s6), F.add(F.minimum(s3, s4), s5))
+            return F.topk(F.where(F.gt(s2, 0.0), mix, F.scale(mix, alpha=2.0)))
+''')
+
+
+def _case(block_size: int, lens: list[int], seed: int):
+    """tests/test_flows.py's random paged case, on the device the kernels run on."""
+    kv, bt, meta, q = paged_case(block_size, lens, seed)
+    if DEVICE != "cpu":
+        kv.k, kv.v = kv.k.to(DEVICE), kv.v.to(DEVICE)
+        bt, q = bt.to(DEVICE), q.to(DEVICE)
+        meta = dataclasses.replace(meta, positions=meta.positions.to(DEVICE), slot_mapping=meta.slot_mapping.to(DEVICE),
+                                   block_tables=bt, seq_lens=meta.seq_lens.to(DEVICE))
+    return kv, bt, meta, q
+
+
+def _flow(name: str, block_size: int, tmp_path, **extra):
+    params = {"budget": str(6 * block_size), "block_size": str(block_size), **extra}
+    if name == "wide":
+        path = tmp_path / "wide.py"
+        path.write_text(WIDE_FLOW)
+        name = str(path)
+    return build_flow(name, params)
+
+
+def _attn(flow, executor="reference", use_triton=None):
+    calib = synthetic_calibration(1, HKV, HEAD_DIM) if flow.calibrated else None
+    return FlowAttention(flow, HEAD_DIM**-0.5, use_triton=use_triton, executor=executor, calibration=calib)
+
+
+CASES = [("block_topk", 4, {}), ("quest", 16, {}), ("quest", 1, {"budget_ratio": "0.3"}),
+         ("double_sparse", 4, {"channels": "8"}), ("wide", 4, {})]
+
+
+@pytest.mark.parametrize("name,block_size,extra", CASES)
+def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
+    """Generated cache stage == reference fields; generated indexer == reference masked scores
+    and block counts (float64 paged data; the kernels compute in fp32)."""
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = _case(block_size, lens, seed=block_size)
+    flow = _flow(name, block_size, tmp_path, **extra)
+    assert codegen.why_not(flow, GROUP, HEAD_DIM, _attn(flow)._const_dims()) == {"cache": None, "index": None}
+    ref = _attn(flow)
+    prefill_cache(ref, kv, bt, lens)
+    gen = _attn(flow, "compiled", use_triton=True)
+    prefill_cache(gen, kv, bt, lens)
+    for field, want in ref.fields[0].items():
+        torch.testing.assert_close(gen.fields[0][field], want, rtol=1e-5, atol=1e-5)
+    args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv))
+    want_score, want_counts, _, _ = ref._score_tensors(*args)
+    indexer = gen._indexer_kernel(kv, GROUP)
+    score, counts = indexer(q, bt, meta.seq_lens, ref.fields[0], None, ref.constants(0, kv), HKV, kv.null_block)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(torch.isinf(score), torch.isinf(want_score))
+    torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["block_topk", "quest", "h2o", "tidal", "streaming", "double_sparse"])
+def test_generated_executor_selects_like_reference(name, tmp_path):
+    """The compiled executor on the Triton path (generated kernels where block-local, else the
+    compiled torch indexer; radix-select top-k) picks the reference executor's blocks."""
+    block_size = 4
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = _case(block_size, lens, seed=3)
+    extra = {"select_layers": ""} if name == "tidal" else {}
+    flow = _flow(name, block_size, tmp_path, dense_layers="", **extra)
+    ref, gen = _attn(flow), _attn(flow, "compiled", use_triton=True)
+    for attn in (ref, gen):
+        prefill_cache(attn, kv, bt, lens)
+    for step in range(2):  # h2o: the saved state must evolve the same way
+        want, want_n = ref.select(0, q, kv, meta)
+        got, got_n = gen.select(0, q, kv, meta)
+        assert torch.equal(got_n, want_n)
+        for b in range(len(lens)):
+            for h in range(HKV):
+                n = int(want_n[b, h])
+                assert set(got[b, h, :n].tolist()) == set(want[b, h, :n].tolist()), (step, b, h)
+    assert ("generated" in gen.paths["index"]) == (name in ("block_topk", "quest", "double_sparse"))
+
+
+@pytest.mark.parametrize("name", ["quest", "double_sparse"])
+def test_generated_cache_stage_at_decode(name, tmp_path):
+    """At decode the generated cache stage finds each request's block from its position and
+    writes the fields only for a block the new token completes (else the null block)."""
+    block_size = 4
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size]  # the 2nd and 3rd complete a block
+    kv, bt, meta, q = _case(block_size, lens, seed=5)
+    flow = _flow(name, block_size, tmp_path)
+    ref, gen = _attn(flow), _attn(flow, "compiled", use_triton=True)
+    for attn in (ref, gen):
+        stores = attn._stores(0, kv)
+        pos = meta.seq_lens.long() - 1
+        phys = bt.gather(1, (pos // block_size).view(-1, 1)).view(-1).long()
+        if attn is ref:
+            done = (pos % block_size) == block_size - 1
+            ref._run_cache(0, kv, phys, torch.where(done, phys, kv.null_block))
+        else:
+            gen._cache_kernel(kv).decode(kv.k[0], kv.v[0], pos, bt, meta.seq_lens, kv.null_block, stores,
+                                         gen.constants(0, kv))
+    for field, want in ref.fields[0].items():
+        got = gen.fields[0][field]
+        torch.testing.assert_close(got[:-1], want[:-1], rtol=1e-5, atol=1e-5)  # the null block is scratch
+        written = want[:-1].flatten(1).abs().sum(1) > 0
+        assert int(written.sum()) == 2  # exactly the two completed blocks
