@@ -8,6 +8,7 @@ from conftest import assert_logits_match, hf_logits
 from test_model_vs_hf import _tiny_hf
 
 from sparsetune.engine.llm import LLM
+from sparsetune.flow.calibrate import synthetic_calibration, write_calibration
 from sparsetune.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -44,7 +45,7 @@ def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
     assert [o.token_ids for o in outs] == reference
 
 
-@pytest.mark.parametrize("flow", ["quest", "block_topk", "h2o", "tidal"])
+@pytest.mark.parametrize("flow", ["quest", "block_topk", "h2o", "tidal", "double_sparse", "streaming"])
 def test_gpu_flow_graphs(flow, tmp_path):
     """Flows on GPU (Triton sparse kernel, indexer inside the CUDA graph): full budget = dense;
     at a small budget, the compiled executor in CUDA graphs = the reference executor run eagerly."""
@@ -56,6 +57,9 @@ def test_gpu_flow_graphs(flow, tmp_path):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     dense = [o.token_ids for o in LLM(**opts).generate(prompts, params)]
     sel = {"select_layers": "1"} if flow == "tidal" else {}
+    if flow == "double_sparse":  # a seeded channel order for the tiny model
+        order = synthetic_calibration(3, 2, 64)  # _tiny_hf: 3 layers, 2 KV heads; head_dim 64 here
+        sel = {"calibration": str(write_calibration(tmp_path / "calib.json", "tiny", order, None, 0, "synthetic"))}
     full = LLM(flow=flow, flow_params={"budget_ratio": "1.0", "dense_layers": "0", **sel}, **opts)
     assert [o.token_ids for o in full.generate(prompts, params)] == dense
     small = {"budget": "32", "dense_layers": "0", **sel}

@@ -281,9 +281,13 @@ class FlowAttention(DenseAttention):
         nb = nblocks.repeat_interleave(h)  # [R]
         valid = idx < nb[:, None]  # [R, width]
 
+        # Indexer math in float32 (float64 stays), as the generated kernels compute; a flow that
+        # reads raw keys stays in the pool's dtype: its key GEMMs are its cost, and bf16 GEMMs
+        # accumulate in fp32 anyway.
+        wide = _wide if k_pool is None else (lambda t: t)
         fields = Fields(
             {
-                name: FT(_wide(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:])), valid)
+                name: FT(wide(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:])), valid)
                 for name, store in stores.items()
             }
         )
@@ -291,10 +295,10 @@ class FlowAttention(DenseAttention):
             # Raw keys [R, W, bs, D]; slots past the sequence end hold stale data: zero them.
             keys = k_pool[table].permute(0, 2, 1, 3, 4)  # [B, Hkv, W, bs, D]
             live = (idx[:, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[:, None, None]  # [B, W, bs]
-            keys = _wide(keys) * live[:, None, :, :, None]
+            keys = keys * live[:, None, :, :, None].to(keys.dtype)
             dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))
-        const_ft = const_rows({n: _wide(c) for n, c in const.items()}, b)
-        sel = flow.run_index(FT(_wide(q).reshape(rows, 1, hq // h, d)), fields, const_ft)
+        const_ft = const_rows({n: wide(c) for n, c in const.items()}, b)
+        sel = flow.run_index(FT(wide(q).reshape(rows, 1, hq // h, d)), fields, const_ft)
         forced_n = flow.sink_blocks + flow.local_blocks
         if sel.score is None:
             return None, torch.minimum(nb, torch.full_like(nb, forced_n)).to(torch.int32), {}, table
@@ -314,8 +318,7 @@ class FlowAttention(DenseAttention):
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    """Indexer math runs in float32 (float64 stays): the generated kernels compute in fp32
-    registers, and bf16 products would reorder close blocks."""
+    """float32 or wider: bf16 products would reorder close blocks."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
