@@ -57,7 +57,7 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     attn._run_cache(0, kv, bt[:, :nb].flatten().long(), bt[:, :nb].flatten().long())
     stores = attn.fields[0]
     dims = {n: tuple(t.shape[2:]) for n, t in stores.items()}
-    ker = build_indexer(flow, HQ // HKV, D, dims, attn._const_dims())
+    ker = build_indexer(flow, HQ // HKV, D, dims, flow.const_dims(D))
     k_max = min(nb + extra, flow.budget_blocks(nb + extra))
 
     def inductor():  # the compiled torch indexer + torch.topk (what runs for non-block-local flows)

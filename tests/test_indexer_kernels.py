@@ -130,7 +130,7 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
     kv, bt, meta, q = _case(block_size, lens, seed=block_size)
     flow = _flow(name, block_size, tmp_path, **extra)
-    assert codegen.why_not(flow, GROUP, HEAD_DIM, _attn(flow)._const_dims()) == {"cache": None, "index": None}
+    assert codegen.why_not(flow, GROUP, HEAD_DIM, flow.const_dims(HEAD_DIM)) == {"cache": None, "index": None}
     ref = _attn(flow)
     prefill_cache(ref, kv, bt, lens)
     gen = _attn(flow, "compiled", use_triton=True)

@@ -99,6 +99,10 @@ class DecodeFlow:
     def index(self, q: FT, fields: dict[str, FT]) -> Selection:
         raise NotImplementedError
 
+    def const_dims(self, head_dim: int) -> dict[str, tuple[int, int]]:
+        """The inner shape of each constant the stages get (a calibrated flow: "channels")."""
+        return {"channels": (self.channels, head_dim)} if self.calibrated else {}
+
     def run_cache(self, k: FT, v: FT, const: dict[str, FT]) -> dict[str, FT]:
         """The cache stage, given the constants if it takes them (what the runtime and checker call)."""
         return self.cache(k, v, const) if self._takes_const["cache"] else self.cache(k, v)

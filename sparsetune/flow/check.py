@@ -185,8 +185,7 @@ def compiled_paths(flow: DecodeFlow, head_dim: int, group: int, has_fields: bool
     """How the compiled executor runs each stage on GPU: a generated kernel, or why not."""
     from sparsetune.flow import codegen
 
-    const_dims = {"channels": (flow.channels, head_dim)} if flow.calibrated else None
-    why = codegen.why_not(flow, group, head_dim, const_dims)
+    why = codegen.why_not(flow, group, head_dim, flow.const_dims(head_dim))
     paths = {s: "generated Triton kernel" if r is None else f"torch.compile ({r})" for s, r in why.items()}
     if not has_fields:
         paths["cache"] = "none (no fields)"

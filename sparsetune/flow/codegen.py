@@ -75,6 +75,25 @@ class _Val:
         return f"[{'BLOCK_S' if self.s else 1}, {_p2(self.a)}, {_p2(self.b)}]"
 
 
+def _ptr_params(var: str, ndim: int) -> list[str]:
+    """Kernel parameters of one tensor: its pointer and `ndim` strides (see `_with_strides`)."""
+    return [f"{var}_ptr"] + [f"{var}_s{i}" for i in range(ndim)]
+
+
+def _with_strides(t: torch.Tensor) -> list[object]:
+    """Launch arguments of one tensor: itself and its strides (matching `_ptr_params`)."""
+    return [t, *t.stride()]
+
+
+def _const_loads(em: "_Emitter", const_dims: dict[str, tuple[int, int]]) -> tuple[list[str], list[str], list[str]]:
+    """The constants a stage reads: their names, kernel parameters and tile loads (per KV head h)."""
+    used = [n for n in const_dims if f"c_{n}" in em.used]
+    params = [p for n in used for p in _ptr_params(f"c_{n}", 3)]
+    loads = [_tile_load(f"c_{n}", f"c_{n}_ptr", f"h * c_{n}_s0", *const_dims[n], f"c_{n}_s1", f"c_{n}_s2", False)
+             for n in used]
+    return used, params, loads
+
+
 def _ref(x: _Val | str) -> str:
     """An operand in generated code: a tile's variable or a float literal."""
     return x.name if isinstance(x, _Val) else x
@@ -263,15 +282,11 @@ class IndexerKernel:
         counts = torch.empty(rows, dtype=torch.int32, device=q.device)
         args: list[object] = [q, q.stride(0), q.stride(1), block_tables, block_tables.stride(0), seq_lens,
                               out, out.stride(0), counts, width, hkv, null_block]
-        for name in self.fields:
-            st = stores[name]
-            args += [st, st.stride(0), st.stride(1), st.stride(2), st.stride(3)]
+        args += [a for name in self.fields for a in _with_strides(stores[name])]
         if self.uses_keys:
             assert k_pool is not None
             args += [k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)]
-        for name in self.consts:
-            c = consts[name]
-            args += [c, c.stride(0), c.stride(1), c.stride(2)]
+        args += [a for name in self.consts for a in _with_strides(consts[name])]
         grid = (rows, -(-width // self.block_s))
         self.kernel[grid](*args, BLOCK_S=self.block_s, num_warps=4)  # type: ignore[index]
         return out, counts
@@ -313,7 +328,7 @@ def indexer_source(
     loads = [_tile_load("q_in", "q", f"b * stride_qb + h * {group} * stride_qh", group, head_dim, "stride_qh", "1", False)]
     fields_used = [n for n in field_dims if f"f_{n}" in em.used]
     for n in fields_used:
-        sig += [f"f_{n}_ptr", f"f_{n}_s0", f"f_{n}_s1", f"f_{n}_s2", f"f_{n}_s3"]
+        sig += _ptr_params(f"f_{n}", 4)
         loads.append(_tile_load(f"f_{n}", f"f_{n}_ptr", f"phys * f_{n}_s0 + h * f_{n}_s1", *field_dims[n],
                                 f"f_{n}_s2", f"f_{n}_s3", True))
     uses_keys = "k_in" in em.used
@@ -321,11 +336,9 @@ def indexer_source(
         sig += ["k_ptr", "k_s0", "k_s1", "k_s2"]
         live = f" & ((j[:, None, None] * {bs} + tl.arange(0, {_p2(bs)})[None, :, None]) < seq_len)"
         loads.append(_tile_load("k_in", "k_ptr", "phys * k_s0 + h * k_s1", bs, head_dim, "k_s2", "1", True, live))
-    consts_used = [n for n in (const_dims or {}) if f"c_{n}" in em.used]
-    for n in consts_used:
-        sig += [f"c_{n}_ptr", f"c_{n}_s0", f"c_{n}_s1", f"c_{n}_s2"]
-        loads.append(_tile_load(f"c_{n}", f"c_{n}_ptr", f"h * c_{n}_s0", *(const_dims or {})[n],
-                                f"c_{n}_s1", f"c_{n}_s2", False))
+    consts_used, const_params, const_loads = _const_loads(em, const_dims or {})
+    sig += const_params
+    loads += const_loads
     if flow.budget_ratio is not None:
         # ceil(nb * ratio) in float64, as the reference computes it.
         want = [f"    p = nb.to(tl.float64) * {float(flow.budget_ratio)!r}", "    want = p.to(tl.int32)",
@@ -400,12 +413,8 @@ class CacheKernel:
         args: list[object] = [k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
                               v_pool, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), src, dst, hkv,
                               bt, bt.stride(0), seq_lens if from_pos else src, null_block]
-        for name in self.fields:
-            st = stores[name]
-            args += [st, st.stride(0), st.stride(1), st.stride(2), st.stride(3)]
-        for name in self.consts:
-            c = consts[name]
-            args += [c, c.stride(0), c.stride(1), c.stride(2)]
+        args += [a for name in self.fields for a in _with_strides(stores[name])]
+        args += [a for name in self.consts for a in _with_strides(consts[name])]
         self.kernel[(src.numel() * hkv,)](*args, FROM_POSITIONS=from_pos, num_warps=4)  # type: ignore[index]
 
 
@@ -428,12 +437,8 @@ def cache_source(
            "seq_lens", "NULL"]
     loads = [_tile_load(f"{x}_in", f"{x}_ptr", f"blk * {x}_s0 + h * {x}_s1", bs, head_dim, f"{x}_s2", "1", False)
              for x in ("k", "v") if f"{x}_in" in em.used]
-    consts_used = [n for n in (const_dims or {}) if f"c_{n}" in em.used]
-    const_sig = []
-    for n in consts_used:
-        const_sig += [f"c_{n}_ptr", f"c_{n}_s0", f"c_{n}_s1", f"c_{n}_s2"]
-        loads.append(_tile_load(f"c_{n}", f"c_{n}_ptr", f"h * c_{n}_s0", *(const_dims or {})[n],
-                                f"c_{n}_s1", f"c_{n}_s2", False))
+    consts_used, const_params, const_loads = _const_loads(em, const_dims or {})
+    loads += const_loads
     stores: list[str] = []
     names = list(out)
     for n in names:
@@ -445,7 +450,7 @@ def cache_source(
             f" + {ci}[None, None, :] * f_{n}_s3, {val.name},"
             f" mask=({ri} < {r})[None, :, None] & ({ci} < {c})[None, None, :])"
         )
-    sig += [p for n in names for p in (f"f_{n}_ptr", f"f_{n}_s0", f"f_{n}_s1", f"f_{n}_s2", f"f_{n}_s3")] + const_sig
+    sig += [p for n in names for p in _ptr_params(f"f_{n}", 4)] + const_params
     lines = ["    row = tl.program_id(0)", "    i = row // HKV", "    h = row % HKV",
              "    if FROM_POSITIONS:",  # decode: src holds each request's new position
              "        pos = tl.load(src + i)",

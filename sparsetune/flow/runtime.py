@@ -49,8 +49,9 @@ def const_rows(const: dict[str, torch.Tensor], n: int) -> dict[str, FT]:
 
 class FlowAttention(DenseAttention):
     """Executes a decode flow. `executor="reference"` runs the stages op by op in torch (the
-    ground truth); `"compiled"` hands the same stage functions to torch.compile, whose Inductor
-    backend fuses them into a few Triton kernels on GPU (C++ on CPU)."""
+    ground truth). `"compiled"` on GPU runs a generated Triton kernel per block-local stage
+    (`flow.codegen`) and the radix-select top-k, and hands other stages to torch.compile; on CPU
+    it torch.compiles the same stage functions (C++)."""
 
     name = "flow"
 
@@ -97,13 +98,11 @@ class FlowAttention(DenseAttention):
         stages where they are block-local, the radix-select top-k always."""
         return self.executor == "compiled" and self.triton_path(x)
 
-    def _const_dims(self) -> dict[str, tuple[int, int]]:
-        return {"channels": tuple(self._selectors[0].shape[1:])} if self.flow.calibrated else {}
-
     def _indexer_kernel(self, kv: KVCache, group: int) -> codegen.IndexerKernel | None:
         """The generated indexer (None: not block-local; the compiled torch indexer runs), built once."""
         if "index" not in self._generated:
-            const_dims, d = self._const_dims(), kv.head_dim
+            d = kv.head_dim
+            const_dims = self.flow.const_dims(d)
             try:
                 dims = codegen.field_dims(self.flow, d, const_dims)
                 self._generated["index"] = codegen.build_indexer(self.flow, group, d, dims, const_dims)
@@ -120,7 +119,7 @@ class FlowAttention(DenseAttention):
         """The generated cache stage (None: not block-local; the compiled torch stage runs), built once."""
         if "cache" not in self._generated:
             try:
-                self._generated["cache"] = codegen.build_cache(self.flow, kv.head_dim, self._const_dims())
+                self._generated["cache"] = codegen.build_cache(self.flow, kv.head_dim, self.flow.const_dims(kv.head_dim))
                 self.paths["cache"] = "generated Triton kernel"
             except codegen.NotBlockLocal as e:
                 self._generated["cache"] = None
@@ -131,7 +130,7 @@ class FlowAttention(DenseAttention):
         """Layer's field stores, `[blocks + 1, Hkv, r, c]` each (the last block is the null block)."""
         store = self.fields.get(layer)
         if store is None:
-            dims = codegen.field_dims(self.flow, kv.head_dim, self._const_dims())
+            dims = codegen.field_dims(self.flow, kv.head_dim, self.flow.const_dims(kv.head_dim))
             store = self.fields[layer] = {
                 name: torch.zeros(kv.num_blocks + 1, kv.num_kv_heads, *rc, dtype=kv.k.dtype, device=kv.k.device)
                 for name, rc in dims.items()
@@ -220,12 +219,12 @@ class FlowAttention(DenseAttention):
                     kv.num_kv_heads, kv.block_size, kv.null_block, self.constants(layer, kv))
             generated = self._generated_path(q)
             indexer = self._indexer_kernel(kv, q.shape[1] // kv.num_kv_heads) if generated else None
-            if indexer is not None:  # sparsetune's kernels: scoring, then the radix-select top-k
-                score, counts = indexer(*args[:5], args[8], kv.num_kv_heads, kv.null_block)
-                saved, table = {}, meta.block_tables
-                blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, select_topk)
-            elif generated and not self._forced_only:  # compiled torch scoring, radix-select top-k
-                score, counts, saved, table = self._score_fn(*args)
+            if generated and not self._forced_only:  # scoring (generated, else compiled torch), radix select
+                if indexer is not None:
+                    score, counts = indexer(*args[:5], args[8], kv.num_kv_heads, kv.null_block)
+                    saved, table = {}, meta.block_tables
+                else:
+                    score, counts, saved, table = self._score_fn(*args)
                 blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, select_topk)
             else:  # reference, CPU-compiled, or always-kept blocks only: one tensor function
                 blocks, counts, saved, table = self._select_fn(*args)
@@ -252,7 +251,6 @@ class FlowAttention(DenseAttention):
     ) -> torch.Tensor:
         """The selected blocks `[R, K]`: the first `counts[r]` entries of row r count."""
         flow = self.flow
-        width = (score.shape[1] if score is not None else None)
         if score is None:
             # Only the always-kept blocks (StreamingLLM): their indices are arithmetic, no top-k.
             forced_n = flow.sink_blocks + flow.local_blocks
@@ -260,6 +258,7 @@ class FlowAttention(DenseAttention):
             k = torch.arange(forced_n, device=seq_lens.device)
             tail = nb[:, None] - forced_n + k  # the last local_blocks blocks
             return torch.where((nb[:, None] >= forced_n) & (k >= flow.sink_blocks), tail, k).to(torch.int32)
+        width = score.shape[1]
         return topk(score, counts, min(width, flow.budget_blocks(width)))
 
     def _score_tensors(
