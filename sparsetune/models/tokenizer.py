@@ -15,6 +15,7 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def chat_prompt(self, user_message: str) -> list[int]: ...
+    def chat_messages(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
 class HFTokenizer:
@@ -38,9 +39,12 @@ class HFTokenizer:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def chat_prompt(self, user_message: str) -> list[int]:
+        return self.chat_messages([{"role": "user", "content": user_message}])
+
+    def chat_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation (roles user/assistant/system) ending in a user turn, ready for the reply."""
         if not self.has_chat_template:
-            return self.encode(user_message)
-        messages = [{"role": "user", "content": user_message}]
+            return self.encode("\n\n".join(m["content"] for m in messages))
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.hf.encode(text, add_special_tokens=False))
 
@@ -64,6 +68,9 @@ class ByteTokenizer:
 
     def chat_prompt(self, user_message: str) -> list[int]:
         return self.encode(user_message)
+
+    def chat_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("\n\n".join(m["content"] for m in messages))
 
 
 def has_tokenizer_files(directory: Path) -> bool:

@@ -1,0 +1,1 @@
+"""Evaluation: offline tasks, scoring, accuracy / fidelity / speed runs and their run records."""

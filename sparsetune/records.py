@@ -1,0 +1,72 @@
+"""Run records: `runs/<timestamp>-<what>-<model>/` directories, environment facts, atomic JSON writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RUNS_DIR = Path("runs")
+_PACKAGES = ("sparsetune", "torch", "triton", "transformers", "tokenizers", "numpy", "gguf")
+
+
+def slug(text: str) -> str:
+    """A flow path or model path as a short directory-name part (`flows/x.py` → `x`)."""
+    name = Path(text).stem if text.endswith(".py") or "/" in text else text
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
+
+
+def new_run_dir(out: Path | str | None, *parts: str) -> Path:
+    """Create `out/<YYYYmmdd-HHMMSS>-<part>-<part>...`; a numeric suffix keeps same-second runs apart."""
+    root = Path(out) if out is not None else DEFAULT_RUNS_DIR
+    stem = "-".join([time.strftime("%Y%m%d-%H%M%S")] + [slug(p) for p in parts])
+    for i in range(1000):
+        path = root / (stem if i == 0 else f"{stem}-{i}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a run directory under {root}")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename), so an interrupted run never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def env_info(device: Any = None) -> dict[str, Any]:
+    """Package versions, Python, host and device facts for `env.json`."""
+    versions = {}
+    for pkg in _PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "packages": versions,
+        "device": None if device is None else str(device),
+        "gpu": None,
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
+            idx = torch.device(device).index if device is not None and torch.device(device).index is not None else 0
+            props = torch.cuda.get_device_properties(idx)
+            info["gpu"] = {"name": props.name, "memory_bytes": props.total_memory, "cuda": torch.version.cuda,
+                           "capability": f"{props.major}.{props.minor}"}
+    except Exception:  # env facts are best-effort; a run must not fail on them
+        pass
+    info["triton_interpret"] = os.environ.get("TRITON_INTERPRET") == "1"
+    return info
