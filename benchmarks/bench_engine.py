@@ -26,6 +26,7 @@ from common import measure_copy_bandwidth, measure_matmul_flops, wall  # noqa: E
 
 from sparsetune.engine.llm import LLM  # noqa: E402
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status  # noqa: E402
+from sparsetune.profile import profile_call, profile_decode  # noqa: E402
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -114,54 +115,22 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
             "weight_bytes": wb, "kv_bytes": kb}
 
 
-CATEGORIES = [  # first match wins; kernel names lower-cased
-    ("attention", ("paged_decode", "merge_splits", "cudnn", "fmha", "flash", "attention", "sdpa")),
-    ("topk", ("topk", "sort", "radix", "bitonic")),  # torch.topk, and sparsetune's _select_topk_kernel
-    ("indexer (generated)", ("flow_indexer",)),
-    ("cache stage (generated)", ("flow_cache",)),
-    ("flow stages (compiled)", ("triton_poi", "triton_red", "triton_per")),  # Inductor's kernels
-    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "sm90", "cublas", "matmul", "nvjet")),
-    ("norm", ("rms_norm",)),
-    ("rope+qknorm", ("rope",)),
-    ("silu_mul", ("silu",)),
-    ("kv_store", ("store_kv",)),
-    ("gather/index", ("index", "gather", "scatter")),
-    ("copy", ("copy", "elementwise")),
-]
+def by_category(prof: dict) -> list[tuple[str, float]]:
+    return sorted(((c, v["ms"]) for c, v in prof["categories"].items()), key=lambda kv: -kv[1])
 
 
-def profile_step(llm: LLM, is_prefill: bool, batch: int, ctx: int) -> list[tuple[str, float]]:
-    """GPU kernel time by category for one eager step (graphs off), via torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
+def profile_prefill(llm: LLM, tokens: int) -> list[tuple[str, float]]:
+    """GPU kernel time by category (sparsetune.profile) of one eager prefill of random tokens."""
     from sparsetune.engine.scheduler import Batch
 
-    vocab = llm.model_config.vocab_size
-    seqs = []
-    for _ in range(batch):
-        s = Sequence(torch.randint(0, vocab, (ctx,)).tolist(), SamplingParams())
-        llm.block_manager.grow(s, ctx)
-        s.num_computed = 0 if is_prefill else ctx - 1
-        seqs.append(s)
-    step = Batch(is_prefill, seqs, [ctx if is_prefill else 1] * batch)
-    graphs, llm.runner.graphs = llm.runner.graphs, {}
-    llm.runner.run(step)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.runner.run(step)
-        torch.cuda.synchronize()
-    llm.runner.graphs = graphs
-    for s in seqs:
+    s = Sequence(torch.randint(0, llm.model_config.vocab_size, (tokens,)).tolist(), SamplingParams())
+    llm.block_manager.grow(s, tokens)
+    step = Batch(True, [s], [tokens])
+    try:
+        llm.runner.run(step)  # warm-up
+        return by_category(profile_call(lambda: llm.runner.run(step), llm.device))
+    finally:
         llm.block_manager.release(s)
-    cats: dict[str, float] = {}
-    for ev in prof.key_averages():
-        t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        if t <= 0:
-            continue
-        name = ev.key.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
-        cats[cat] = cats.get(cat, 0.0) + t / 1e3
-    return sorted(((c, round(ms, 3)) for c, ms in cats.items()), key=lambda kv: -kv[1])
 
 
 @torch.inference_mode()
@@ -237,8 +206,10 @@ def main() -> None:
             print(f"decode {flow} {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
                   f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
         if args.profile:
+            # Real prefill of random prompts, then one eager decode step (sparsetune.profile).
             b, c = parse_cases(args.profile)[0]
-            prof = {"case": args.profile, "flow": flow, "ms_by_category": profile_step(llm, False, b, c)}
+            full = profile_decode(llm, b, c)
+            prof = {"case": args.profile, "flow": flow, "ms_by_category": by_category(full), "profile": full}
             results.setdefault("decode_profiles", []).append(prof)
             print(f"eager decode step ({flow}, {args.profile}) kernel time (ms):", prof["ms_by_category"], flush=True)
     dense_rows = {(r["batch"], r["context"]): r for r in results["decode"] if r["flow"] == "dense"}
@@ -252,7 +223,7 @@ def main() -> None:
 
     if args.profile_prefill:
         n = args.profile_prefill
-        results["prefill_profile"] = {"tokens": n, "ms_by_category": profile_step(llm, True, 1, n)}
+        results["prefill_profile"] = {"tokens": n, "ms_by_category": profile_prefill(llm, n)}
         print(f"prefill of {n} tokens, kernel time (ms):", results["prefill_profile"]["ms_by_category"], flush=True)
 
     vocab = llm.model_config.vocab_size

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "generate", "list_models", "LLM", "EngineConfig", "SamplingParams"]
+__all__ = ["__version__", "generate", "eval", "list_models", "LLM", "EngineConfig", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -13,6 +13,10 @@ def __getattr__(name: str):
         from sparsetune import api
 
         return getattr(api, name)
+    if name == "eval":  # sparsetune.eval(flow=..., model=..., tasks=...) → results.json as a dict
+        from sparsetune.evaluation.runner import evaluate
+
+        return evaluate
     if name == "LLM":
         from sparsetune.engine.llm import LLM
 

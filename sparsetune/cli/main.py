@@ -20,9 +20,7 @@ app = typer.Typer(
 
 # Commands whose issue has not landed: each says so in one line and exits non-zero.
 _NOT_BUILT = {
-    "eval": ("Measure a flow's accuracy, fidelity and speed (not built yet).", "issue #4, Evaluation"),
     "search": ("Optuna + LLM-agent search over flows and hyperparameters (not built yet).", "planned after issue #5"),
-    "profile": ("Break a decode step into kernels and stages (not built yet).", "issue #4, Evaluation"),
     "export": ("Turn a winning flow into a production config (not built yet).", "planned after issue #5"),
 }
 
@@ -41,9 +39,12 @@ for _name, (_help, _issue) in _NOT_BUILT.items():
 
 
 def _register() -> None:
-    from sparsetune.cli import flows, generate, models
+    from sparsetune.cli import eval as eval_cli
+    from sparsetune.cli import flows, generate, models, profile
 
     app.command(name="generate")(generate.generate)
+    app.command(name="eval")(eval_cli.eval_command)
+    app.command(name="profile")(profile.profile)
     app.add_typer(models.app, name="models")
     app.add_typer(flows.app, name="flows")
 

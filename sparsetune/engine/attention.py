@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from sparsetune.engine.kv_cache import KVCache
+from sparsetune.engine.profiling import stage
 from sparsetune.kernels import paged_decode
 
 
@@ -63,12 +64,14 @@ class AttentionBackend:
     ) -> torch.Tensor:
         """q `[N, Hq, D]`, k/v `[N, Hkv, D]` for the new tokens → `[N, Hq, D]`."""
         self.write_kv(layer, k, v, kv, meta)
-        if meta.is_prefill:
-            return self.prefill(layer, q, k, v, kv, meta)
-        return self.decode(layer, q, kv, meta)
+        with stage("attention"):  # a flow's indexer and top-k inside it are ranges of their own
+            if meta.is_prefill:
+                return self.prefill(layer, q, k, v, kv, meta)
+            return self.decode(layer, q, kv, meta)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> None:
-        kv.store(layer, k, v, meta.slot_mapping)
+        with stage("kv_store"):
+            kv.store(layer, k, v, meta.slot_mapping)
 
     def prefill(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata

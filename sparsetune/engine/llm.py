@@ -252,6 +252,11 @@ class LLM:
                 temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
                 top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
                 toks = sample(rows, temps, top_ps, self.generator).tolist()
+            for i, s in enumerate(seqs):
+                if s.params.forced_tokens:
+                    toks[i] = s.params.forced_tokens[s.num_completion_tokens]
+                if s.params.keep_logits:
+                    s.logits.append(rows[i].float().cpu())
             sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
         dt = time.perf_counter() - t0
         self._account(batch, dt)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from sparsetune.engine.attention import ForwardContext
+from sparsetune.engine.profiling import stage
 from sparsetune.engine.rope import cos_sin_table
 from sparsetune.kernels import fused_ops
 from sparsetune.models.config import ModelConfig
@@ -20,7 +21,8 @@ from sparsetune.models.config import ModelConfig
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     fn = fused_ops.rms_norm if x.is_cuda else fused_ops.rms_norm_ref
-    return fn(x, weight, eps, residual)
+    with stage("norm"):
+        return fn(x, weight, eps, residual)
 
 
 class RMSNorm(nn.Module):
@@ -53,12 +55,13 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         pos = ctx.meta.positions
-        if self.q_norm is not None:
-            fn = fused_ops.qk_norm_rope if q.is_cuda else fused_ops.qk_norm_rope_ref
-            q, k = fn(q, k, pos, cos_sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        else:
-            fn = fused_ops.apply_rope if q.is_cuda else fused_ops.apply_rope_ref
-            q, k = fn(q, k, pos, cos_sin)
+        with stage("rope"):  # Qwen3's qk-norm is fused into it
+            if self.q_norm is not None:
+                fn = fused_ops.qk_norm_rope if q.is_cuda else fused_ops.qk_norm_rope_ref
+                q, k = fn(q, k, pos, cos_sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                fn = fused_ops.apply_rope if q.is_cuda else fused_ops.apply_rope_ref
+                q, k = fn(q, k, pos, cos_sin)
         o = ctx.backends[self.layer_idx].forward(self.layer_idx, q, k, v, ctx.kv, ctx.meta)
         return self.o_proj(o.reshape(n, self.q_size))
 
@@ -72,7 +75,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         act = fused_ops.silu_and_mul if x.is_cuda else fused_ops.silu_and_mul_ref
-        return self.down_proj(act(gate_up))
+        with stage("activation"):
+            h = act(gate_up)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from sparsetune.engine.profiling import stage
+
 
 def sample(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """`logits [B, V]` float32 → token ids `[B]`. Rows with temperature 0 take the argmax."""
+    with stage("sampling"):
+        return _sample(logits, temperatures, top_ps, generator)
+
+
+def _sample(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if bool((temperatures == 0).all()):
         return greedy

@@ -16,6 +16,9 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Teacher forcing (fidelity): append these tokens instead of sampling, one per step.
+    forced_tokens: tuple[int, ...] = ()
+    keep_logits: bool = False  # keep each sampled position's float32 logits on the host (Sequence.logits)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -24,6 +27,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.forced_tokens and self.max_tokens > len(self.forced_tokens):
+            raise ValueError("max_tokens must not exceed the number of forced tokens")
 
 
 class Status(Enum):
@@ -43,6 +48,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     finish_reason: str | None = None
     num_preemptions: int = 0
+    logits: list = field(default_factory=list)  # per generated position, when params.keep_logits
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

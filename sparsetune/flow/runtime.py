@@ -18,6 +18,7 @@ import torch
 
 from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
+from sparsetune.engine.profiling import stage
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow import codegen
 from sparsetune.flow.base import DecodeFlow
@@ -141,6 +142,11 @@ class FlowAttention(DenseAttention):
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> None:
         super().write_kv(layer, k, v, kv, meta)
+        with stage("cache_stage"):
+            self._write_fields(layer, kv, meta)
+
+    def _write_fields(self, layer: int, kv: KVCache, meta: AttentionMetadata) -> None:
+        """The cache stage for the blocks this step's KV write completed."""
         bs = kv.block_size
         if meta.is_prefill:
             # Blocks completed by this chunk: b with ctx <= (b+1)*bs - 1 < seq_len.
@@ -201,7 +207,8 @@ class FlowAttention(DenseAttention):
     # ---- indexer + sparse attention -----------------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        blocks, counts = self.select(layer, q, kv, meta)
+        with stage("indexer"):
+            blocks, counts = self.select(layer, q, kv, meta)
         sparse = paged_decode.sparse_paged_decode_attention
         fn = sparse if self.triton_path(q) else paged_decode.sparse_paged_decode_attention_ref
         return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, blocks, counts, self.scale)
@@ -225,8 +232,13 @@ class FlowAttention(DenseAttention):
                     saved, table = {}, meta.block_tables
                 else:
                     score, counts, saved, table = self._score_fn(*args)
-                blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, select_topk)
-            else:  # reference, CPU-compiled, or always-kept blocks only: one tensor function
+                with stage("topk"):
+                    blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, select_topk)
+            elif self._select_fn == self._select_tensors:  # reference: `_select_tensors` in its two steps,
+                score, counts, saved, table = self._score_tensors(*args)  # so a profile sees the top-k apart
+                with stage("topk"):
+                    blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, _torch_topk)
+            else:  # CPU-compiled, or always-kept blocks only: one tensor function
                 blocks, counts, saved, table = self._select_fn(*args)
             b = q.shape[0]
             blocks, counts = blocks.view(b, kv.num_kv_heads, -1), counts.view(b, kv.num_kv_heads)

@@ -1,0 +1,150 @@
+"""`sparsetune eval`: a flow's accuracy, fidelity to dense and speed, recorded under runs/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from sparsetune.cli.output import emit_json, err, parse_size
+
+
+def eval_command(
+    flow: str = typer.Option("dense", "--flow", "-f", help="Flow: a built-in name (sparsetune flows list) or a .py file."),
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
+    task: list[str] = typer.Option(None, "--task", "-t", help="Task name or a .jsonl file (repeatable; default: the standard suite)."),
+    context: int = typer.Option(1024, "--context", "-c", help="Target prompt length in tokens (generated tasks; speed prompts)."),
+    samples: int = typer.Option(4, "--samples", "-n", help="Samples per generated task."),
+    seed: int = typer.Option(0, help="Seed for task generation, speed prompts and random weights."),
+    param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
+    batch: int = typer.Option(8, "--batch", "-b", help="Requests run together (accuracy) / the speed batch."),
+    max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Generation length (default: each task's own; speed: 128)."),
+    mode: str = typer.Option("auto", "--mode", help="accuracy, speed, all, or auto (all on GPU, accuracy on CPU, speed with --random-weights)."),
+    no_fidelity: bool = typer.Option(False, "--no-fidelity", help="Skip the dense pass (no fidelity, no dense accuracy)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", help="auto, float32, float16 or bfloat16 (the small model needs float32/float16 for accuracy)."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed only)."),
+    kv_memory: str = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 8GiB."),
+    flow_executor: str = typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU)."),
+    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU."),
+    out: Path = typer.Option(Path("runs"), "--out", "-o", help="Directory for run records."),
+    resume: Path = typer.Option(None, "--resume", help="Continue an interrupted run directory (its config wins)."),
+    list_tasks: bool = typer.Option(False, "--list-tasks", help="Describe the built-in tasks and exit."),
+    json_out: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
+) -> None:
+    """Measure a flow's accuracy, fidelity to dense and speed."""
+    if list_tasks:
+        _list_tasks(json_out)
+        return
+    from sparsetune.evaluation.runner import evaluate
+    from sparsetune.flow.params import parse_param_args
+
+    kwargs: dict[str, Any] = dict(
+        flow=flow, model=model, tasks=list(task) if task else None, context=context, samples=samples, seed=seed,
+        params=parse_param_args(param), batch=batch, max_new_tokens=max_new_tokens, mode=mode,
+        fidelity=not no_fidelity, device=device, dtype=dtype, random_weights=random_weights,
+        kv_memory=parse_size(kv_memory, "--kv-memory"), flow_executor=flow_executor, cuda_graph=not no_cuda_graph,
+        out=out, resume=resume,
+    )
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with err.status(f"loading {model} and building tasks ..."), Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True,
+    ) as bar:
+        ids: dict[str, Any] = {}
+
+        def on_start(run_dir: Path, _res: dict[str, Any]) -> None:
+            err.print(f"[dim]run directory: {run_dir}[/]")
+
+        def on_progress(done: int, total: int, what: str) -> None:
+            if "id" not in ids:
+                ids["id"] = bar.add_task("evaluating", total=total)
+            bar.update(ids["id"], completed=done, total=total, description=f"evaluating ({what})")
+
+        try:
+            results = evaluate(**kwargs, on_progress=on_progress, on_start=on_start)
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted: the partial run is on disk (results.json: complete=false); "
+                      "continue it with --resume RUN_DIR[/]")
+            raise
+    if json_out:
+        emit_json(results)
+    from rich.console import Console
+
+    _summary(results, err if json_out else Console(highlight=False))
+
+
+def _fmt(x: float | None, pct: bool = True) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f}" if pct else f"{x:.4f}"
+
+
+def _summary(res: dict[str, Any], out) -> None:
+    """The results as tables: on stdout, or on stderr when stdout carries --json."""
+    from rich.table import Table
+
+    if res["tasks"]:
+        t = Table(title=f"{res['flow']} on {res['model']}, context {res['context']} ({res['device']}, {res['dtype']})")
+        has_dense = res.get("dense_accuracy") is not None
+        has_fid = res.get("fidelity") is not None
+        cols = ["task", "n", "accuracy %"] + (["dense %"] if has_dense else []) + (
+            ["cosine", "top-1 %", "top-10 %"] if has_fid else [])
+        for col in cols:
+            t.add_column(col, justify="left" if col == "task" else "right")
+
+        def cells(acc, dense, fid):
+            row = [_fmt(acc)] + ([_fmt(dense)] if has_dense else [])
+            if has_fid:
+                fid = fid or {}
+                row += [_fmt(fid.get("cosine"), pct=False), _fmt(fid.get("top1")), _fmt(fid.get("top10"))]
+            return row
+
+        for name, row in res["tasks"].items():
+            t.add_row(name, str(row["n"]), *cells(row["accuracy"], row["dense_accuracy"], row.get("fidelity")))
+        t.add_row("[bold]mean[/]", "", *cells(res["accuracy"], res["dense_accuracy"], res.get("fidelity")))
+        out.print(t)
+        if res.get("relative_accuracy") is not None:
+            out.print(f"{res['flow']} keeps {100 * res['relative_accuracy']:.1f}% of dense accuracy")
+    speed = res.get("speed")
+    if speed:
+        t = Table(title=f"speed: batch {speed['flow']['batch']} × {speed['flow']['context']} tokens, "
+                        f"{speed['flow']['gen_tokens']} new")
+        for col in ("", "TTFT p50 s", "decode tok/s", "TPOT p50 ms", "TPOT p95 ms", "peak GiB"):
+            t.add_column(col, justify="right")
+        for label, s in (("flow", speed["flow"]), ("dense", speed.get("dense"))):
+            if s:
+                t.add_row(label, f"{s['ttft_s']['p50']:.3f}", str(s["decode_tokens_per_s"]),
+                          str((s["tpot_ms"] or {}).get("p50")), str((s["tpot_ms"] or {}).get("p95")),
+                          f"{s['peak_memory_bytes'] / 2**30:.2f}")
+        out.print(t)
+        if speed.get("decode_speedup"):
+            out.print(f"decode speedup over dense: {speed['decode_speedup']:.2f}×")
+    out.print(f"[dim]record: {res['run_dir']}/results.json ({res['seconds']:.0f}s)[/]")
+
+
+def _list_tasks(json_out: bool) -> None:
+    from rich.table import Table
+
+    from sparsetune.evaluation.tasks import DEFAULT_SUITE, list_tasks
+
+    rows = list_tasks()
+    if json_out:
+        emit_json({"tasks": rows, "default_suite": list(DEFAULT_SUITE)})
+        return
+    from rich.console import Console
+
+    out = Console(highlight=False)
+    t = Table(title="sparsetune eval tasks (--task NAME or --task FILE.jsonl)", show_lines=True)
+    for col in ("name", "family", "new tokens", "description"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], r["family"], str(r["max_new_tokens"]), r["description"])
+    out.print(t)
+    out.print(
+        "Custom tasks: a .jsonl file, one object per line with `prompt` (or chat `messages`), `answers` (list), "
+        "optional `metric` (all | any), `segments`, `max_new_tokens`, `id`.\n"
+        f"Default suite: {', '.join(DEFAULT_SUITE)}"
+    )

@@ -1,0 +1,173 @@
+"""Custom tasks: a JSONL file of prompts (or chat conversations) with their answers.
+
+One JSON object per line (blank lines skipped):
+
+    {"prompt": "...", "answers": ["..."]}
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}],
+     "answers": ["...", "..."], "metric": "any", "max_new_tokens": 16, "id": "q7",
+     "segments": [{"text": "...", "reuse": true, "namespace": "docs"}]}
+
+`prompt` or `messages` (ending with the user message the model answers; the ones before it are
+the sample's history), `answers` (non-empty list of strings), and optionally `metric` ("all":
+fraction of answers found, the default; "any": 1 if any is found), `max_new_tokens`, `id`, and
+`segments` (reusable parts of the prompt, kept for reuse flows). The task's name is the file's
+stem. Custom samples are used as written: `--context` does not resize them.
+
+Every mistake is a `SparsetuneError` naming the file, the line and the field, so a user can fix a
+large file from the message alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.evaluation.samples import METRICS, Sample, Turn
+
+KEYS = ("prompt", "messages", "answers", "metric", "max_new_tokens", "id", "segments")
+ROLES = ("system", "user", "assistant")
+SEGMENT_KEYS = ("text", "reuse", "namespace")
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+class _LineError(Exception):
+    """A problem with one line; `load_jsonl` adds the file and line number."""
+
+
+def load_jsonl(path: str | Path) -> list[Sample]:
+    """The samples of a custom task file, validated line by line."""
+    path = Path(path)
+    if not path.is_file():
+        raise SparsetuneError(
+            f"{path}: no such file; pass an existing .jsonl file or a built-in task (sparsetune eval --list-tasks)"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SparsetuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    samples: list[Sample] = []
+    ids: dict[Any, int] = {}
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other characters splitlines breaks on.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            samples.append(_sample(line, path.stem, len(samples), lineno, ids))
+        except _LineError as e:
+            raise SparsetuneError(f"{path}:{lineno}: {e}") from None
+    if not samples:
+        raise SparsetuneError(f"{path}: no tasks in the file; write one JSON object per line")
+    return samples
+
+
+def _sample(line: str, task: str, index: int, lineno: int, ids: dict[Any, int]) -> Sample:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise _LineError(f"not valid JSON ({e.msg} at column {e.colno}); write one JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise _LineError(f"expected a JSON object, got {_kind(obj)}; write one JSON object per line")
+    unknown = [k for k in obj if k not in KEYS]
+    if unknown:
+        raise _LineError(f'unknown key "{unknown[0]}"; the keys are {", ".join(KEYS)}')
+
+    answers = _answers(obj)
+    metric = obj.get("metric", "all")
+    if metric not in METRICS:
+        raise _LineError(f'"metric" must be "all" or "any", not {json.dumps(metric)}')
+    max_new_tokens = obj.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise _LineError(f'"max_new_tokens" must be an integer of at least 1, not {json.dumps(max_new_tokens)}')
+    sample_id = obj.get("id")
+    if sample_id is not None:
+        if not (isinstance(sample_id, str) or _is_int(sample_id)):
+            raise _LineError(f'"id" must be a string or an integer, not {_kind(sample_id)}')
+        if sample_id in ids:
+            raise _LineError(f'"id" {json.dumps(sample_id)} is also on line {ids[sample_id]}; ids must be unique')
+        ids[sample_id] = lineno
+
+    history, user = _conversation(obj)
+    meta: dict[str, Any] = {"line": lineno}
+    if sample_id is not None:
+        meta["id"] = sample_id
+    return Sample(
+        task=task,
+        index=index,
+        turns=(Turn(user, answers),),
+        metric=metric,
+        max_new_tokens=max_new_tokens,
+        history=history,
+        segments=_segments(obj),
+        meta=meta,
+    )
+
+
+def _answers(obj: dict[str, Any]) -> tuple[str, ...]:
+    if "answers" not in obj:
+        raise _LineError('missing "answers": give a non-empty list of the strings a correct reply contains')
+    answers = obj["answers"]
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a for a in answers):
+        raise _LineError('"answers" must be a non-empty list of non-empty strings, e.g. ["Paris"]')
+    return tuple(answers)
+
+
+def _conversation(obj: dict[str, Any]) -> tuple[tuple[dict[str, str], ...], str]:
+    """(history, user message) from `prompt` or `messages`."""
+    if "prompt" in obj and "messages" in obj:
+        raise _LineError('give either "prompt" or "messages", not both')
+    if "prompt" in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise _LineError('"prompt" must be a non-empty string')
+        return (), prompt
+    if "messages" not in obj:
+        raise _LineError('missing "prompt" (a string) or "messages" (a list of {"role", "content"} objects)')
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise _LineError('"messages" must be a non-empty list of {"role", "content"} objects')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise _LineError(f'"messages[{i}]" must be an object with exactly "role" and "content"')
+        if m["role"] not in ROLES:
+            raise _LineError(f'"messages[{i}].role" must be one of {", ".join(ROLES)}, not {json.dumps(m["role"])}')
+        if not isinstance(m["content"], str):
+            raise _LineError(f'"messages[{i}].content" must be a string')
+    if messages[-1]["role"] != "user":
+        raise _LineError(
+            f'"messages" must end with a user message (the one the model answers); the last is {messages[-1]["role"]}'
+        )
+    return tuple(dict(m) for m in messages[:-1]), messages[-1]["content"]
+
+
+def _segments(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    segments = obj.get("segments", [])
+    if not isinstance(segments, list):
+        raise _LineError('"segments" must be a list of {"text", "reuse", "namespace"} objects')
+    for i, s in enumerate(segments):
+        if not isinstance(s, dict):
+            raise _LineError(f'"segments[{i}]" must be an object with a string "text"')
+        unknown = [k for k in s if k not in SEGMENT_KEYS]
+        if unknown:
+            raise _LineError(f'"segments[{i}]" has unknown key "{unknown[0]}"; the keys are {", ".join(SEGMENT_KEYS)}')
+        if not isinstance(s.get("text"), str):
+            raise _LineError(f'"segments[{i}].text" must be a string')
+        if "reuse" in s and not isinstance(s["reuse"], bool):
+            raise _LineError(f'"segments[{i}].reuse" must be true or false')
+        if "namespace" in s and not isinstance(s["namespace"], str):
+            raise _LineError(f'"segments[{i}].namespace" must be a string')
+    return tuple(dict(s) for s in segments)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    """The JSON name of a value's type, for messages."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}[
+        type(value)
+    ]

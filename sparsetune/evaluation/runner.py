@@ -1,0 +1,402 @@
+"""`evaluate`: how much accuracy a flow keeps and how much faster it is, recorded as a run directory.
+
+One engine serves every pass (same weights and KV pool; `LLM.set_flow` switches attention):
+  dense pass   greedy answers with full attention, keeping each generated position's logits
+  flow pass    greedy answers with the flow: accuracy
+  forced pass  the dense answers teacher-forced through the flow: fidelity (cosine, top-1, top-10)
+  speed        synthetic prompts of --context tokens at --batch: the flow, then dense for the speedup
+Samples are processed in chunks; each finished sample is appended to `samples.jsonl` and
+`results.json` is rewritten from those records, so an interrupted run leaves a readable partial
+record (`complete: false`) and `resume=` continues it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sparsetune.engine.llm import LLM
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.errors import SparsetuneError
+from sparsetune.evaluation.fidelity import FidelityTally
+from sparsetune.evaluation.samples import Sample, prompt_ids
+from sparsetune.evaluation.scoring import postprocess, score
+from sparsetune.evaluation.speed import check_fits, measure_speed
+from sparsetune.models.registry import DEFAULT_MODEL
+from sparsetune.records import env_info, new_run_dir, write_json
+
+SCHEMA = "sparsetune.eval/1"
+MODES = ("auto", "accuracy", "speed", "all")
+DEFAULT_SPEED_TOKENS = 128
+
+# on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass
+class EvalConfig:
+    """Everything that determines a run; written to config.json and read back by `resume`."""
+
+    flow: str = "dense"
+    model: str = DEFAULT_MODEL
+    tasks: list[str] | None = None  # None: the default suite
+    context: int = 1024
+    samples: int = 4
+    seed: int = 0
+    params: dict[str, str] = field(default_factory=dict)  # raw --param strings
+    batch: int = 8
+    max_new_tokens: int | None = None  # None: each task's own length (speed: 128)
+    mode: str = "auto"
+    fidelity: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    random_weights: bool = False
+    kv_memory: int | None = None
+    flow_executor: str | None = None
+    cuda_graph: bool = True
+
+
+def _resolve_mode(cfg: EvalConfig, device: torch.device) -> str:
+    if cfg.mode not in MODES:
+        raise SparsetuneError(f"--mode {cfg.mode!r}: use one of {', '.join(MODES)}")
+    mode = cfg.mode
+    if mode == "auto":
+        mode = "speed" if cfg.random_weights else ("all" if device.type == "cuda" else "accuracy")
+    if cfg.random_weights and mode != "speed":
+        raise SparsetuneError("accuracy needs real weights: drop --random-weights, or pass --mode speed")
+    return mode
+
+
+def _validate(cfg: EvalConfig) -> None:
+    for name, value, low in (("--context", cfg.context, 16), ("--samples", cfg.samples, 1), ("--batch", cfg.batch, 1)):
+        if value < low:
+            raise SparsetuneError(f"{name} must be at least {low} (got {value})")
+    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
+        raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
+
+
+def _build_engine(cfg: EvalConfig) -> LLM:
+    sizes = tuple(sorted({1 << i for i in range(cfg.batch.bit_length())} | {cfg.batch}))
+    return LLM(
+        model=cfg.model, device=None if cfg.device == "auto" else cfg.device,
+        dtype=None if cfg.dtype == "auto" else cfg.dtype, random_weights=cfg.random_weights,
+        kv_memory=cfg.kv_memory, max_num_seqs=max(cfg.batch, 1), seed=cfg.seed,
+        flow=None if cfg.flow == "dense" else cfg.flow, flow_params=dict(cfg.params),
+        flow_executor=cfg.flow_executor, cuda_graph=cfg.cuda_graph, cuda_graph_batch_sizes=sizes,
+    )
+
+
+def _flow_source_hash(llm: LLM) -> str | None:
+    path = getattr(type(llm.flow), "path", None) if llm.flow is not None else None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+
+
+def _ids_hash(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+# ---- accuracy and fidelity ------------------------------------------------------------------------
+
+@dataclass
+class _Pass:
+    """One pass over a chunk of samples: per sample, per turn, the reply and its token ids / logits."""
+
+    texts: list[list[str]]
+    tokens: list[list[list[int]]]
+    logits: list[list[list[torch.Tensor]]]
+    prompts: list[list[list[int]]]
+
+
+def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: bool,
+              forced: _Pass | None = None) -> _Pass:
+    """Greedy turns for a chunk of samples; multi-turn samples feed back their own earlier replies
+    (or, when `forced`, the dense pass's replies and tokens)."""
+    tok = llm.tokenizer
+    out = _Pass([[] for _ in samples], [[] for _ in samples], [[] for _ in samples], [[] for _ in samples])
+    for turn in range(max(len(s.turns) for s in samples)):
+        rows = [i for i, s in enumerate(samples) if turn < len(s.turns)]
+        prompts, params = [], []
+        for i in rows:
+            s = samples[i]
+            history = forced.texts[i] if forced else out.texts[i]
+            prompts.append(prompt_ids(tok, s, turn, history[:turn]))
+            if forced:
+                target = forced.tokens[i][turn]
+                params.append(SamplingParams(max_tokens=len(target), forced_tokens=tuple(target),
+                                             ignore_eos=True, keep_logits=True))
+            else:
+                params.append(SamplingParams(max_tokens=cfg.max_new_tokens or s.max_new_tokens, keep_logits=keep_logits))
+        for ids, p in zip(prompts, params):
+            check_fits(llm, 1, len(ids) + p.max_tokens)
+        seqs = [llm.add_request(ids, p) for ids, p in zip(prompts, params)]
+        while llm.scheduler.has_work():
+            llm.step()
+        for i, ids, s in zip(rows, prompts, seqs):
+            out.prompts[i].append(ids)
+            out.tokens[i].append(s.completion_ids)
+            out.texts[i].append(tok.decode(s.completion_ids))
+            out.logits[i].append(s.logits)
+    return out
+
+
+def _score_turns(sample: Sample, texts: list[str]) -> list[float]:
+    return [score(postprocess(t), list(turn.answers), sample.metric) for turn, t in zip(sample.turns, texts)]
+
+
+def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed: bool) -> list[dict[str, Any]]:
+    flow_is_dense = llm.flow is None or llm.flow.full_attention
+    dense = None
+    if dense_needed:
+        llm.set_flow(None)
+        dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity)
+        llm.set_flow(cfg.flow, cfg.params)
+    main = dense if flow_is_dense and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False)
+    forced = _run_pass(llm, chunk, cfg, True, forced=dense) if dense is not None and cfg.fidelity and not flow_is_dense else None
+    records = []
+    for i, s in enumerate(chunk):
+        turn_scores = _score_turns(s, main.texts[i])
+        rec: dict[str, Any] = {
+            "task": s.task, "index": s.index, "metric": s.metric,
+            "answers": [list(t.answers) for t in s.turns],
+            "prompt_sha256": [_ids_hash(p) for p in main.prompts[i]],
+            "prompt_tokens": [len(p) for p in main.prompts[i]],
+            "output": main.texts[i], "turn_scores": turn_scores, "score": sum(turn_scores) / len(turn_scores),
+            "dense": None, "fidelity": None, "meta": s.meta,
+        }
+        if dense is not None and not flow_is_dense:
+            ds = _score_turns(s, dense.texts[i])
+            rec["dense"] = {"output": dense.texts[i], "turn_scores": ds, "score": sum(ds) / len(ds)}
+        if forced is not None:
+            tally = FidelityTally()
+            for f_logits, d_logits in zip(forced.logits[i], dense.logits[i]):
+                tally.add(f_logits, d_logits)
+            rec["fidelity"] = {"cosine_sum": tally.cosine, "top1_sum": tally.top1, "top10_sum": tally.top10,
+                               "positions": tally.positions}
+        records.append(rec)
+    return records
+
+
+# ---- results from records -------------------------------------------------------------------------
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 6) if xs else None
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-task and overall accuracy, dense accuracy and fidelity, from sample records alone."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_task.setdefault(r["task"], []).append(r)
+    tasks: dict[str, Any] = {}
+    overall = {"cosine": 0.0, "top1": 0.0, "top10": 0.0, "positions": 0}
+    for name, recs in by_task.items():
+        fid = {"cosine": 0.0, "top1": 0.0, "top10": 0.0, "positions": 0}
+        for r in recs:
+            if r.get("fidelity"):
+                for key in ("cosine", "top1", "top10"):
+                    fid[key] += r["fidelity"][f"{key}_sum"]
+                    overall[key] += r["fidelity"][f"{key}_sum"]
+                fid["positions"] += r["fidelity"]["positions"]
+                overall["positions"] += r["fidelity"]["positions"]
+        dense = [r["dense"]["score"] for r in recs if r.get("dense")]
+        tasks[name] = {
+            "accuracy": _mean([r["score"] for r in recs]), "n": len(recs),
+            "dense_accuracy": _mean(dense) if len(dense) == len(recs) else None,
+            "fidelity": _fidelity_summary(fid),
+        }
+    accuracy = _mean([t["accuracy"] for t in tasks.values()])
+    dense_scores = [t["dense_accuracy"] for t in tasks.values()]
+    dense_accuracy = _mean(dense_scores) if tasks and all(d is not None for d in dense_scores) else None  # type: ignore[arg-type]
+    return {
+        "accuracy": accuracy,
+        "dense_accuracy": dense_accuracy,
+        "relative_accuracy": round(accuracy / dense_accuracy, 6) if accuracy is not None and dense_accuracy else None,
+        "tasks": tasks,
+        "fidelity": _fidelity_summary(overall),
+    }
+
+
+def _fidelity_summary(f: dict[str, float]) -> dict[str, float] | None:
+    n = f["positions"]
+    if not n:
+        return None
+    return {"cosine": round(f["cosine"] / n, 6), "top1": round(f["top1"] / n, 6),
+            "top10": round(f["top10"] / n, 6), "positions": int(n)}
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "samples.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut off by a hard kill: that sample is redone
+            break
+    return records
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+def _load_resume(run_dir: Path) -> EvalConfig:
+    cfg_file = run_dir / "config.json"
+    if not cfg_file.is_file():
+        raise SparsetuneError(f"--resume {run_dir}: no config.json there; pass a run directory made by sparsetune eval")
+    raw = json.loads(cfg_file.read_text())
+    known = EvalConfig.__dataclass_fields__
+    return EvalConfig(**{k: v for k, v in raw.get("eval", {}).items() if k in known})
+
+
+def evaluate(
+    flow: str = "dense",
+    model: str = DEFAULT_MODEL,
+    tasks: list[str] | None = None,
+    context: int = 1024,
+    samples: int = 4,
+    seed: int = 0,
+    params: dict[str, str] | None = None,
+    batch: int = 8,
+    max_new_tokens: int | None = None,
+    mode: str = "auto",
+    fidelity: bool = True,
+    device: str = "auto",
+    dtype: str = "auto",
+    random_weights: bool = False,
+    kv_memory: int | None = None,
+    flow_executor: str | None = None,
+    cuda_graph: bool = True,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    on_progress: ProgressFn | None = None,
+    on_start: Callable[[Path, dict[str, Any]], None] | None = None,
+    llm: LLM | None = None,
+) -> dict[str, Any]:
+    """Evaluate `flow` on `model`; returns the `results.json` object (also written to the run dir).
+
+    `resume`: a run directory of an interrupted run; its config wins and finished samples are kept.
+    `llm`: an idle engine of `model` to reuse (sweeps): its flow is switched to `flow`; engine
+    options (device, dtype, batch limits, KV memory) are then the engine's own.
+    """
+    if resume is not None:
+        run_dir = Path(resume)
+        cfg = _load_resume(run_dir)
+    else:
+        cfg = EvalConfig(flow, model, list(tasks) if tasks else None, context, samples, seed, dict(params or {}),
+                         batch, max_new_tokens, mode, fidelity, device, dtype, random_weights, kv_memory,
+                         flow_executor, cuda_graph)
+        run_dir = None
+    _validate(cfg)
+    from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples
+
+    task_names = cfg.tasks or list(DEFAULT_SUITE)
+    if llm is None:
+        llm = _build_engine(cfg)
+    else:
+        if llm.resolved.name != cfg.model and cfg.model != llm.config.model:
+            raise SparsetuneError(f"the engine passed runs {llm.resolved.name}, not {cfg.model}")
+        if cfg.batch > llm.config.max_num_seqs:
+            raise SparsetuneError(f"--batch {cfg.batch} exceeds the engine's max_num_seqs {llm.config.max_num_seqs}")
+        llm.set_flow(None if cfg.flow == "dense" else cfg.flow, cfg.params)
+    resolved_mode = _resolve_mode(cfg, llm.device)
+    accuracy_on = resolved_mode in ("accuracy", "all")
+    speed_on = resolved_mode in ("speed", "all")
+    if accuracy_on and llm.tokenizer is None:
+        raise SparsetuneError(f"{llm.resolved.name} has no tokenizer; accuracy tasks need one (or pass --mode speed)")
+    all_samples: list[Sample] = []
+    if accuracy_on:
+        for name in task_names:
+            all_samples.extend(build_samples(name, llm.tokenizer, cfg.context, cfg.samples, cfg.seed))
+
+    flow_name = llm.flow.name if llm.flow is not None else "dense"
+    flow_params = llm.flow.params() if llm.flow is not None else {}
+    if run_dir is None:
+        run_dir = new_run_dir(out, flow_name, llm.resolved.name)
+        config = {
+            "schema": SCHEMA, "eval": asdict(cfg), "mode": resolved_mode, "tasks": task_names,
+            "flow": {"name": flow_name, "spec": cfg.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm)},
+            "model": {"name": llm.resolved.name, "random_weights": llm.resolved.random_weights,
+                      "config": asdict(llm.model_config) if hasattr(llm.model_config, "__dataclass_fields__") else None},
+            "engine": {k: v for k, v in asdict(llm.config).items() if k not in ("extra",)},
+            "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+        }
+        write_json(run_dir / "config.json", config)
+        write_json(run_dir / "env.json", env_info(llm.device))
+
+    records = read_records(run_dir)
+    done = {(r["task"], r["index"]) for r in records}
+    todo = [s for s in all_samples if (s.task, s.index) not in done]
+    prior = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
+    state: dict[str, Any] = {"speed": prior.get("speed"), "started": prior.get("started") or _now(), "t0": time.time(),
+                             "seconds_before": prior.get("seconds") or 0.0}
+
+    def results(complete: bool) -> dict[str, Any]:
+        res: dict[str, Any] = {
+            "schema": SCHEMA, "run_dir": str(run_dir), "flow": flow_name, "model": llm.resolved.name,
+            "params": flow_params, "mode": resolved_mode, "context": cfg.context, "samples_per_task": cfg.samples,
+            "seed": cfg.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+        }
+        if accuracy_on:
+            res |= summarize(records)
+            res["samples_done"] = len(records)
+            res["samples_total"] = len(all_samples)
+        else:
+            res |= {"accuracy": None, "dense_accuracy": None, "relative_accuracy": None, "tasks": {}, "fidelity": None}
+        res |= {"speed": state["speed"], "preemptions": llm.scheduler.num_preemptions, "complete": complete,
+                "started": state["started"], "finished": _now() if complete else None,
+                "seconds": round(state["seconds_before"] + time.time() - state["t0"], 2)}
+        return res
+
+    if on_start is not None:
+        on_start(run_dir, results(False))
+    flow_is_dense = llm.flow is None or llm.flow.full_attention
+    dense_needed = accuracy_on and not flow_is_dense and cfg.fidelity
+    total = len(all_samples) + (1 if speed_on else 0)
+    chunk_size = cfg.batch if llm.device.type == "cpu" else 4 * cfg.batch
+    try:
+        if on_progress:
+            on_progress(len(records), total, "samples")
+        with open(run_dir / "samples.jsonl", "a") as f:
+            for start in range(0, len(todo), chunk_size):
+                new = _chunk_records(llm, todo[start:start + chunk_size], cfg, dense_needed)
+                for r in new:
+                    f.write(json.dumps(r, default=str) + "\n")
+                f.flush()
+                records.extend(new)
+                write_json(run_dir / "results.json", results(False))
+                if on_progress:
+                    on_progress(len(records), total, "samples")
+        if speed_on and state["speed"] is None:
+            state["speed"] = _speed(llm, cfg, flow_is_dense)
+            if on_progress:
+                on_progress(total, total, "speed")
+    except BaseException:
+        write_json(run_dir / "results.json", results(False))
+        raise
+    final = results(True)
+    write_json(run_dir / "results.json", final)
+    return final
+
+
+def _speed(llm: LLM, cfg: EvalConfig, flow_is_dense: bool) -> dict[str, Any]:
+    gen = cfg.max_new_tokens or DEFAULT_SPEED_TOKENS
+    flow_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.seed)
+    dense_speed = None
+    if not flow_is_dense:
+        llm.set_flow(None)
+        dense_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.seed)
+        llm.set_flow(cfg.flow, cfg.params)
+    speedup = None
+    if dense_speed and flow_speed["decode_tokens_per_s"] and dense_speed["decode_tokens_per_s"]:
+        speedup = round(flow_speed["decode_tokens_per_s"] / dense_speed["decode_tokens_per_s"], 4)
+    return {"flow": flow_speed, "dense": dense_speed, "decode_speedup": speedup}
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -1,0 +1,102 @@
+"""Speed of one engine configuration on synthetic prompts: TTFT, decode rate, TPOT, peak memory.
+
+All `batch` requests (random token ids of `context` tokens each) are submitted at once and run
+to `gen_tokens` new tokens with EOS ignored, so every configuration does the same work. Each
+engine step is timed on the host around `LLM.step()`, which waits for the sampled tokens, so GPU
+work is included. A short warm-up run first pays for kernel compilation and graph capture.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from sparsetune.engine.llm import LLM
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.errors import SparsetuneError
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def check_fits(llm: LLM, batch: int, tokens: int) -> None:
+    """Fail early (rather than preempt and time recomputation) when the pool cannot hold the batch."""
+    if tokens + 1 > llm.max_model_len:
+        raise SparsetuneError(f"--context plus generation is {tokens} tokens but the engine holds "
+                              f"{llm.max_model_len} per request; lower --context or --max-new-tokens")
+    per_seq = -(-tokens // llm.config.block_size)
+    if batch * per_seq > llm.block_manager.num_blocks:
+        raise SparsetuneError(
+            f"{batch} requests of {tokens} tokens need {batch * per_seq} KV blocks but the pool has "
+            f"{llm.block_manager.num_blocks}; lower --batch or raise --kv-memory"
+        )
+
+
+def _run(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.model_config.vocab_size
+    params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
+    seqs = [llm.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
+    first: dict[int, float] = {}
+    decode_steps: list[float] = []
+    decode_tokens = 0
+    prefill_s = 0.0
+    t0 = time.perf_counter()
+    while llm.scheduler.has_work():
+        before = llm.stats.decode_tokens
+        ts = time.perf_counter()
+        llm.step()
+        dt = time.perf_counter() - ts
+        if llm.stats.decode_tokens > before:
+            decode_steps.append(dt)
+            decode_tokens += llm.stats.decode_tokens - before
+        else:
+            prefill_s += dt
+        now = time.perf_counter() - t0
+        for s in seqs:
+            if s.seq_id not in first and s.num_completion_tokens >= 1:
+                first[s.seq_id] = now
+    total = time.perf_counter() - t0
+    ttft = sorted(first.values())
+    decode_s = sum(decode_steps)
+    return {
+        "ttft_s": {"p50": round(statistics.median(ttft), 5), "max": round(ttft[-1], 5)},
+        "prefill_tokens_per_s": round(batch * context / prefill_s, 1) if prefill_s > 0 else None,
+        "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
+        "tpot_ms": None if not decode_steps else {
+            "p50": round(1e3 * statistics.median(decode_steps), 4),
+            "p95": round(1e3 * _percentile(decode_steps, 0.95), 4),
+        },
+        "decode_steps": len(decode_steps),
+        "total_s": round(total, 4),
+    }
+
+
+def measure_speed(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int = 0) -> dict[str, Any]:
+    """TTFT, decode tokens/s, TPOT p50/p95 and peak memory for `batch` × `context` prompts."""
+    if batch < 1 or context < 1 or gen_tokens < 2:
+        raise SparsetuneError("speed needs --batch >= 1, --context >= 1 and --max-new-tokens >= 2")
+    check_fits(llm, batch, context + gen_tokens)
+    preempted = llm.scheduler.num_preemptions
+    _run(llm, batch, min(context, 256), 4, seed + 1)  # warm-up: compilation, graph capture, allocator
+    cuda = llm.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(llm.device)
+        torch.cuda.reset_peak_memory_stats(llm.device)
+    out = _run(llm, batch, context, gen_tokens, seed)
+    if cuda:
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(llm.device)
+        out["peak_memory_kind"] = "torch.cuda.max_memory_allocated (includes the preallocated KV pool)"
+    else:
+        out["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["peak_memory_kind"] = "process peak RSS (whole process, all phases)"
+    out["kv_pool_bytes"] = 2 * llm.kv.k.numel() * llm.kv.k.element_size()
+    out.update(batch=batch, context=context, gen_tokens=gen_tokens,
+               preemptions=llm.scheduler.num_preemptions - preempted)
+    return out
