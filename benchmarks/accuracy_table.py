@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 from sparsetune.engine.llm import LLM
-from sparsetune.evaluation.runner import evaluate
+from sparsetune.evaluation.runner import eval_kv_memory, evaluate
+
+
+def budget_params(flow: str, ratio: float, context: int, extra: dict[str, str]) -> dict[str, str]:
+    """`budget_ratio` for selecting flows; StreamingLLM keeps only sinks + a window, so its budget
+    is the window: `local_blocks` = ratio × blocks of the context − the sink block."""
+    if flow == "streaming":
+        blocks = math.ceil(ratio * context / int(extra.get("block_size", 16)))
+        return {"local_blocks": str(max(1, blocks - int(extra.get("sink_blocks", 1)))), **extra}
+    return {"budget_ratio": str(ratio), **extra}
 
 
 def main() -> None:
@@ -33,21 +43,23 @@ def main() -> None:
     ap.add_argument("--tasks", default=None, help="comma-separated (default: the standard suite)")
     ap.add_argument("--out", default="runs/accuracy")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--skip-dense", action="store_true", help="no dense-only row (each flow row still has dense)")
     args = ap.parse_args()
     extra = dict(p.split("=", 1) for p in args.param)
     tasks = args.tasks.split(",") if args.tasks else None
     rows = []
     for ctx in [int(c) for c in args.contexts.split(",")]:
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-                  flow_executor=args.executor)
+                  flow_executor=args.executor, kv_memory=eval_kv_memory(args.model, args.batch, ctx, 512, args.device, args.dtype))
         t0 = time.time()
-        dense = evaluate("dense", args.model, tasks, ctx, args.samples, batch=args.batch, out=args.out, llm=llm)
-        rows.append({"context": ctx, "flow": "dense", "ratio": 1.0, "result": dense})
-        print(f"ctx {ctx} dense: {dense['accuracy']} ({time.time() - t0:.0f}s)", flush=True)
+        if not args.skip_dense:
+            dense = evaluate("dense", args.model, tasks, ctx, args.samples, batch=args.batch, out=args.out, llm=llm)
+            rows.append({"context": ctx, "flow": "dense", "ratio": 1.0, "result": dense})
+            print(f"ctx {ctx} dense: {dense['accuracy']} ({time.time() - t0:.0f}s)", flush=True)
         for flow in args.flows.split(","):
             for ratio in args.ratios.split(","):
                 t0 = time.time()
-                res = evaluate(flow, args.model, tasks, ctx, args.samples, params={"budget_ratio": ratio, **extra},
+                res = evaluate(flow, args.model, tasks, ctx, args.samples, params=budget_params(flow, float(ratio), ctx, extra),
                                batch=args.batch, out=args.out, llm=llm)
                 rows.append({"context": ctx, "flow": flow, "ratio": float(ratio), "result": res})
                 print(f"ctx {ctx} {flow} {ratio}: acc {res['accuracy']} dense {res['dense_accuracy']} "

@@ -13,7 +13,7 @@ import argparse
 import json
 
 from sparsetune.engine.llm import LLM
-from sparsetune.evaluation.runner import evaluate
+from sparsetune.evaluation.runner import eval_kv_memory, evaluate
 
 
 def main() -> None:
@@ -29,6 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     params = dict(p.split("=", 1) for p in args.param)
     llm = LLM(model=args.model, random_weights=True, max_num_seqs=args.batch,
+              kv_memory=eval_kv_memory(args.model, args.batch, args.context, args.gen + 512),
               cuda_graph_batch_sizes=tuple(sorted({1, args.batch})))
     rows = []
     for flow in args.flows.split(","):

@@ -86,4 +86,4 @@ def test_prompt_longer_than_context():
 
 
 def test_unbuilt_command_says_so():
-    assert_clean_error(run("eval", "--flow", "quest"), "not built yet")
+    assert_clean_error(run("search", "--hours", "1"), "not built yet")

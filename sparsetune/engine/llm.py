@@ -132,7 +132,7 @@ class LLM:
         cfg, mcfg = self.config, self.model_config
         per_block = KVCache.bytes_per_block(
             mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim, self.dtype
-        )
+        ) + self._flow_bytes_per_block()
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_memory is not None:
@@ -149,6 +149,17 @@ class LLM:
         )
         budget = int(free * cfg.gpu_memory_utilization) - act - (1 << 30)
         return max(0, budget // per_block)
+
+    def _flow_bytes_per_block(self) -> int:
+        """A flow's per-block fields on its sparse layers: they live beside the pool, sized like it."""
+        flow, mcfg = self.flow, self.model_config
+        if flow is None or flow.full_attention:
+            return 0
+        from sparsetune.flow.codegen import field_dims
+
+        dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
+        layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)
+        return layers * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * self.dtype.itemsize
 
     def _build_flow(self):
         """Resolve --flow/--param; the KV block size follows the flow's `block_size`."""

@@ -81,12 +81,32 @@ def _validate(cfg: EvalConfig) -> None:
         raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
 
 
+def eval_kv_memory(model: str, batch: int, context: int, gen_tokens: int = 512, device: str | None = None,
+                   dtype: str | None = None, random_weights: bool = False) -> int:
+    """KV pool bytes for `batch` requests of `context` tokens (+10% sizing slack, turns and replies).
+    A pool sized to the work (rather than to free GPU memory) leaves room for flow fields, which
+    a flow switched on later allocates per block of the pool."""
+    from sparsetune.device import resolve_device, resolve_dtype
+    from sparsetune.models.resolve import resolve_model
+
+    resolved = resolve_model(model, True)
+    gpu_dtype = resolved.spec.gpu_dtype if resolved.spec else "bfloat16"
+    elem = resolve_dtype(dtype, resolve_device(device), gpu_dtype).itemsize
+    tokens = batch * (int(context * 1.1) + gen_tokens)
+    return tokens * resolved.config.kv_bytes_per_token(elem)
+
+
 def _build_engine(cfg: EvalConfig) -> LLM:
     sizes = tuple(sorted({1 << i for i in range(cfg.batch.bit_length())} | {cfg.batch}))
+    kv_memory = cfg.kv_memory
+    if kv_memory is None:
+        kv_memory = eval_kv_memory(cfg.model, cfg.batch, cfg.context, max(512, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS),
+                                   None if cfg.device == "auto" else cfg.device,
+                                   None if cfg.dtype == "auto" else cfg.dtype, cfg.random_weights)
     return LLM(
         model=cfg.model, device=None if cfg.device == "auto" else cfg.device,
         dtype=None if cfg.dtype == "auto" else cfg.dtype, random_weights=cfg.random_weights,
-        kv_memory=cfg.kv_memory, max_num_seqs=max(cfg.batch, 1), seed=cfg.seed,
+        kv_memory=kv_memory, max_num_seqs=max(cfg.batch, 1), seed=cfg.seed,
         flow=None if cfg.flow == "dense" else cfg.flow, flow_params=dict(cfg.params),
         flow_executor=cfg.flow_executor, cuda_graph=cfg.cuda_graph, cuda_graph_batch_sizes=sizes,
     )
