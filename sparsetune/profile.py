@@ -223,6 +223,15 @@ def decode_tokens_needed(steps: int, warmup: int) -> int:
     return 1 + warmup + 2 * steps + 3
 
 
+def _check_case(batch: int, context: int, steps: int) -> None:
+    if batch < 1:
+        raise SparsetuneError(f"--batch must be at least 1 (got {batch})")
+    if context < 1:
+        raise SparsetuneError(f"--context must be at least 1 token (got {context})")
+    if steps < 1:
+        raise SparsetuneError(f"--steps must be at least 1 (got {steps})")
+
+
 def profile_decode(
     llm, batch: int, context: int, trace_path: str | Path | None = None, steps: int = 5, warmup: int = WARMUP,
     seed: int = 0,
@@ -236,12 +245,7 @@ def profile_decode(
     again afterwards (the sequences are dropped)."""
     from sparsetune.engine.sequence import SamplingParams, Status
 
-    if batch < 1:
-        raise SparsetuneError(f"--batch must be at least 1 (got {batch})")
-    if context < 1:
-        raise SparsetuneError(f"--context must be at least 1 token (got {context})")
-    if steps < 1:
-        raise SparsetuneError(f"--steps must be at least 1 (got {steps})")
+    _check_case(batch, context, steps)
     if warmup < 0:
         raise SparsetuneError(f"warm-up steps must be >= 0 (got {warmup})")
     if llm.scheduler.has_work():
@@ -368,12 +372,7 @@ def profile(
     from sparsetune.engine.llm import LLM
     from sparsetune.models.registry import REGISTRY
 
-    if batch < 1:
-        raise SparsetuneError(f"--batch must be at least 1 (got {batch})")
-    if context < 1:
-        raise SparsetuneError(f"--context must be at least 1 token (got {context})")
-    if steps < 1:
-        raise SparsetuneError(f"--steps must be at least 1 (got {steps})")
+    _check_case(batch, context, steps)
     new = decode_tokens_needed(steps, WARMUP)
     spec = REGISTRY.get(model.lower())
     if spec is not None and context + new > spec.config.max_position_embeddings:  # fail before loading

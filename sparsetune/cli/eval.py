@@ -49,19 +49,17 @@ def eval_command(
     )
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with err.status(f"loading {model} and building tasks ..."), Progress(
+    with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err, transient=True,
     ) as bar:
-        ids: dict[str, Any] = {}
+        task_id = bar.add_task(f"loading {model} and building tasks", total=None)
 
         def on_start(run_dir: Path, _res: dict[str, Any]) -> None:
             err.print(f"[dim]run directory: {run_dir}[/]")
 
         def on_progress(done: int, total: int, what: str) -> None:
-            if "id" not in ids:
-                ids["id"] = bar.add_task("evaluating", total=total)
-            bar.update(ids["id"], completed=done, total=total, description=f"evaluating ({what})")
+            bar.update(task_id, completed=done, total=total, description=f"evaluating ({what})")
 
         try:
             results = evaluate(**kwargs, on_progress=on_progress, on_start=on_start)

@@ -11,44 +11,48 @@ For a decode flow the first generated position comes from the (dense) prefill an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+_METRICS = ("cosine", "top1", "top10")
 
 
 @dataclass
 class FidelityTally:
-    """Per-position sums, so samples of any length pool into one micro-average."""
+    """Per-position sums, so turns and samples of any length pool into one micro-average; a
+    sample record stores its sums (`to_record`) and summaries pool them back (`add_record`)."""
 
     cosine: float = 0.0
     top1: float = 0.0
     top10: float = 0.0
     positions: int = 0
-    per_task: dict[str, "FidelityTally"] = field(default_factory=dict)
 
-    def add(self, flow: list[torch.Tensor], dense: list[torch.Tensor], task: str | None = None) -> dict[str, float]:
-        """Compare one turn's logits (`[V]` per position); returns that turn's means."""
+    def add(self, flow: list[torch.Tensor], dense: list[torch.Tensor]) -> None:
+        """Compare one turn's logits (`[V]` per position)."""
         n = min(len(flow), len(dense))
         if n == 0:
-            return {"cosine": float("nan"), "top1": float("nan"), "top10": float("nan"), "positions": 0}
+            return
         f = torch.stack(flow[:n]).double()
         d = torch.stack(dense[:n]).double()
-        cos = torch.nn.functional.cosine_similarity(f, d, dim=-1)
-        top1 = (f.argmax(-1) == d.argmax(-1)).double()
+        self.cosine += torch.nn.functional.cosine_similarity(f, d, dim=-1).sum().item()
+        self.top1 += (f.argmax(-1) == d.argmax(-1)).double().sum().item()
         k = min(10, f.shape[-1])
         tf, td = f.topk(k, dim=-1).indices, d.topk(k, dim=-1).indices
-        top10 = (tf.unsqueeze(-1) == td.unsqueeze(-2)).any(-1).double().sum(-1) / k
-        sums = {"cosine": cos.sum().item(), "top1": top1.sum().item(), "top10": top10.sum().item()}
-        for tally in [self] + ([self.per_task.setdefault(task, FidelityTally())] if task else []):
-            tally.cosine += sums["cosine"]
-            tally.top1 += sums["top1"]
-            tally.top10 += sums["top10"]
-            tally.positions += n
-        return {k: v / n for k, v in sums.items()} | {"positions": n}
+        self.top10 += ((tf.unsqueeze(-1) == td.unsqueeze(-2)).any(-1).double().sum(-1) / k).sum().item()
+        self.positions += n
+
+    def to_record(self) -> dict[str, Any]:
+        return {f"{m}_sum": getattr(self, m) for m in _METRICS} | {"positions": self.positions}
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        for m in _METRICS:
+            setattr(self, m, getattr(self, m) + record[f"{m}_sum"])
+        self.positions += record["positions"]
 
     def summary(self) -> dict[str, float | int] | None:
         if self.positions == 0:
             return None
         n = self.positions
-        return {"cosine": round(self.cosine / n, 6), "top1": round(self.top1 / n, 6),
-                "top10": round(self.top10 / n, 6), "positions": n}
+        return {m: round(getattr(self, m) / n, 6) for m in _METRICS} | {"positions": int(n)}

@@ -196,8 +196,7 @@ def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed:
             tally = FidelityTally()
             for f_logits, d_logits in zip(forced.logits[i], dense.logits[i]):
                 tally.add(f_logits, d_logits)
-            rec["fidelity"] = {"cosine_sum": tally.cosine, "top1_sum": tally.top1, "top10_sum": tally.top10,
-                               "positions": tally.positions}
+            rec["fidelity"] = tally.to_record()
         records.append(rec)
     return records
 
@@ -214,21 +213,18 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     for r in records:
         by_task.setdefault(r["task"], []).append(r)
     tasks: dict[str, Any] = {}
-    overall = {"cosine": 0.0, "top1": 0.0, "top10": 0.0, "positions": 0}
+    overall = FidelityTally()
     for name, recs in by_task.items():
-        fid = {"cosine": 0.0, "top1": 0.0, "top10": 0.0, "positions": 0}
+        fid = FidelityTally()
         for r in recs:
             if r.get("fidelity"):
-                for key in ("cosine", "top1", "top10"):
-                    fid[key] += r["fidelity"][f"{key}_sum"]
-                    overall[key] += r["fidelity"][f"{key}_sum"]
-                fid["positions"] += r["fidelity"]["positions"]
-                overall["positions"] += r["fidelity"]["positions"]
+                fid.add_record(r["fidelity"])
+                overall.add_record(r["fidelity"])
         dense = [r["dense"]["score"] for r in recs if r.get("dense")]
         tasks[name] = {
             "accuracy": _mean([r["score"] for r in recs]), "n": len(recs),
             "dense_accuracy": _mean(dense) if len(dense) == len(recs) else None,
-            "fidelity": _fidelity_summary(fid),
+            "fidelity": fid.summary(),
         }
     accuracy = _mean([t["accuracy"] for t in tasks.values()])
     dense_scores = [t["dense_accuracy"] for t in tasks.values()]
@@ -238,16 +234,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "dense_accuracy": dense_accuracy,
         "relative_accuracy": round(accuracy / dense_accuracy, 6) if accuracy is not None and dense_accuracy else None,
         "tasks": tasks,
-        "fidelity": _fidelity_summary(overall),
+        "fidelity": overall.summary(),
     }
-
-
-def _fidelity_summary(f: dict[str, float]) -> dict[str, float] | None:
-    n = f["positions"]
-    if not n:
-        return None
-    return {"cosine": round(f["cosine"] / n, 6), "top1": round(f["top1"] / n, 6),
-            "top10": round(f["top10"] / n, 6), "positions": int(n)}
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
