@@ -14,6 +14,7 @@ import json
 
 from sparsetune.engine.llm import LLM
 from sparsetune.evaluation.runner import eval_kv_memory, evaluate
+from sparsetune.flow.registry import get_flow_class
 
 
 def main() -> None:
@@ -33,8 +34,10 @@ def main() -> None:
               cuda_graph_batch_sizes=tuple(sorted({1, args.batch})))
     rows = []
     for flow in args.flows.split(","):
+        # StreamingLLM refuses a budget (its window is `local_blocks`): it keeps its default window.
+        skip = get_flow_class(flow).inapplicable
         res = evaluate(flow, args.model, context=args.context, batch=args.batch, max_new_tokens=args.gen,
-                       params=params, mode="speed", random_weights=True, out=args.out, llm=llm)
+                       params={k: v for k, v in params.items() if k not in skip}, mode="speed", random_weights=True, out=args.out, llm=llm)
         rows.append(res)
         print(flow, json.dumps(res["speed"]), flush=True)
     if args.json_out:

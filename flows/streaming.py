@@ -14,6 +14,8 @@ class Streaming(DecodeFlow):
     name = "streaming"
     source = "StreamingLLM, arXiv 2309.17453"
     local_blocks = Param(128, low=1, high=1 << 16, log=True, doc="recent window in blocks (2048 tokens at block 16)")
+    inapplicable = {k: "it attends the sink blocks and a recent window only; size the window with "
+                    "--param local_blocks=N (blocks)" for k in ("budget", "budget_ratio")}
 
     def index(self, q, fields):
         return F.keep_only_forced()

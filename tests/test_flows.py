@@ -177,6 +177,13 @@ def test_param_errors(raw, needle):
         build_flow("quest", raw)
 
 
+@pytest.mark.parametrize("key", ["budget", "budget_ratio"])
+def test_streaming_refuses_a_budget(key):
+    """StreamingLLM's window is its budget: a budget it would silently ignore is an error naming the fix."""
+    with pytest.raises(SparsetuneError, match="local_blocks"):
+        build_flow("streaming", {key: "0.5" if key == "budget_ratio" else "512"})
+
+
 def test_flows_new_then_check_passes(tmp_path):
     out = tmp_path / "my_flow.py"
     run = [sys.executable, "-m", "sparsetune.cli.main"]

@@ -60,9 +60,10 @@ def test_gpu_flow_graphs(flow, tmp_path):
     if flow == "double_sparse":  # a seeded channel order for the tiny model
         order = synthetic_calibration(3, 2, 64)  # _tiny_hf: 3 layers, 2 KV heads; head_dim 64 here
         sel = {"calibration": str(write_calibration(tmp_path / "calib.json", "tiny", order, None, 0, "synthetic"))}
-    full = LLM(flow=flow, flow_params={"budget_ratio": "1.0", "dense_layers": "0", **sel}, **opts)
+    whole, few = ({"local_blocks": "64"}, {"local_blocks": "3"}) if flow == "streaming" else ({"budget_ratio": "1.0"}, {"budget": "32"})
+    full = LLM(flow=flow, flow_params={**whole, "dense_layers": "0", **sel}, **opts)
     assert [o.token_ids for o in full.generate(prompts, params)] == dense
-    small = {"budget": "32", "dense_layers": "0", **sel}
+    small = {**few, "dense_layers": "0", **sel}
     graphed = LLM(flow=flow, flow_params=small, **opts)
     assert graphed.runner.graphs
     eager = LLM(flow=flow, flow_params=small, cuda_graph=False, flow_executor="reference", **opts)

@@ -107,6 +107,8 @@ def _case(block_size: int, lens: list[int], seed: int):
 
 def _flow(name: str, block_size: int, tmp_path, **extra):
     params = {"budget": str(6 * block_size), "block_size": str(block_size), **extra}
+    if name == "streaming":  # no budget: sinks + a window
+        params = {"block_size": str(block_size), "local_blocks": "6", **extra}
     if name == "wide":
         path = tmp_path / "wide.py"
         path.write_text(WIDE_FLOW)

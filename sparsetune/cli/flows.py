@@ -45,12 +45,12 @@ class {cls}(DecodeFlow):
 @app.command("list")
 def list_(json_out: bool = typer.Option(False, "--json")) -> None:
     """Built-in flows."""
-    from sparsetune.flow.registry import builtin_flows, load_file
+    from sparsetune.flow.registry import builtin_flows, flow_kind, load_file
 
     rows = []
     for name, path in builtin_flows().items():
         cls = load_file(path)
-        rows.append({"name": cls.name, "source": cls.source, "path": str(path),
+        rows.append({"name": cls.name, "kind": flow_kind(cls), "source": cls.source, "path": str(path),
                      "params": {k: v.describe() for k, v in cls.param_specs().items()}})
     if json_out:
         emit_json(rows)
@@ -58,23 +58,24 @@ def list_(json_out: bool = typer.Option(False, "--json")) -> None:
     from rich.console import Console
 
     table = Table(title="built-in flows")
-    for c in ("name", "source", "parameters"):
+    for c in ("name", "kind", "source", "parameters"):
         table.add_column(c)
     for r in rows:
-        table.add_row(r["name"], r["source"], ", ".join(r["params"]))
+        table.add_row(r["name"], r["kind"], r["source"], ", ".join(r["params"]))
     Console().print(table)
 
 
 @app.command()
 def show(name: str, json_out: bool = typer.Option(False, "--json")) -> None:
     """A flow's parameters (type, default, search space) and source."""
-    from sparsetune.flow.registry import get_flow_class
+    from sparsetune.flow.params import Configurable
+    from sparsetune.flow.registry import flow_kind, get_flow_class
 
-    cls = get_flow_class(name)
+    cls = get_flow_class(name, Configurable)
     params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
     source = Path(inspect.getsourcefile(cls) or "").read_text()
     if json_out:
-        emit_json({"name": cls.name, "source": cls.source, "params": params, "code": source})
+        emit_json({"name": cls.name, "kind": flow_kind(cls), "source": cls.source, "params": params, "code": source})
         return
     from rich.console import Console
     from rich.syntax import Syntax

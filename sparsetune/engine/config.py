@@ -24,6 +24,9 @@ class EngineConfig:
     flow: str | None = None  # decode flow name or path to a flow file; None = dense
     flow_params: dict[str, str] = field(default_factory=dict)  # raw `--param key=value` strings
     flow_executor: str | None = None  # "reference" | "compiled"; None: compiled on CUDA, reference on CPU
+    reuse: str | None = None  # KV-reuse flow for prompts with segments; None: segments are plain text
+    reuse_params: dict[str, str] = field(default_factory=dict)
+    segment_watermark: float = 0.9  # pool use above which pinned segments may be evicted
     random_weights: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict)

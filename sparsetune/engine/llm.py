@@ -19,6 +19,11 @@ from sparsetune.engine.sampler import sample
 from sparsetune.engine.scheduler import Batch, Scheduler
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
+from sparsetune.flow.registry import build_flow
+from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
+from sparsetune.reuse.flow import ReuseFlow
+from sparsetune.reuse.parts import ReuseLayout, encode_parts, is_parts, parse_parts_any
+from sparsetune.reuse.segment_cache import SegmentCache
 from sparsetune.models.resolve import ResolvedModel, resolve_model
 from sparsetune.models.weights import init_random, load_safetensors_dir
 
@@ -31,6 +36,7 @@ class Completion:
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    reuse: dict | None = None  # `ReuseStats.to_dict()` of a prompt prefilled by a reuse flow
 
     @property
     def prompt_tokens(self) -> int:
@@ -101,6 +107,12 @@ class LLM:
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.stats = EngineStats()
         self._install_flow(self.flow)
+        # Segments live in the same pool; a request short of blocks evicts idle ones (reclaim).
+        self.segments = SegmentCache(self.block_manager, cfg.block_size,
+                                     salt=f"{self.resolved.name}|random={cfg.random_weights}|{self.dtype}",
+                                     watermark=cfg.segment_watermark)
+        self.reuse_executor = ReuseExecutor(self.model, self.kv, self.segments, mcfg.rope_scaling, mcfg.rope_theta)
+        self.reuse_flow = self._build_reuse(cfg.reuse, cfg.reuse_params)
 
     def _install_flow(self, flow) -> None:
         """Route attention through `flow` (None or dense: full attention), then capture decode graphs.
@@ -125,6 +137,19 @@ class LLM:
                                   f"{new.block_size} needs a new engine")
         self.flow = new
         self._install_flow(new)
+
+    @staticmethod
+    def _build_reuse(name: str | None, params: dict[str, str] | None) -> ReuseFlow | None:
+        if name is None:
+            if params:
+                raise SparsetuneError("--reuse-param needs a reuse flow: add --reuse NAME")
+            return None
+        return build_flow(name, params, ReuseFlow)
+
+    def set_reuse(self, flow: str | None, params: dict[str, str] | None = None) -> None:
+        """Switch the reuse flow for prompts with segments (the segment cache is kept)."""
+        self.reuse_flow = self._build_reuse(flow, params)
+        self.config.reuse, self.config.reuse_params = flow, dict(params or {})
 
     # ---- setup ----------------------------------------------------------------------------------
 
@@ -168,7 +193,6 @@ class LLM:
             if cfg.flow_params:
                 raise SparsetuneError("--param needs --flow")
             return None
-        from sparsetune.flow.registry import build_flow
 
         raw = dict(cfg.flow_params)
         if "block_size" not in raw:
@@ -233,6 +257,12 @@ class LLM:
         return list(prompt)
 
     def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        self._check_prompt(token_ids)
+        seq = Sequence(list(token_ids), params)
+        self.scheduler.add(seq)
+        return seq
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
         if len(token_ids) + 1 > self.max_model_len:
             raise SparsetuneError(
                 f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
@@ -242,9 +272,6 @@ class LLM:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise SparsetuneError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(list(token_ids), params)
-        self.scheduler.add(seq)
-        return seq
 
     def step(self) -> list[Sequence]:
         batch = self.scheduler.schedule()
@@ -255,25 +282,29 @@ class LLM:
         sampling = [i for i in range(len(batch.seqs)) if not batch.is_prefill or batch.completes_prefill(i)]
         sampled: dict[int, int] = {}
         if sampling:
-            rows = logits if not batch.is_prefill else logits[sampling]
             seqs = [batch.seqs[i] for i in sampling]
-            if all(s.params.temperature == 0 for s in seqs):
-                toks = rows.argmax(dim=-1).tolist()  # greedy: no per-step parameter tensors
-            else:
-                temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
-                top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
-                toks = sample(rows, temps, top_ps, self.generator).tolist()
-            for i, s in enumerate(seqs):
-                if s.params.forced_tokens:
-                    toks[i] = s.params.forced_tokens[s.num_completion_tokens]
-                if s.params.keep_logits:
-                    s.logits.append(rows[i].float().cpu())
+            toks = self._sample(seqs, logits if not batch.is_prefill else logits[sampling])
             sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
         dt = time.perf_counter() - t0
         self._account(batch, dt)
         finished = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, self.max_model_len)
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
+
+    def _sample(self, seqs: list[Sequence], rows: torch.Tensor) -> list[int]:
+        """Next token of each sequence from its logits row (greedy, sampled, or teacher-forced)."""
+        if all(s.params.temperature == 0 for s in seqs):
+            toks = rows.argmax(dim=-1).tolist()  # greedy: no per-step parameter tensors
+        else:
+            temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
+            top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
+            toks = sample(rows, temps, top_ps, self.generator).tolist()
+        for i, s in enumerate(seqs):
+            if s.params.forced_tokens:
+                toks[i] = s.params.forced_tokens[s.num_completion_tokens]
+            if s.params.keep_logits:
+                s.logits.append(rows[i].float().cpu())
+        return toks
 
     def _account(self, batch: Batch, seconds: float) -> None:
         s = self.stats
@@ -296,9 +327,22 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        encoded = [self.encode_prompt(p, chat) for p in prompts]
-        seqs = [self.add_request(ids, p) for ids, p in zip(encoded, params_list)]
         t0 = time.perf_counter()
+        encoded, seqs, reuse = [], [], {}
+        for prompt, p in zip(prompts, params_list):
+            if is_parts(prompt):  # reusable segments: the reuse flow prefills it now
+                layout = encode_parts(self.tokenizer, parse_parts_any(prompt), chat)
+                encoded.append(layout.token_ids)
+                if self.reuse_flow is None:
+                    seqs.append(self.add_request(layout.token_ids, p))
+                else:
+                    seq, stats = self._reuse_request(layout, p)
+                    self.stats.first_token_seconds.append(time.perf_counter() - t0)
+                    seqs.append(seq)
+                    reuse[seq.seq_id] = stats.to_dict()
+            else:
+                encoded.append(self.encode_prompt(prompt, chat))
+                seqs.append(self.add_request(encoded[-1], p))
         while self.scheduler.has_work():
             before = {s.seq_id: s.num_tokens for s in seqs}
             self.step()
@@ -310,10 +354,32 @@ class LLM:
         return [
             Completion(
                 ids, s.completion_ids, self.tokenizer.decode(s.completion_ids) if self.tokenizer else None,
-                s.finish_reason,
+                s.finish_reason, reuse.get(s.seq_id),
             )
             for ids, s in zip(encoded, seqs)
         ]
+
+    def _reuse_request(self, layout: ReuseLayout, params: SamplingParams) -> tuple[Sequence, ReuseStats]:
+        """Prefill a prompt with segments by the reuse flow's plan, sample its first token, and hand
+        it to the scheduler to decode with the others."""
+        ids = layout.token_ids
+        self._check_prompt(ids)
+        seq = Sequence(list(ids), params)
+        if not self.block_manager.can_grow(seq, len(ids)):
+            raise SparsetuneError(f"a {len(ids)}-token prompt does not fit in the free KV pool; raise --kv-memory")
+        self.block_manager.grow(seq, len(ids))
+        try:
+            table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
+            logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
+        except BaseException:
+            self.block_manager.release(seq)
+            raise
+        self.segments.enforce_watermark()  # idle segments above the watermark go, pinned ones last
+        self.stats.prefill_tokens += len(ids)
+        self.stats.prefill_seconds += stats.seconds
+        tok = self._sample([seq], logits[None])[0]
+        self.scheduler.add_prefilled(seq, tok, self.eos_token_ids, self.max_model_len)
+        return seq, stats
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

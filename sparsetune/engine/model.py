@@ -48,13 +48,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv(hidden, ctx.meta.positions, cos_sin)
+        o = ctx.backends[self.layer_idx].forward(self.layer_idx, q, k, v, ctx.kv, ctx.meta)
+        return self.o_proj(o.reshape(hidden.shape[0], self.q_size))
+
+    def qkv(self, hidden: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`[N, hidden]` at RoPE positions `pos` → q `[N, Hq, D]`, k and v `[N, Hkv, D]` (q and k post-RoPE)."""
         n = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Views into the fused projection; the rope kernels work in place on them.
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        pos = ctx.meta.positions
         with stage("rope"):  # Qwen3's qk-norm is fused into it
             if self.q_norm is not None:
                 fn = fused_ops.qk_norm_rope if q.is_cuda else fused_ops.qk_norm_rope_ref
@@ -62,8 +67,7 @@ class Attention(nn.Module):
             else:
                 fn = fused_ops.apply_rope if q.is_cuda else fused_ops.apply_rope_ref
                 q, k = fn(q, k, pos, cos_sin)
-        o = ctx.backends[self.layer_idx].forward(self.layer_idx, q, k, v, ctx.kv, ctx.meta)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):

@@ -107,18 +107,30 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = Status.RUNNING
-            tok = sampled[seq.seq_id]
-            seq.token_ids.append(tok)
-            p = seq.params
-            reason = None
-            if not p.ignore_eos and (tok in eos_ids or tok in p.stop_token_ids):
-                reason = "stop"
-            elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
-                reason = "length"
-            if reason:
-                seq.finish_reason = reason
-                seq.status = Status.FINISHED
-                self.running.remove(seq)
-                self.blocks.release(seq)
+            if self._append(seq, sampled[seq.seq_id], eos_ids, max_model_len):
                 finished.append(seq)
         return finished
+
+    def add_prefilled(self, seq: Sequence, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> bool:
+        """Admit a sequence whose whole prompt is already in its blocks (a reuse prefill done outside
+        the step loop) with its first sampled token; True when that token already finishes it."""
+        seq.num_computed = seq.num_tokens
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return self._append(seq, tok, eos_ids, max_model_len)
+
+    def _append(self, seq: Sequence, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> bool:
+        """Append a sampled token to a running sequence; finish it (freeing its blocks) when it stops."""
+        seq.token_ids.append(tok)
+        p = seq.params
+        reason = None
+        if not p.ignore_eos and (tok in eos_ids or tok in p.stop_token_ids):
+            reason = "stop"
+        elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+            reason = "length"
+        if reason:
+            seq.finish_reason = reason
+            seq.status = Status.FINISHED
+            self.running.remove(seq)
+            self.blocks.release(seq)
+        return reason is not None

@@ -27,14 +27,11 @@ import inspect
 import math
 from typing import Any, ClassVar
 
-from sparsetune.errors import SparsetuneError
 from sparsetune.flow.ops import FT, Selection
-from sparsetune.flow.params import Param
+from sparsetune.flow.params import Configurable, Param
 
 
-class DecodeFlow:
-    name: ClassVar[str] = ""
-    source: ClassVar[str] = ""  # the published rule this flow implements
+class DecodeFlow(Configurable):
     full_attention: ClassVar[bool] = False  # True: no selection at all (the `dense` flow)
     uses_keys: ClassVar[bool] = False  # True: the indexer also gets the raw keys as field "k" [S, block, D]
     calibrated: ClassVar[bool] = False  # True: needs a channel calibration; stages get const["channels"]
@@ -56,40 +53,6 @@ class DecodeFlow:
         cls._takes_const = {s: "const" in inspect.signature(getattr(cls, s)).parameters for s in ("cache", "index")}
         if cls.calibrated and not {"calibration", "channels"} <= set(cls.param_specs()):
             raise TypeError(f"calibrated flow {cls.__name__} must declare the params `calibration` and `channels`")
-
-    def __init__(self, **values: Any) -> None:
-        params = self.param_specs()
-        for key in values:
-            if key not in params:
-                raise SparsetuneError(
-                    f"flow {self.name!r} has no parameter {key!r}; it has: {', '.join(sorted(params))}"
-                )
-        for key, spec in params.items():
-            value = values.get(key, spec.default)
-            spec.validate(key, value)
-            setattr(self, key, value)
-
-    @classmethod
-    def param_specs(cls) -> dict[str, Param]:
-        specs: dict[str, Param] = {}
-        for klass in reversed(cls.__mro__):
-            for k, v in vars(klass).items():
-                if isinstance(v, Param):
-                    specs[k] = v
-        return specs
-
-    @classmethod
-    def from_strings(cls, raw: dict[str, str]) -> "DecodeFlow":
-        specs = cls.param_specs()
-        values = {}
-        for k, text in raw.items():
-            if k not in specs:
-                raise SparsetuneError(f"flow {cls.name!r} has no parameter {k!r}; it has: {', '.join(sorted(specs))}")
-            values[k] = specs[k].parse(k, text)
-        return cls(**values)
-
-    def params(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.param_specs()}
 
     # ---- the two stages a flow writes -------------------------------------------------------------
 

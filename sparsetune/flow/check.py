@@ -200,7 +200,8 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     from sparsetune.flow.runtime import FlowAttention
     from sparsetune.kernels.paged_decode import paged_decode_attention_ref
 
-    params = {**raw, "budget_ratio": "1.0", "select_layers": ""}  # one layer: it must select
+    full = {"budget_ratio": "1.0", "select_layers": ""}  # one layer: it must select
+    params = {**raw, **{k: v for k, v in full.items() if k not in cls.inapplicable}}
     flow = cls.from_strings(params)
     bs, hkv = flow.block_size, 2
     lens = [5 * bs + 3, 2 * bs, 1]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from sparsetune.errors import SparsetuneError
 
@@ -77,3 +77,49 @@ def parse_param_args(args: list[str] | None) -> dict[str, str]:
         k, v = a.split("=", 1)
         out[k.strip()] = v.strip()
     return out
+
+
+class Configurable:
+    """A flow (decode or reuse): a `name`, the rule it implements, and `Param` class attributes
+    that become validated instance attributes. `inapplicable` names inherited parameters that mean
+    nothing to this flow, with the fix to tell a user (setting one is an error, not a silent no-op)."""
+
+    name: ClassVar[str] = ""
+    source: ClassVar[str] = ""  # the published rule this flow implements
+    inapplicable: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, **values: Any) -> None:
+        params = self.param_specs()
+        for key in values:
+            if key not in params:
+                raise SparsetuneError(
+                    f"flow {self.name!r} has no parameter {key!r}; it has: {', '.join(sorted(params))}"
+                )
+        for key, spec in params.items():
+            value = values.get(key, spec.default)
+            spec.validate(key, value)
+            setattr(self, key, value)
+
+    @classmethod
+    def param_specs(cls) -> dict[str, Param]:
+        specs: dict[str, Param] = {}
+        for klass in reversed(cls.__mro__):
+            for k, v in vars(klass).items():
+                if isinstance(v, Param):
+                    specs[k] = v
+        return specs
+
+    @classmethod
+    def from_strings(cls, raw: dict[str, str]) -> Self:
+        specs = cls.param_specs()
+        values = {}
+        for k, text in raw.items():
+            if k not in specs:
+                raise SparsetuneError(f"flow {cls.name!r} has no parameter {k!r}; it has: {', '.join(sorted(specs))}")
+            if k in cls.inapplicable:
+                raise SparsetuneError(f"flow {cls.name!r} does not use --param {k}: {cls.inapplicable[k]}")
+            values[k] = specs[k].parse(k, text)
+        return cls(**values)
+
+    def params(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.param_specs()}

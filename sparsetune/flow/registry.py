@@ -7,8 +7,20 @@ import os
 import sys
 from pathlib import Path
 
+from typing import TypeVar
+
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.params import Configurable
+
+FlowT = TypeVar("FlowT", bound=Configurable)
+
+
+def flow_kind(cls: type) -> str:
+    """"decode" (sparse attention while decoding) or "reuse" (KV reuse while prefilling)."""
+    from sparsetune.reuse.flow import ReuseFlow
+
+    return "reuse" if issubclass(cls, ReuseFlow) else "decode"
 
 
 def flows_dir() -> Path:
@@ -20,8 +32,10 @@ def flows_dir() -> Path:
     return repo if repo.is_dir() else Path(sys.prefix) / "share" / "sparsetune" / "flows"
 
 
-def load_file(path: Path) -> type[DecodeFlow]:
-    """Import a flow file and return the one `DecodeFlow` subclass it defines."""
+def load_file(path: Path) -> type[Configurable]:
+    """Import a flow file and return the one flow class (`DecodeFlow` or `ReuseFlow` subclass) it defines."""
+    from sparsetune.reuse.flow import ReuseFlow
+
     if not path.is_file():
         raise SparsetuneError(f"flow file {path} does not exist")
     mod_name = f"sparsetune_flow_{path.stem}_{abs(hash(str(path.resolve())))}"
@@ -38,10 +52,10 @@ def load_file(path: Path) -> type[DecodeFlow]:
         raise SparsetuneError(f"{path}: importing the flow failed: {type(e).__name__}: {e}") from None
     found = [
         obj for obj in vars(module).values()
-        if isinstance(obj, type) and issubclass(obj, DecodeFlow) and obj is not DecodeFlow and obj.__module__ == mod_name
+        if isinstance(obj, type) and issubclass(obj, (DecodeFlow, ReuseFlow)) and obj.__module__ == mod_name
     ]
     if len(found) != 1:
-        raise SparsetuneError(f"{path} must define exactly one DecodeFlow subclass, found {len(found)}")
+        raise SparsetuneError(f"{path} must define exactly one DecodeFlow or ReuseFlow subclass, found {len(found)}")
     cls = found[0]
     if not cls.name:
         raise SparsetuneError(f"{path}: the flow class {cls.__name__} needs a `name`")
@@ -54,15 +68,22 @@ def builtin_flows() -> dict[str, Path]:
     return {p.stem: p for p in sorted(d.glob("*.py")) if not p.name.startswith("_")} if d.is_dir() else {}
 
 
-def get_flow_class(name_or_path: str) -> type[DecodeFlow]:
+def get_flow_class(name_or_path: str, kind: type[FlowT] = DecodeFlow) -> type[FlowT]:
+    """The flow class of a built-in name or a file path; it must be of `kind` (decode or reuse)."""
     p = Path(name_or_path)
     if p.suffix == ".py" or "/" in name_or_path:
-        return load_file(p)
-    flows = builtin_flows()
-    if name_or_path not in flows:
-        raise SparsetuneError(f"unknown flow {name_or_path!r}; built-in: {', '.join(flows)} (or pass a path to a .py file)")
-    return load_file(flows[name_or_path])
+        cls = load_file(p)
+    else:
+        flows = builtin_flows()
+        if name_or_path not in flows:
+            raise SparsetuneError(f"unknown flow {name_or_path!r}; built-in: {', '.join(flows)} (or pass a path to a .py file)")
+        cls = load_file(flows[name_or_path])
+    if not issubclass(cls, kind):
+        want, got = flow_kind(kind), flow_kind(cls)
+        fix = "--reuse" if got == "reuse" else "--flow"
+        raise SparsetuneError(f"{name_or_path!r} is a {got} flow, not a {want} flow; pass it with {fix} {name_or_path}")
+    return cls
 
 
-def build_flow(name_or_path: str, raw_params: dict[str, str] | None = None) -> DecodeFlow:
-    return get_flow_class(name_or_path).from_strings(raw_params or {})
+def build_flow(name_or_path: str, raw_params: dict[str, str] | None = None, kind: type[FlowT] = DecodeFlow) -> FlowT:
+    return get_flow_class(name_or_path, kind).from_strings(raw_params or {})

@@ -16,6 +16,11 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
     def chat_prompt(self, user_message: str) -> list[int]: ...
     def chat_messages(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def chat_frame(self) -> tuple[str, str]: ...
+
+
+# A private-use character no tokenizer merges with its neighbours: where the user message goes.
+_SLOT = "\ue000"
 
 
 class HFTokenizer:
@@ -48,6 +53,14 @@ class HFTokenizer:
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def chat_frame(self) -> tuple[str, str]:
+        """The chat template's text before and after a single user message (ready for the reply)."""
+        if not self.has_chat_template:
+            return "", ""
+        text = self.hf.apply_chat_template([{"role": "user", "content": _SLOT}], add_generation_prompt=True, tokenize=False)
+        before, after = text.split(_SLOT)
+        return before, after
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, for random-weight runs of models whose tokenizer is absent.
@@ -71,6 +84,9 @@ class ByteTokenizer:
 
     def chat_messages(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode("\n\n".join(m["content"] for m in messages))
+
+    def chat_frame(self) -> tuple[str, str]:
+        return "", ""
 
 
 def has_tokenizer_files(directory: Path) -> bool:

@@ -1,0 +1,220 @@
+"""Executes a reuse flow's recompute plan for one request: the engine side of `ReuseFlow`.
+
+1. Every reusable segment of the prompt is looked up in the segment cache; a miss is prefilled on
+   its own at position 0 (as a cache-building request would) into blocks the cache owns.
+2. Each segment's KV is copied into the request's blocks, keys rotated from the segment's stored
+   positions to its positions in this prompt (`kernels/rope_realign.py`).
+3. The layer loop runs only the rows the flow's plan names (see `reuse/flow.py`): their fresh K/V
+   overwrite the cached ones, and they attend over the whole prompt with an exact causal mask.
+4. The last prompt token's logits come back; the request then decodes like any other.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from sparsetune.engine.profiling import stage
+from sparsetune.engine.rope import inv_frequencies
+from sparsetune.kernels import rope_realign
+from sparsetune.reuse.flow import ReuseFlow, SelectionInputs
+from sparsetune.reuse.parts import ReuseLayout
+from sparsetune.reuse.segment_cache import Segment, SegmentCache
+
+
+@dataclass
+class ReuseStats:
+    """Per request: how much was reused and how much of a full prefill was computed."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # tokens whose KV came from the segment cache
+    segment_hits: int = 0
+    segment_misses: int = 0  # segments prefilled on their own first (cache-building work)
+    recomputed_reused: int = 0  # reused tokens recomputed in the layers after the selection
+    token_layers: int = 0  # Σ over layers of rows computed
+    num_layers: int = 0
+    seconds: float = 0.0  # the whole reuse prefill, segment misses included
+    rows_per_layer: list[int] = field(default_factory=list)
+
+    @property
+    def reuse_ratio(self) -> float:
+        return self.reused_tokens / max(1, self.prompt_tokens)
+
+    @property
+    def recompute_ratio(self) -> float:
+        """Recomputed share of the reused tokens (in the layers after a selection)."""
+        return self.recomputed_reused / max(1, self.reused_tokens)
+
+    @property
+    def compute_fraction(self) -> float:
+        """Token-layers computed as a share of a full prefill's."""
+        return self.token_layers / max(1, self.num_layers * self.prompt_tokens)
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
+            "reuse_ratio": round(self.reuse_ratio, 6), "recompute_ratio": round(self.recompute_ratio, 6),
+            "compute_fraction": round(self.compute_fraction, 6), "segment_hits": self.segment_hits,
+            "segment_misses": self.segment_misses, "seconds": self.seconds,
+        }
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[positions // block_size].long() * block_size + positions % block_size
+
+
+class ReuseExecutor:
+    """Bound to one engine's model and KV pool; `prefill` runs one request's plan."""
+
+    def __init__(self, model, kv, segments: SegmentCache, rope_scaling, rope_theta: float) -> None:
+        self.model = model
+        self.kv = kv
+        self.segments = segments
+        cfg = model.config
+        self.scale = cfg.head_dim**-0.5
+        self.inv_freq = inv_frequencies(cfg.head_dim, rope_theta, rope_scaling).to(kv.k.device)
+
+    # ---- segments ---------------------------------------------------------------------------------
+
+    def fetch_segments(self, layout: ReuseLayout, stats: ReuseStats) -> list[Segment]:
+        """The cached segment of each reusable span (prefilling and storing the misses); acquired."""
+        found = []
+        for span in layout.segments:
+            ids = layout.token_ids[span.start : span.end]
+            seg = self.segments.lookup(ids, span.namespace)
+            if seg is None:
+                stats.segment_misses += 1
+                seg = self.segments.insert(ids, span.namespace, pinned=span.pin)
+                try:
+                    self.forward(ids, torch.tensor(seg.blocks, device=self.kv.k.device), None, None, stats=None)
+                except BaseException:
+                    self.segments.drop(seg)
+                    raise
+                self.segments.mark_ready(seg)
+            else:
+                stats.segment_hits += 1
+                if span.pin and not seg.pinned:
+                    self.segments.pin(seg)
+            self.segments.acquire(seg)
+            found.append(seg)
+        return found
+
+    def realign(self, layout: ReuseLayout, segs: list[Segment], block_table: torch.Tensor, rotate: bool) -> None:
+        """Copy each segment's KV (all layers) into the request; keys rotated by the position delta."""
+        if not segs:
+            return
+        dev, bs = self.kv.k.device, self.kv.block_size
+        src, dst, delta = [], [], []
+        for span, seg in zip(layout.segments, segs):
+            n = len(span)
+            local = torch.arange(n, device=dev)
+            src.append(_slots(torch.tensor(seg.blocks, device=dev), local, bs))
+            dst.append(_slots(block_table, local + span.start, bs))
+            # Segments are stored from position 0, so the delta is the span's start.
+            delta.append(torch.full((n,), span.start if rotate else 0, dtype=torch.long, device=dev))
+        fn = rope_realign.realign_kv if self.kv.k.is_cuda else rope_realign.realign_kv_ref
+        with stage("kv_store"):
+            fn(self.kv.k, self.kv.v, torch.cat(src), torch.cat(dst), torch.cat(delta), self.inv_freq)
+
+    # ---- the layer loop ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, flow: ReuseFlow, layout: ReuseLayout, block_table: torch.Tensor) -> tuple[torch.Tensor, ReuseStats]:
+        """Fill the request's blocks with the prompt's KV by the flow's plan → (last-token logits `[V]`, stats)."""
+        t0 = time.perf_counter()
+        stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=len(self.model.model.layers))
+        segs = self.fetch_segments(layout, stats) if flow.reads_cache else []
+        try:
+            self.realign(layout, segs, block_table, flow.realign)
+        finally:
+            for seg in segs:
+                self.segments.release(seg)
+        dev = self.kv.k.device
+        reused = layout.reused_mask(dev) if flow.reads_cache else torch.zeros(layout.num_tokens, dtype=torch.bool, device=dev)
+        stats.reused_tokens = int(reused.sum())
+        hidden = self.forward(layout.token_ids, block_table, flow, layout, stats, reused)
+        logits = self.model.compute_logits(hidden[-1:])[0]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        stats.seconds = time.perf_counter() - t0
+        return logits, stats
+
+    def forward(self, token_ids: list[int], block_table: torch.Tensor, flow: ReuseFlow | None,
+                layout: ReuseLayout | None, stats: ReuseStats | None, reused: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layers over the plan's rows (every row when `flow` is None: a plain prefill);
+        returns the final hidden state of the last row computed (always the last token)."""
+        model, kv = self.model, self.kv
+        dev, t = kv.k.device, len(token_ids)
+        ids = torch.tensor(token_ids, device=dev)
+        slots = _slots(block_table, torch.arange(t, device=dev), kv.block_size)
+        num_layers = len(model.model.layers)
+        sel_layer = None
+        if flow is None or reused is None or not bool(reused.any()):
+            rows = torch.ones(t, dtype=torch.bool, device=dev)
+        else:
+            sel_layer = flow.selection_layer(num_layers)
+            rows = flow.initial_rows(layout).to(dev) | ~reused
+            if sel_layer is not None and sel_layer > 0:
+                rows[:] = True
+        rows[-1] = True  # the first output token is read from the last prompt token
+        idx = rows.nonzero().squeeze(1)
+        h, res = model.model.embed_tokens(ids[idx]), None
+        for li, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            if res is None:
+                res, x = h, layer.input_layernorm(h)
+            else:
+                x, res = layer.input_layernorm(h, res)
+            q, k, v = attn.qkv(x, idx, model.cos_sin)
+            if li == sel_layer:
+                keep = self._select(flow, layout, li, reused, q, k, v, slots)
+                kv.store(li, k, v, slots[idx])  # every token's fresh KV at the selection layer
+                sub = keep[idx].nonzero().squeeze(1)
+                q, res, idx = q[sub], res[sub], idx[sub]
+                if stats is not None:
+                    stats.recomputed_reused = int((keep & reused).sum())
+            else:
+                kv.store(li, k, v, slots[idx])
+            o = self._attend(li, q, idx, block_table, t)
+            h = attn.o_proj(o.reshape(o.shape[0], -1))
+            h, res = layer.post_attention_layernorm(h, res)
+            h = layer.mlp(h)
+            if stats is not None:
+                stats.rows_per_layer.append(idx.numel())
+                stats.token_layers += idx.numel()
+        if stats is not None and sel_layer is None and reused is not None:
+            stats.recomputed_reused = int((rows & reused).sum())
+        h, _ = model.model.norm(h, res)
+        return h
+
+    def _select(self, flow: ReuseFlow, layout: ReuseLayout, layer: int, reused: torch.Tensor,
+                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The rows kept after the selection layer: the flow's choice among reused tokens, plus every
+        non-reused token and the last one."""
+        blk, off = slots // self.kv.block_size, slots % self.kv.block_size
+        # The realigned cached KV `[T, Hkv, D]`, read before the fresh KV lands.
+        kc, vc = self.kv.k[layer][blk, :, off], self.kv.v[layer][blk, :, off]
+        inputs = SelectionInputs(layout, layer, reused, q, k, v, kc, vc, self.scale)
+        with stage("indexer"):
+            chosen = flow.select(inputs).to(reused.device)
+        keep = (chosen & reused) | ~reused
+        keep[-1] = True
+        return keep
+
+    def _attend(self, layer: int, q: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor, t: int) -> torch.Tensor:
+        """Rows `idx` (sorted positions) attend over the prompt's first t keys, row i seeing keys 0..i."""
+        k, v = self.kv.gather(layer, block_table, t)  # [Hkv, T, D]
+        n = idx.numel()
+        with stage("attention"):
+            if n == t:
+                mask, causal = None, True  # every row: plain causal attention
+            else:
+                mask, causal = torch.arange(t, device=idx.device)[None, :] <= idx[:, None], False
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal,
+                scale=self.scale, enable_gqa=True,
+            )
+        return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]

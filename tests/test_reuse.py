@@ -1,0 +1,202 @@
+"""KV-reuse flows: the engine's recompute plans against plain prefill, each flow's selected token set
+against a direct torch implementation of its published rule, and bad segment specs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.errors import SparsetuneError
+from sparsetune.flow.registry import build_flow
+from sparsetune.reuse import ReuseFlow
+from sparsetune.reuse.flow import SelectionInputs
+from sparsetune.reuse.parts import ReuseLayout, Span, encode_parts, parse_parts
+
+DOC_A = "The secret code of the blue door is 4417. The red door has no code at all. " * 3
+DOC_B = "Paris is the capital of France. The Seine flows through it from east to west. " * 3
+
+
+def _parts(first_plain: bool = True):
+    seg = lambda t: {"text": t, "reuse": True, "namespace": "kb"}  # noqa: E731
+    body = [seg(DOC_A), "\n\n", seg(DOC_B), "\n\nQuestion: what is the secret code of the blue door? Answer:"]
+    return (["Read the documents below.\n\n"] if first_plain else []) + body
+
+
+def _reuse_logits(llm, flow: str, parts, params: dict[str, str] | None = None, warm: bool = True):
+    """Last-token logits of a reuse prefill (after a cache-building pass when `warm`), plus stats."""
+    layout = encode_parts(llm.tokenizer, parse_parts(parts), chat=False)
+    llm.set_reuse(flow, params)
+    if warm:  # the two-stage protocol: the first request stores the segments
+        llm.generate([parts], SamplingParams(max_tokens=1), chat=False)
+    seq_table = llm.block_manager.allocate(-(-layout.num_tokens // llm.kv.block_size))
+    try:
+        table = torch.tensor(seq_table, dtype=torch.int32)
+        logits, stats = llm.reuse_executor.prefill(llm.reuse_flow, layout, table)
+        layer0_k = llm.kv.gather(0, table, layout.num_tokens)[0].clone()
+    finally:
+        llm.block_manager.free_blocks(seq_table)
+        llm.set_reuse(None)
+    return logits, stats, layout, layer0_k
+
+
+def _plain_logits(llm, layout: ReuseLayout) -> torch.Tensor:
+    return llm.prompt_logits(layout.token_ids)[-1]
+
+
+def test_full_recompute_equals_plain_prefill(smollm):
+    logits, stats, layout, _ = _reuse_logits(smollm, "full_recompute", _parts())
+    ref = _plain_logits(smollm, layout)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    assert stats.reused_tokens == 0 and stats.compute_fraction == 1.0
+
+
+@pytest.mark.parametrize("flow", ["cacheblend", "a3", "sparsex"])
+def test_selection_flows_at_full_ratio_equal_plain_prefill(smollm, flow):
+    """ratio 1: every reused token is recomputed after the selection layer and every token before it,
+    so the plan (selection layer, fresh-KV write, row slicing) must reproduce plain prefill."""
+    logits, stats, layout, _ = _reuse_logits(smollm, flow, _parts(), {"ratio": "1.0"})
+    torch.testing.assert_close(logits, _plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
+    assert stats.segment_hits == 2 and stats.recompute_ratio == 1.0
+
+
+def test_reused_prefix_with_sparse_rows_equals_plain_prefill(smollm):
+    """A segment at position 0 was computed exactly as the prompt's prefix would be, so pie (only the
+    new tokens computed, attending with the per-row causal mask over cached + fresh KV) is exact."""
+    parts = [{"text": DOC_A, "reuse": True, "namespace": "kb"}, "\n\nWhat is the secret code of the blue door?"]
+    logits, stats, layout, _ = _reuse_logits(smollm, "pie", parts)
+    assert stats.segment_hits == 1 and 0 < stats.compute_fraction < 0.6
+    torch.testing.assert_close(logits, _plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
+
+
+def test_realignment_in_the_engine_moves_keys_to_their_new_positions(smollm):
+    """Layer 0's keys depend only on the token and its position: after realignment the reused segment's
+    cached keys equal the keys a full prefill computes there; naive reuse leaves them at position 0."""
+    _, _, layout, full_k = _reuse_logits(smollm, "full_recompute", _parts())
+    _, _, _, pie_k = _reuse_logits(smollm, "pie", _parts())
+    _, _, _, naive_k = _reuse_logits(smollm, "naive_reuse", _parts())
+    seg = layout.segments[1]
+    assert seg.start > 0
+    sl = slice(seg.start, seg.end)
+    torch.testing.assert_close(pie_k[:, sl], full_k[:, sl], rtol=1e-4, atol=1e-4)
+    assert (naive_k[:, sl] - full_k[:, sl]).abs().max() > 1e-2
+
+
+def test_reuse_generation_and_pin(smollm):
+    parts = _parts()
+    parts[1] = {**parts[1], "pin": True}
+    smollm.set_reuse("cacheblend")
+    try:
+        outs = smollm.generate([parts, parts], SamplingParams(max_tokens=6, ignore_eos=True), chat=False)
+    finally:
+        smollm.set_reuse(None)
+    assert outs[0].reuse["segment_hits"] + outs[0].reuse["segment_misses"] == 2
+    assert outs[1].reuse["segment_hits"] == 2 and outs[1].reuse["reuse_ratio"] > 0.5
+    assert outs[0].token_ids == outs[1].token_ids and len(outs[1].token_ids) == 6
+    seg = smollm.segments.lookup(smollm.tokenizer.encode(DOC_A), "kb")
+    assert seg is not None and seg.pinned
+
+
+# ---- each flow's selection rule against a direct torch implementation ------------------------------
+
+T, HQ, HKV, D = 40, 4, 2, 8
+
+
+def _case(seed: int = 0, tail_reused: bool = False) -> SelectionInputs:
+    g = torch.Generator().manual_seed(seed)
+    spans = [Span(0, 5, False, "d"), Span(5, 17, True, "d"), Span(17, 20, False, "d"), Span(20, 34, True, "d")]
+    spans.append(Span(34, 40, tail_reused, "d"))
+    layout = ReuseLayout(list(range(T)), spans)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    return SelectionInputs(layout, 1, layout.reused_mask(), r(T, HQ, D), r(T, HKV, D), r(T, HKV, D),
+                           r(T, HKV, D), r(T, HKV, D), D**-0.5)
+
+
+def _mass_reference(s: SelectionInputs, queries: list[int]) -> torch.Tensor:
+    """Σ_heads Σ_queries softmax(q·k / √d) over keys 0..i, head by head, query by query."""
+    mass = torch.zeros(T, dtype=torch.float64)
+    for h in range(HQ):
+        kh = s.k[:, h // (HQ // HKV)]
+        for i in queries:
+            p = torch.softmax((kh[: i + 1] @ s.q[i, h]) * s.scale, dim=0)
+            mass[: i + 1] += p
+    return mass
+
+
+def _top(score: torch.Tensor, among: torch.Tensor, n: int) -> set[int]:
+    idx = [i for i in range(T) if among[i]]
+    return set(sorted(idx, key=lambda i: -float(score[i]))[:n])
+
+
+def _chosen(flow: str, s: SelectionInputs, params: dict[str, str] | None = None) -> set[int]:
+    f = build_flow(flow, params or {}, ReuseFlow)
+    return set(f.select(s).nonzero().squeeze(1).tolist())
+
+
+@pytest.mark.parametrize("dev", ["v", "k"])
+def test_cacheblend_selects_largest_kv_deviation(dev):
+    s = _case(1)
+    n = round(0.15 * 26)
+    fresh, old = (s.v, s.v_cached) if dev == "v" else (s.k, s.k_cached)
+    deviation = torch.stack([((fresh[t] - old[t]) ** 2).sum() for t in range(T)])
+    assert _chosen("cacheblend", s, {"deviation": dev}) == _top(deviation, s.reused, n)
+
+
+def test_a3_selects_by_question_attention():
+    s = _case(2)
+    want = _top(_mass_reference(s, list(range(34, 40))), s.reused, round(0.3 * 26))
+    assert _chosen("a3", s, {"ratio": "0.3"}) == want
+
+
+@pytest.mark.parametrize("tail_reused", [False, True])
+def test_sparsex_selects_sparse_q_top_k_overflow_and_tail(tail_reused):
+    s = _case(3, tail_reused)
+    nr = [i for i in range(T) if not s.reused[i]]
+    reused = s.reused
+    want = _top(_mass_reference(s, nr), reused, round(0.2 * int(reused.sum())))
+    ov = 2
+    for span in s.layout.spans:  # one "block" (here 2 tokens) of reused tokens each side of new text
+        if not span.reuse:
+            want |= {i for i in range(span.start - ov, span.start) if i >= 0 and reused[i]}
+            want |= {i for i in range(span.end, span.end + ov) if i < T and reused[i]}
+    if tail_reused:  # the prompt ends in reused text: its last `tail` tokens are recomputed
+        want |= set(range(40 - 3, 40))
+    assert _chosen("sparsex", s, {"ratio": "0.2", "overflow": str(ov), "tail": "3"}) == want
+
+
+def test_epic_recomputes_the_first_k_tokens_of_each_non_leading_segment():
+    layout = ReuseLayout(list(range(30)), [Span(0, 8, True, "d"), Span(8, 10, False, "d"), Span(10, 25, True, "d"),
+                                           Span(25, 30, False, "d")])
+    rows = build_flow("epic", {"k": "4"}, ReuseFlow).initial_rows(layout)
+    assert set(rows.nonzero().squeeze(1).tolist()) == {10, 11, 12, 13}
+
+
+def test_static_flows_compute_no_reused_token():
+    layout = ReuseLayout(list(range(12)), [Span(0, 4, False, "d"), Span(4, 12, True, "d")])
+    for name in ("pie", "naive_reuse"):
+        f = build_flow(name, {}, ReuseFlow)
+        assert not f.initial_rows(layout).any() and f.selection_layer(30) is None
+    assert build_flow("sparsex", {}, ReuseFlow).selection_layer(30) == round(0.15 * 30)
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("parts,needle", [
+    ("just text", "non-empty list of parts"),
+    ([{"reuse": True}], r"prompt\[0\].text"),
+    ([{"text": "a", "reused": True}], "unknown field"),
+    ([{"text": "a", "pin": True}], "add \"reuse\": true"),
+    ([{"text": "a", "reuse": "yes"}], "true or false"),
+    ([{"text": "a", "reuse": True, "namespace": ""}], "namespace"),
+    ([3], "expected a string or an object"),
+])
+def test_bad_segment_specs(parts, needle):
+    with pytest.raises(SparsetuneError, match=needle):
+        parse_parts(parts)
+
+
+def test_decode_flow_is_not_a_reuse_flow(smollm):
+    with pytest.raises(SparsetuneError, match="decode flow, not a reuse flow; pass it with --flow quest"):
+        smollm.set_reuse("quest")
+    with pytest.raises(SparsetuneError, match="has no parameter 'ratoi'"):
+        smollm.set_reuse("cacheblend", {"ratoi": "0.1"})
