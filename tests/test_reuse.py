@@ -51,18 +51,20 @@ def test_full_recompute_equals_plain_prefill(smollm):
     assert stats.reused_tokens == 0 and stats.compute_fraction == 1.0
 
 
-@pytest.mark.parametrize("flow", ["cacheblend", "a3", "sparsex"])
+@pytest.mark.parametrize("flow", ["cacheblend", "a3", "sparsex", "epic"])
 def test_selection_flows_at_full_ratio_equal_plain_prefill(smollm, flow):
     """ratio 1: every reused token is recomputed after the selection layer and every token before it,
     so the plan (selection layer, fresh-KV write, row slicing) must reproduce plain prefill."""
-    logits, stats, layout, _ = _reuse_logits(smollm, flow, _parts(), {"ratio": "1.0"})
+    logits, stats, layout, _ = _reuse_logits(smollm, flow, _parts(), {"k": "4096"} if flow == "epic" else {"ratio": "1.0"})
     torch.testing.assert_close(logits, _plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
     assert stats.segment_hits == 2 and stats.recompute_ratio == 1.0
 
 
-def test_reused_prefix_with_sparse_rows_equals_plain_prefill(smollm):
+@pytest.mark.parametrize("min_run", [64, 2])  # rows as one masked group, or as causal runs
+def test_reused_prefix_with_sparse_rows_equals_plain_prefill(smollm, min_run, monkeypatch):
     """A segment at position 0 was computed exactly as the prompt's prefix would be, so pie (only the
     new tokens computed, attending with the per-row causal mask over cached + fresh KV) is exact."""
+    monkeypatch.setattr("sparsetune.reuse.executor._MIN_RUN", min_run)
     parts = [{"text": DOC_A, "reuse": True, "namespace": "kb"}, "\n\nWhat is the secret code of the blue door?"]
     logits, stats, layout, _ = _reuse_logits(smollm, "pie", parts)
     assert stats.segment_hits == 1 and 0 < stats.compute_fraction < 0.6
@@ -200,3 +202,32 @@ def test_decode_flow_is_not_a_reuse_flow(smollm):
         smollm.set_reuse("quest")
     with pytest.raises(SparsetuneError, match="has no parameter 'ratoi'"):
         smollm.set_reuse("cacheblend", {"ratoi": "0.1"})
+
+
+# ---- the rag workload through sparsetune eval ----------------------------------------------------
+
+def test_rag_sample_holds_its_answer_in_one_reusable_document(smollm):
+    from sparsetune.evaluation.rag import RAG_DOCS
+    from sparsetune.evaluation.tasks import build_samples
+
+    (s,) = build_samples("rag", smollm.tokenizer, 1024, 1, 0)
+    docs = [p for p in s.segments if p.get("reuse")]
+    assert len(docs) == RAG_DOCS and "".join(p["text"] for p in s.segments) == s.turns[0].user
+    assert sum(s.turns[0].answers[0] in d["text"] for d in docs) == 1
+    assert docs[s.meta["position"]]["text"].count(s.turns[0].answers[0]) == 1
+
+
+def test_eval_rag_with_a_reuse_flow(smollm, tmp_path):
+    import json
+
+    from sparsetune.evaluation.runner import evaluate
+
+    res = evaluate("dense", "smollm2-135m", ["rag"], 768, 2, batch=2, out=tmp_path, reuse="cacheblend",
+                   reuse_params={"ratio": "0.2"}, llm=smollm)
+    smollm.set_reuse(None)
+    ru = res["reuse"]
+    assert ru["flow"] == "cacheblend" and ru["params"]["ratio"] == 0.2 and ru["requests"] == 2
+    assert ru["reuse_ratio"] > 0.8 and abs(ru["recompute_ratio"] - 0.2) < 0.01 and ru["ttft_p50_s"] > 0
+    assert res["dense_accuracy"] is not None and res["fidelity"]["positions"] > 0  # the reference ran
+    recs = [json.loads(line) for line in (tmp_path.glob("*/samples.jsonl").__next__()).read_text().splitlines()]
+    assert all(r["reuse"]["segment_hits"] == 6 for r in recs)  # stage 1 stored every document first

@@ -54,7 +54,7 @@ SIZES += [("niah_single", 2048), ("cwe", 2048), ("multiturn", 2048)]
 
 
 def test_registry_and_listing():
-    assert DEFAULT_SUITE == tuple(TASKS)
+    assert DEFAULT_SUITE + ("rag",) == tuple(TASKS)  # the reuse workload is asked for by name
     assert set(DEFAULT_SUITE) == {
         "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "multiturn"
     }
@@ -62,9 +62,9 @@ def test_registry_and_listing():
     assert [r["name"] for r in rows] == list(TASKS)
     for row in rows:
         assert set(row) == {"name", "family", "description", "max_new_tokens", "metric"}
-        assert row["family"] == ("multiturn" if row["name"] == "multiturn" else "ruler")
+        assert row["family"] == {"multiturn": "multiturn", "rag": "reuse"}.get(row["name"], "ruler")
         assert row["metric"] == "all" and row["max_new_tokens"] >= 30
-        assert 40 < len(row["description"]) < 300 and "\n" not in row["description"]
+        assert 40 < len(row["description"]) < 320 and "\n" not in row["description"]
     assert TASKS["niah_single"].max_new_tokens == 32
     assert TASKS["vt"].max_new_tokens == 30
     assert TASKS["cwe"].max_new_tokens == 64
@@ -360,7 +360,6 @@ def test_custom_prompt_and_messages_forms(tmp_path):
                     "answers": ["42", "forty-two"],
                     "metric": "any",
                     "max_new_tokens": 8,
-                    "segments": [{"text": "Remember 42.", "reuse": True, "namespace": "docs"}, {"text": "x"}],
                 }
             ),
         ],
@@ -374,7 +373,16 @@ def test_custom_prompt_and_messages_forms(tmp_path):
     assert [m["role"] for m in second.history] == ["system", "user", "assistant"]
     assert second.turns[0].user == "Which number?" and second.turns[0].answers == ("42", "forty-two")
     assert second.metric == "any" and second.max_new_tokens == 8
-    assert second.segments == ({"text": "Remember 42.", "reuse": True, "namespace": "docs"}, {"text": "x"})
+    assert second.segments == ()
+
+
+def test_custom_segments_are_the_user_message_parts(tmp_path):
+    line = {"prompt": "Which number?", "answers": ["42"],
+            "segments": ["Notes:\n", {"text": "Remember 42.", "reuse": True, "namespace": "docs"}]}
+    (s,) = load_jsonl(write(tmp_path, [json.dumps(line)]))
+    assert s.segments == ({"text": "Notes:\n"}, {"text": "Remember 42.", "reuse": True, "namespace": "docs"},
+                          {"text": "Which number?"})
+    assert s.turns[0].user == "Notes:\nRemember 42.Which number?"
 
 
 def test_custom_through_build_samples(tmp_path, tok):
@@ -409,9 +417,11 @@ OK = {"prompt": "p", "answers": ["a"]}
         (json.dumps({**OK, "messages": []}), r'tasks\.jsonl:2: give either "prompt" or "messages", not both'),
         (json.dumps({**OK, "max_new_tokens": 0}), r'tasks\.jsonl:2: "max_new_tokens" must be an integer of at least'),
         (json.dumps({**OK, "max_new_tokens": True}), r'tasks\.jsonl:2: "max_new_tokens" must be an integer'),
-        (json.dumps({**OK, "segments": [{"text": 3}]}), r'tasks\.jsonl:2: "segments\[0\]\.text" must be a string'),
-        (json.dumps({**OK, "segments": [{"text": "t", "pin": 1}]}), r'jsonl:2: "segments\[0\]" has unknown key "pin"'),
-        (json.dumps({**OK, "segments": [{"text": "t", "reuse": "yes"}]}), r':2: "segments\[0\]\.reuse" must be true'),
+        (json.dumps({**OK, "segments": [{"text": 3}]}), r'tasks\.jsonl:2: "segments"\[0\]\.text: expected a non-empty string'),
+        (json.dumps({**OK, "segments": [{"text": "t", "pinned": 1}]}), r'jsonl:2: "segments"\[0\]: unknown field'),
+        (json.dumps({**OK, "segments": [{"text": "t", "reuse": "yes"}]}), r':2: "segments"\[0\]: "reuse" and "pin" must be true'),
+        (json.dumps({"messages": [{"role": "user", "content": "q"}], "answers": ["a"], "segments": ["t"]}),
+         r':2: "segments" go with "prompt"'),
         (json.dumps({**OK, "id": 1}), r'tasks\.jsonl:2: "id" 1 is also on line 1'),
         ("[1, 2]", r"tasks\.jsonl:2: expected a JSON object, got a list"),
     ],

@@ -18,6 +18,8 @@ def eval_command(
     samples: int = typer.Option(4, "--samples", "-n", help="Samples per generated task."),
     seed: int = typer.Option(0, help="Seed for task generation, speed prompts and random weights."),
     param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
+    reuse: str = typer.Option(None, "--reuse", help="KV-reuse flow for tasks with segments (e.g. --task rag): sparsex, cacheblend, ..."),
+    reuse_param: list[str] = typer.Option(None, "--reuse-param", help="Reuse-flow hyperparameter key=value (repeatable)."),
     batch: int = typer.Option(8, "--batch", "-b", help="Requests run together (accuracy) / the speed batch."),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Generation length (default: each task's own; speed: 128)."),
     mode: str = typer.Option("auto", "--mode", help="accuracy, speed, all, or auto (all on GPU, accuracy on CPU, speed with --random-weights)."),
@@ -45,7 +47,7 @@ def eval_command(
         params=parse_param_args(param), batch=batch, max_new_tokens=max_new_tokens, mode=mode,
         fidelity=not no_fidelity, device=device, dtype=dtype, random_weights=random_weights,
         kv_memory=parse_size(kv_memory, "--kv-memory"), flow_executor=flow_executor, cuda_graph=not no_cuda_graph,
-        out=out, resume=resume,
+        reuse=reuse, reuse_params=parse_param_args(reuse_param), out=out, resume=resume,
     )
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -104,8 +106,15 @@ def _summary(res: dict[str, Any], out) -> None:
             t.add_row(name, str(row["n"]), *cells(row["accuracy"], row["dense_accuracy"], row.get("fidelity")))
         t.add_row("[bold]mean[/]", "", *cells(res["accuracy"], res["dense_accuracy"], res.get("fidelity")))
         out.print(t)
+        who = res["flow"] if not res.get("reuse") else f"{res['flow']} + {res['reuse']['flow']}"
         if res.get("relative_accuracy") is not None:
-            out.print(f"{res['flow']} keeps {100 * res['relative_accuracy']:.1f}% of dense accuracy")
+            out.print(f"{who} keeps {100 * res['relative_accuracy']:.1f}% of the reference accuracy "
+                      "(dense attention, every prompt token computed)")
+    reuse = res.get("reuse")
+    if reuse and reuse.get("requests"):
+        out.print(f"reuse ({reuse['flow']}): {reuse['requests']} requests, reused {_fmt(reuse['reuse_ratio'])}% of "
+                  f"prompt tokens, recomputed {_fmt(reuse['recompute_ratio'])}% of them, "
+                  f"{_fmt(reuse['compute_fraction'])}% of a full prefill's token-layers, TTFT p50 {reuse['ttft_p50_s']:.3f} s")
     speed = res.get("speed")
     if speed:
         t = Table(title=f"speed: batch {speed['flow']['batch']} × {speed['flow']['context']} tokens, "

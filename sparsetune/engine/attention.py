@@ -88,14 +88,14 @@ class AttentionBackend:
 _PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _prefill_backends():
+def prefill_backends():
     try:
         return sdpa_kernel(_PREFILL_BACKENDS, set_priority=True)
     except TypeError:  # torch < 2.6 has no priority order: the default one applies
         return sdpa_kernel(_PREFILL_BACKENDS)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
     """Causal attention of `[H, n, D]` queries over `[Hkv, context_len + n, D]` keys."""
     n, total = q.shape[1], k.shape[1]
     if context_len == 0:
@@ -127,7 +127,7 @@ class DenseAttention(AttentionBackend):
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
-        with _prefill_backends():
+        with prefill_backends():
             for i in range(meta.batch_size):
                 s, e = qsl[i], qsl[i + 1]
                 ctx = meta.context_len(i)
@@ -136,7 +136,7 @@ class DenseAttention(AttentionBackend):
                     ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
                 else:
                     ki, vi = kv.gather(layer, meta.block_tables[i], meta.seq_lens_cpu[i])
-                out[s:e] = _sdpa(q[s:e].transpose(0, 1), ki, vi, ctx, self.scale).transpose(0, 1)
+                out[s:e] = causal_sdpa(q[s:e].transpose(0, 1), ki, vi, ctx, self.scale).transpose(0, 1)
         return out
 
     def triton_path(self, q: torch.Tensor) -> bool:

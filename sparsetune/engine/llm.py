@@ -336,7 +336,7 @@ class LLM:
                 if self.reuse_flow is None:
                     seqs.append(self.add_request(layout.token_ids, p))
                 else:
-                    seq, stats = self._reuse_request(layout, p)
+                    seq, stats = self.add_reuse_request(layout, p)
                     self.stats.first_token_seconds.append(time.perf_counter() - t0)
                     seqs.append(seq)
                     reuse[seq.seq_id] = stats.to_dict()
@@ -359,9 +359,19 @@ class LLM:
             for ids, s in zip(encoded, seqs)
         ]
 
-    def _reuse_request(self, layout: ReuseLayout, params: SamplingParams) -> tuple[Sequence, ReuseStats]:
-        """Prefill a prompt with segments by the reuse flow's plan, sample its first token, and hand
-        it to the scheduler to decode with the others."""
+    def cache_segments(self, layout: ReuseLayout) -> int:
+        """Stage 1 of the reuse protocol: store every segment of `layout` that the cache lacks, each
+        prefilled on its own at position 0 (a cache-building request); returns how many were new."""
+        stats = ReuseStats()
+        for seg in self.reuse_executor.fetch_segments(layout, stats):
+            self.segments.release(seg)
+        return stats.segment_misses
+
+    def add_reuse_request(self, layout: ReuseLayout, params: SamplingParams) -> tuple[Sequence, ReuseStats]:
+        """Prefill a prompt with segments by the reuse flow's plan now, sample its first token, and
+        hand it to the scheduler to decode with the others (`step` runs it from there)."""
+        if self.reuse_flow is None:
+            raise SparsetuneError("no reuse flow is set; pass --reuse NAME (or LLM(reuse=...))")
         ids = layout.token_ids
         self._check_prompt(ids)
         seq = Sequence(list(ids), params)

@@ -10,8 +10,9 @@ One JSON object per line (blank lines skipped):
 `prompt` or `messages` (ending with the user message the model answers; the ones before it are
 the sample's history), `answers` (non-empty list of strings), and optionally `metric` ("all":
 fraction of answers found, the default; "any": 1 if any is found), `max_new_tokens`, `id`, and
-`segments` (reusable parts of the prompt, kept for reuse flows). The task's name is the file's
-stem. Custom samples are used as written: `--context` does not resize them.
+`segments`: the parts of the user message before `prompt` (strings, or {"text", "reuse",
+"namespace", "pin"} objects, see `reuse/parts.py`); with `--reuse` the reusable ones come from the
+segment cache. The task's name is the file's stem. Custom samples are used as written: `--context` does not resize them.
 
 Every mistake is a `SparsetuneError` naming the file, the line and the field, so a user can fix a
 large file from the message alone.
@@ -25,10 +26,10 @@ from typing import Any
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.samples import METRICS, Sample, Turn
+from sparsetune.reuse.parts import Part, parse_parts
 
 KEYS = ("prompt", "messages", "answers", "metric", "max_new_tokens", "id", "segments")
 ROLES = ("system", "user", "assistant")
-SEGMENT_KEYS = ("text", "reuse", "namespace")
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -89,6 +90,9 @@ def _sample(line: str, task: str, index: int, lineno: int, ids: dict[Any, int]) 
         ids[sample_id] = lineno
 
     history, user = _conversation(obj)
+    segments = _segments(obj, user, history)
+    if segments:
+        user = "".join(p["text"] for p in segments)
     meta: dict[str, Any] = {"line": lineno}
     if sample_id is not None:
         meta["id"] = sample_id
@@ -99,7 +103,7 @@ def _sample(line: str, task: str, index: int, lineno: int, ids: dict[Any, int]) 
         metric=metric,
         max_new_tokens=max_new_tokens,
         history=history,
-        segments=_segments(obj),
+        segments=segments,
         meta=meta,
     )
 
@@ -141,23 +145,18 @@ def _conversation(obj: dict[str, Any]) -> tuple[tuple[dict[str, str], ...], str]
     return tuple(dict(m) for m in messages[:-1]), messages[-1]["content"]
 
 
-def _segments(obj: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    segments = obj.get("segments", [])
-    if not isinstance(segments, list):
-        raise _LineError('"segments" must be a list of {"text", "reuse", "namespace"} objects')
-    for i, s in enumerate(segments):
-        if not isinstance(s, dict):
-            raise _LineError(f'"segments[{i}]" must be an object with a string "text"')
-        unknown = [k for k in s if k not in SEGMENT_KEYS]
-        if unknown:
-            raise _LineError(f'"segments[{i}]" has unknown key "{unknown[0]}"; the keys are {", ".join(SEGMENT_KEYS)}')
-        if not isinstance(s.get("text"), str):
-            raise _LineError(f'"segments[{i}].text" must be a string')
-        if "reuse" in s and not isinstance(s["reuse"], bool):
-            raise _LineError(f'"segments[{i}].reuse" must be true or false')
-        if "namespace" in s and not isinstance(s["namespace"], str):
-            raise _LineError(f'"segments[{i}].namespace" must be a string')
-    return tuple(dict(s) for s in segments)
+def _segments(obj: dict[str, Any], prompt: str, history: tuple) -> tuple[dict[str, Any], ...]:
+    """The user message as parts: the `segments` (plain or reusable text) followed by `prompt`."""
+    if "segments" not in obj:
+        return ()
+    if history or "messages" in obj:
+        raise _LineError('"segments" go with "prompt" (the question after them), not with "messages"')
+    try:
+        parts = parse_parts(obj["segments"], where='"segments"')
+    except SparsetuneError as e:
+        raise _LineError(str(e)) from None
+    return tuple({k: v for k, v in vars(p).items() if k == "text" or v != Part.__dataclass_fields__[k].default}
+                 for p in parts) + ({"text": prompt},)
 
 
 def _is_int(value: Any) -> bool:

@@ -25,7 +25,7 @@ from sparsetune.engine.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.fidelity import FidelityTally
-from sparsetune.evaluation.samples import Sample, prompt_ids
+from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
 from sparsetune.evaluation.speed import check_fits, measure_speed
 from sparsetune.models.registry import DEFAULT_MODEL
@@ -60,6 +60,8 @@ class EvalConfig:
     kv_memory: int | None = None
     flow_executor: str | None = None
     cuda_graph: bool = True
+    reuse: str | None = None  # KV-reuse flow for tasks with segments (rag)
+    reuse_params: dict[str, str] = field(default_factory=dict)
 
 
 def _resolve_mode(cfg: EvalConfig, device: torch.device) -> str:
@@ -109,6 +111,7 @@ def _build_engine(cfg: EvalConfig) -> LLM:
         kv_memory=kv_memory, max_num_seqs=max(cfg.batch, 1), seed=cfg.seed,
         flow=None if cfg.flow == "dense" else cfg.flow, flow_params=dict(cfg.params),
         flow_executor=cfg.flow_executor, cuda_graph=cfg.cuda_graph, cuda_graph_batch_sizes=sizes,
+        reuse=cfg.reuse, reuse_params=dict(cfg.reuse_params),
     )
 
 
@@ -131,6 +134,7 @@ class _Pass:
     tokens: list[list[list[int]]]
     logits: list[list[list[torch.Tensor]]]
     prompts: list[list[list[int]]]
+    reuse: list[dict | None]  # per sample: the reuse prefill's stats (with a reuse flow and segments)
 
 
 def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: bool,
@@ -138,14 +142,17 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
     """Greedy turns for a chunk of samples; multi-turn samples feed back their own earlier replies
     (or, when `forced`, the dense pass's replies and tokens)."""
     tok = llm.tokenizer
-    out = _Pass([[] for _ in samples], [[] for _ in samples], [[] for _ in samples], [[] for _ in samples])
+    n = len(samples)
+    out = _Pass([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [None] * n)
     for turn in range(max(len(s.turns) for s in samples)):
         rows = [i for i, s in enumerate(samples) if turn < len(s.turns)]
-        prompts, params = [], []
+        prompts, params, layouts = [], [], []
         for i in rows:
             s = samples[i]
             history = forced.texts[i] if forced else out.texts[i]
-            prompts.append(prompt_ids(tok, s, turn, history[:turn]))
+            reused = turn == 0 and bool(s.segments) and llm.reuse_flow is not None
+            layouts.append(prompt_layout(tok, s) if reused else None)
+            prompts.append(layouts[-1].token_ids if reused else prompt_ids(tok, s, turn, history[:turn]))
             if forced:
                 target = forced.tokens[i][turn]
                 params.append(SamplingParams(max_tokens=len(target), forced_tokens=tuple(target),
@@ -154,7 +161,17 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
                 params.append(SamplingParams(max_tokens=cfg.max_new_tokens or s.max_new_tokens, keep_logits=keep_logits))
         for ids, p in zip(prompts, params):
             check_fits(llm, 1, len(ids) + p.max_tokens)
-        seqs = [llm.add_request(ids, p) for ids, p in zip(prompts, params)]
+        for layout in layouts:  # stage 1: cache-building requests store each segment on its own
+            if layout is not None:
+                llm.cache_segments(layout)
+        seqs = []
+        for i, ids, p, layout in zip(rows, prompts, params, layouts):
+            if layout is None:
+                seqs.append(llm.add_request(ids, p))
+            else:  # stage 2: the measured request reuses them (prefilled now, decoded with the rest)
+                seq, stats = llm.add_reuse_request(layout, p)
+                seqs.append(seq)
+                out.reuse[i] = stats.to_dict()
         while llm.scheduler.has_work():
             llm.step()
         for i, ids, s in zip(rows, prompts, seqs):
@@ -165,19 +182,28 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
     return out
 
 
+def _is_plain(llm: LLM) -> bool:
+    """Full attention and no reuse: what the dense reference pass computes."""
+    return (llm.flow is None or llm.flow.full_attention) and (llm.reuse_flow is None or not llm.reuse_flow.reads_cache)
+
+
 def _score_turns(sample: Sample, texts: list[str]) -> list[float]:
     return [score(postprocess(t), list(turn.answers), sample.metric) for turn, t in zip(sample.turns, texts)]
 
 
 def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed: bool) -> list[dict[str, Any]]:
-    flow_is_dense = llm.flow is None or llm.flow.full_attention
+    plain = _is_plain(llm)
     dense = None
-    if dense_needed:
+    if dense_needed:  # the reference: full attention, every prompt token computed (no reuse)
+        reuse_flow, llm.reuse_flow = llm.reuse_flow, None
         llm.set_flow(None)
-        dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity)
-        llm.set_flow(cfg.flow, cfg.params)
-    main = dense if flow_is_dense and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False)
-    forced = _run_pass(llm, chunk, cfg, True, forced=dense) if dense is not None and cfg.fidelity and not flow_is_dense else None
+        try:
+            dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity)
+        finally:
+            llm.set_flow(cfg.flow, cfg.params)
+            llm.reuse_flow = reuse_flow
+    main = dense if plain and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False)
+    forced = _run_pass(llm, chunk, cfg, True, forced=dense) if dense is not None and cfg.fidelity and not plain else None
     records = []
     for i, s in enumerate(chunk):
         turn_scores = _score_turns(s, main.texts[i])
@@ -187,9 +213,9 @@ def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed:
             "prompt_sha256": [_ids_hash(p) for p in main.prompts[i]],
             "prompt_tokens": [len(p) for p in main.prompts[i]],
             "output": main.texts[i], "turn_scores": turn_scores, "score": sum(turn_scores) / len(turn_scores),
-            "dense": None, "fidelity": None, "meta": s.meta,
+            "dense": None, "fidelity": None, "reuse": main.reuse[i], "meta": s.meta,
         }
-        if dense is not None and not flow_is_dense:
+        if dense is not None and not plain:
             ds = _score_turns(s, dense.texts[i])
             rec["dense"] = {"output": dense.texts[i], "turn_scores": ds, "score": sum(ds) / len(ds)}
         if forced is not None:
@@ -238,6 +264,17 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def summarize_reuse(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over the samples prefilled by the reuse flow (stage 2 requests), TTFT median."""
+    stats = [r["reuse"] for r in records if r.get("reuse")]
+    ttft = sorted(s["seconds"] for s in stats)
+    return {
+        "requests": len(stats),
+        **{k: _mean([s[k] for s in stats]) for k in ("reuse_ratio", "recompute_ratio", "compute_fraction")},
+        "ttft_p50_s": round(ttft[len(ttft) // 2], 6) if ttft else None,
+    }
+
+
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "samples.jsonl"
     if not path.is_file():
@@ -280,6 +317,8 @@ def evaluate(
     kv_memory: int | None = None,
     flow_executor: str | None = None,
     cuda_graph: bool = True,
+    reuse: str | None = None,
+    reuse_params: dict[str, str] | None = None,
     out: str | Path | None = None,
     resume: str | Path | None = None,
     on_progress: ProgressFn | None = None,
@@ -298,7 +337,7 @@ def evaluate(
     else:
         cfg = EvalConfig(flow, model, list(tasks) if tasks else None, context, samples, seed, dict(params or {}),
                          batch, max_new_tokens, mode, fidelity, device, dtype, random_weights, kv_memory,
-                         flow_executor, cuda_graph)
+                         flow_executor, cuda_graph, reuse, dict(reuse_params or {}))
         run_dir = None
     _validate(cfg)
     from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples
@@ -312,6 +351,7 @@ def evaluate(
         if cfg.batch > llm.config.max_num_seqs:
             raise SparsetuneError(f"--batch {cfg.batch} exceeds the engine's max_num_seqs {llm.config.max_num_seqs}")
         llm.set_flow(None if cfg.flow == "dense" else cfg.flow, cfg.params)
+        llm.set_reuse(cfg.reuse, cfg.reuse_params)
     resolved_mode = _resolve_mode(cfg, llm.device)
     accuracy_on = resolved_mode in ("accuracy", "all")
     speed_on = resolved_mode in ("speed", "all")
@@ -325,10 +365,12 @@ def evaluate(
     flow_name = llm.flow.name if llm.flow is not None else "dense"
     flow_params = llm.flow.params() if llm.flow is not None else {}
     if run_dir is None:
-        run_dir = new_run_dir(out, flow_name, llm.resolved.name)
+        label = flow_name if llm.reuse_flow is None else f"{flow_name}+{llm.reuse_flow.name}"
+        run_dir = new_run_dir(out, label, llm.resolved.name)
         config = {
             "schema": SCHEMA, "eval": asdict(cfg), "mode": resolved_mode, "tasks": task_names,
             "flow": {"name": flow_name, "spec": cfg.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm)},
+            "reuse": None if llm.reuse_flow is None else {"name": llm.reuse_flow.name, "params": llm.reuse_flow.params()},
             "model": {"name": llm.resolved.name, "random_weights": llm.resolved.random_weights,
                       "config": asdict(llm.model_config) if hasattr(llm.model_config, "__dataclass_fields__") else None},
             "engine": {k: v for k, v in asdict(llm.config).items() if k not in ("extra",)},
@@ -350,6 +392,8 @@ def evaluate(
             "params": flow_params, "mode": resolved_mode, "context": cfg.context, "samples_per_task": cfg.samples,
             "seed": cfg.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
         }
+        if llm.reuse_flow is not None:
+            res["reuse"] = {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **summarize_reuse(records)}
         if accuracy_on:
             res |= summarize(records)
             res["samples_done"] = len(records)
@@ -364,7 +408,7 @@ def evaluate(
     if on_start is not None:
         on_start(run_dir, results(False))
     flow_is_dense = llm.flow is None or llm.flow.full_attention
-    dense_needed = accuracy_on and not flow_is_dense and cfg.fidelity
+    dense_needed = accuracy_on and not _is_plain(llm) and cfg.fidelity
     total = len(all_samples) + (1 if speed_on else 0)
     chunk_size = cfg.batch if llm.device.type == "cpu" else 4 * cfg.batch
     try:

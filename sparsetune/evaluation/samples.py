@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from sparsetune.models.tokenizer import Tokenizer
+from sparsetune.reuse.parts import ReuseLayout, encode_parts, parse_parts
 
 METRICS = ("all", "any")
 
@@ -31,7 +32,9 @@ class Sample:
     metric: str = "all"  # "all": fraction of answers found; "any": 1 if any is found (RULER)
     max_new_tokens: int = 64  # the task's generation length (RULER's tokens_to_generate)
     history: tuple[dict[str, str], ...] = ()  # chat messages before the first turn
-    segments: tuple[dict[str, Any], ...] = ()  # reusable segments (custom tasks; used by reuse flows)
+    # The first user message as parts (plain text and reusable segments, see reuse/parts.py); the
+    # turn's `user` is their text joined. Reuse flows take the segments from the segment cache.
+    segments: tuple[dict[str, Any], ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)  # generator details (depth, position, ...)
 
 
@@ -46,8 +49,17 @@ def turn_messages(sample: Sample, turn: int, replies: Sequence[str]) -> list[dic
     return messages
 
 
+def prompt_layout(tokenizer: Tokenizer, sample: Sample) -> ReuseLayout:
+    """The first turn of a sample with `segments` (the user message's parts), tokenized part by
+    part inside the chat frame, then the answer prefix: the same ids with or without a reuse flow."""
+    parts = parse_parts(list(sample.segments), where=f"{sample.task}[{sample.index}].segments")
+    return encode_parts(tokenizer, parts, chat=True, suffix=sample.turns[0].answer_prefix)
+
+
 def prompt_ids(tokenizer: Tokenizer, sample: Sample, turn: int = 0, replies: Sequence[str] = ()) -> list[int]:
     """Prompt tokens of `turn`: the chat template over `turn_messages`, then the answer prefix."""
+    if turn == 0 and sample.segments:
+        return prompt_layout(tokenizer, sample).token_ids
     ids = tokenizer.chat_messages(turn_messages(sample, turn, replies))
     prefix = sample.turns[turn].answer_prefix
     return ids + (tokenizer.encode(prefix) if prefix else [])

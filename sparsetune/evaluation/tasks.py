@@ -17,6 +17,7 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.custom import load_jsonl
 from sparsetune.evaluation.multiturn import multiturn_sample
 from sparsetune.evaluation.ruler import cwe_sample, fwe_sample, niah_sample, vt_sample
+from sparsetune.evaluation.rag import RAG_DOCS, RAG_NAMESPACE, rag_sample
 from sparsetune.evaluation.samples import Sample
 from sparsetune.models.tokenizer import Tokenizer
 
@@ -27,7 +28,7 @@ SampleFn = Callable[[Tokenizer, int, int, int], Sample]  # (tokenizer, context_t
 @dataclass(frozen=True)
 class TaskSpec:
     name: str
-    family: str  # "ruler" | "multiturn"
+    family: str  # "ruler" | "multiturn" | "reuse"
     description: str  # for `sparsetune eval --list-tasks`
     max_new_tokens: int  # default generation length
     generate: Generator
@@ -115,10 +116,20 @@ _SPECS = (
         max_new_tokens=48,
         make=multiturn_sample,
     ),
+    _spec(
+        name="rag",
+        family="reuse",
+        description=f"{RAG_DOCS} documents of filler prose, one hiding a needle, as reusable segments (namespace "
+        f"'{RAG_NAMESPACE}') in shuffled order after 'Document i:' lines, then the question. With --reuse the "
+        "documents are first stored one by one, then reused. Answer: the needle's number.",
+        max_new_tokens=32,
+        make=rag_sample,
+    ),
 )
 
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in _SPECS}
-DEFAULT_SUITE: tuple[str, ...] = tuple(TASKS)
+DEFAULT_SUITE: tuple[str, ...] = tuple(n for n, s in TASKS.items() if s.family != "reuse")
+REUSE_SUITE: tuple[str, ...] = tuple(n for n, s in TASKS.items() if s.family == "reuse")
 
 
 def is_custom(task: str) -> bool:

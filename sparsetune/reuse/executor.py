@@ -14,9 +14,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from sparsetune.engine.attention import causal_sdpa, prefill_backends
 from sparsetune.engine.profiling import stage
 from sparsetune.engine.rope import inv_frequencies
 from sparsetune.kernels import rope_realign
@@ -142,6 +144,7 @@ class ReuseExecutor:
         stats.seconds = time.perf_counter() - t0
         return logits, stats
 
+    @torch.inference_mode()
     def forward(self, token_ids: list[int], block_table: torch.Tensor, flow: ReuseFlow | None,
                 layout: ReuseLayout | None, stats: ReuseStats | None, reused: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layers over the plan's rows (every row when `flow` is None: a plain prefill);
@@ -161,6 +164,7 @@ class ReuseExecutor:
                 rows[:] = True
         rows[-1] = True  # the first output token is read from the last prompt token
         idx = rows.nonzero().squeeze(1)
+        plan = RowPlan.of(idx)
         h, res = model.model.embed_tokens(ids[idx]), None
         for li, layer in enumerate(model.model.layers):
             attn = layer.self_attn
@@ -174,11 +178,12 @@ class ReuseExecutor:
                 kv.store(li, k, v, slots[idx])  # every token's fresh KV at the selection layer
                 sub = keep[idx].nonzero().squeeze(1)
                 q, res, idx = q[sub], res[sub], idx[sub]
+                plan = RowPlan.of(idx)
                 if stats is not None:
                     stats.recomputed_reused = int((keep & reused).sum())
             else:
                 kv.store(li, k, v, slots[idx])
-            o = self._attend(li, q, idx, block_table, t)
+            o = self._attend(li, q, idx, block_table, t, plan)
             h = attn.o_proj(o.reshape(o.shape[0], -1))
             h, res = layer.post_attention_layernorm(h, res)
             h = layer.mlp(h)
@@ -204,17 +209,46 @@ class ReuseExecutor:
         keep[-1] = True
         return keep
 
-    def _attend(self, layer: int, q: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor, t: int) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor, t: int,
+                plan: "RowPlan") -> torch.Tensor:
         """Rows `idx` (sorted positions) attend over the prompt's first t keys, row i seeing keys 0..i."""
         k, v = self.kv.gather(layer, block_table, t)  # [Hkv, T, D]
-        n = idx.numel()
-        with stage("attention"):
-            if n == t:
-                mask, causal = None, True  # every row: plain causal attention
-            else:
-                mask, causal = torch.arange(t, device=idx.device)[None, :] <= idx[:, None], False
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal,
-                scale=self.scale, enable_gqa=True,
-            )
-        return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+        qh = q.transpose(0, 1)  # [Hq, n, D]
+        out = torch.empty_like(qh)
+        with stage("attention"), prefill_backends():
+            for a, b, end in plan.runs:
+                out[:, a:b] = causal_sdpa(qh[:, a:b], k[:, :end], v[:, :end], end - (b - a), self.scale)
+            if plan.rest is not None:
+                sel, end = plan.rest, plan.rest_end
+                mask = torch.arange(end, device=q.device)[None, :] <= idx[sel][:, None]
+                out[:, sel] = F.scaled_dot_product_attention(
+                    qh[:, sel].unsqueeze(0), k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0), attn_mask=mask,
+                    scale=self.scale, enable_gqa=True).squeeze(0)
+        return out.transpose(0, 1)  # [n, Hq, D]
+
+
+_MIN_RUN = 64  # consecutive rows worth a causal call of their own
+
+
+@dataclass
+class RowPlan:
+    """How a row set attends. A run of consecutive positions [a, b) (row indices; keys 0..end-1) is
+    one causal call with bottom-right alignment, exact for consecutive rows and run by the
+    flash/cuDNN kernels, which skip the masked half; the scattered rest (`rest` row indices) shares
+    one call with an explicit per-row mask over keys 0..rest_end-1 (its cost is rows × rest_end)."""
+
+    runs: list[tuple[int, int, int]]
+    rest: torch.Tensor | None
+    rest_end: int
+
+    @staticmethod
+    def of(idx: torch.Tensor) -> "RowPlan":
+        pos = idx.cpu().numpy()  # one host copy per row set (at most twice per prompt)
+        cut = np.flatnonzero(np.diff(pos) != 1) + 1
+        starts, ends = np.r_[0, cut], np.r_[cut, len(pos)]
+        long = ends - starts >= _MIN_RUN
+        runs = [(int(a), int(b), int(pos[b - 1]) + 1) for a, b in zip(starts[long], ends[long])]
+        rest_rows = np.flatnonzero(np.repeat(~long, ends - starts))
+        if not len(rest_rows):
+            return RowPlan(runs, None, 0)
+        return RowPlan(runs, torch.from_numpy(rest_rows).to(idx.device), int(pos[rest_rows].max()) + 1)

@@ -102,13 +102,16 @@ def parse_parts(obj: Any, where: str = "prompt") -> list[Part]:
     return parts
 
 
-def encode_parts(tokenizer, parts: list[Part], chat: bool = True) -> ReuseLayout:
-    """Tokenize each part on its own (and the chat frame around them) into one `ReuseLayout`."""
+def encode_parts(tokenizer, parts: list[Part], chat: bool = True, suffix: str = "") -> ReuseLayout:
+    """Tokenize each part on its own (and the chat frame around them) into one `ReuseLayout`;
+    `suffix` is plain text after the frame (the start of the reply, e.g. RULER's answer prefix)."""
     if tokenizer is None:
         raise SparsetuneError("prompts with segments need the model's tokenizer")
     if chat:
         before, after = tokenizer.chat_frame()
         parts = ([Part(before)] if before else []) + list(parts) + ([Part(after)] if after else [])
+    if suffix:
+        parts = list(parts) + [Part(suffix)]
     ids: list[int] = []
     spans: list[Span] = []
     for p in parts:

@@ -1,0 +1,105 @@
+"""Time to first token of reuse flows against full recompute on one long prompt (issue #5's bar).
+
+    python benchmarks/bench_reuse.py --model qwen3-8b --context 32768 --reuse-ratio 0.9 \
+        --flows full_recompute,pie,cacheblend,sparsex --param sparsex:boundary_layer=2
+
+The prompt is a plain prefix, `--segments` reusable segments and a plain question; the segments
+hold `--reuse-ratio` of the tokens. Stage 1 (cache building) prefills it once with `pie`, which
+stores the segments; stage 2 times each flow's reuse prefill on the same prompt (the segments hit).
+Random weights: the byte tokenizer makes one token per character, so the lengths are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+import torch
+
+from sparsetune.engine.llm import LLM
+from sparsetune.engine.sequence import SamplingParams
+
+
+def random_text(n: int, rng: random.Random) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n))
+
+
+def reuse_prompt(context: int, ratio: float, segments: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    reused = int(context * ratio)
+    seg_len = reused // segments
+    new = context - seg_len * segments
+    parts: list = [random_text(new // 2, rng)]
+    parts += [{"text": random_text(seg_len, rng), "reuse": True, "namespace": "bench"} for _ in range(segments)]
+    parts.append(random_text(new - new // 2, rng))
+    return parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--reuse-ratio", type=float, default=0.9)
+    ap.add_argument("--segments", type=int, default=9)
+    ap.add_argument("--flows", default="full_recompute,pie,cacheblend,sparsex")
+    ap.add_argument("--param", action="append", default=[], help="flow:key=value (repeatable)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--profile", action="store_true", help="print each flow's top GPU kernels (torch profiler)")
+    args = ap.parse_args()
+    params: dict[str, dict[str, str]] = {}
+    for p in args.param:
+        flow, kv = p.split(":", 1)
+        k, v = kv.split("=", 1)
+        params.setdefault(flow, {})[k] = v
+    llm = LLM(model=args.model, random_weights=True, dtype=args.dtype, max_num_seqs=1, cuda_graph=False)
+    parts = reuse_prompt(args.context, args.reuse_ratio, args.segments)
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.set_reuse("pie")  # stage 1: the cache-building request stores every segment
+    first = llm.generate([parts], once, chat=False)[0]
+    print(f"stage 1: {first.prompt_tokens} tokens, {first.reuse['segment_misses']} segments stored "
+          f"({first.reuse['seconds']:.3f} s)", flush=True)
+    rows = []
+    for flow in args.flows.split(","):
+        llm.set_reuse(flow, params.get(flow))
+        llm.generate([parts], once, chat=False)  # warm-up (allocator, kernels' first launch)
+        runs = [llm.generate([parts], once, chat=False)[0].reuse for _ in range(args.repeats)]
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                llm.generate([parts], once, chat=False)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        ttft = statistics.median(r["seconds"] for r in runs)
+        row = {"flow": flow, "params": llm.reuse_flow.params(), "ttft_s": ttft, **{k: runs[0][k] for k in
+               ("prompt_tokens", "reuse_ratio", "recompute_ratio", "compute_fraction", "segment_hits")}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    # The engine's own chunked prefill of the same tokens (no reuse path), for reference.
+    llm.set_reuse(None)
+    llm.generate([parts], once, chat=False)
+    times = []
+    for _ in range(args.repeats):
+        llm.stats.first_token_seconds.clear()
+        llm.generate([parts], once, chat=False)
+        times.append(llm.stats.first_token_seconds[0])
+    engine = statistics.median(times)
+    base = next((r["ttft_s"] for r in rows if r["flow"] == "full_recompute"), engine)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n{args.model} random weights, {dev} {llm.dtype}, {first.prompt_tokens} tokens, "
+          f"{args.reuse_ratio:.0%} in {args.segments} reused segments; engine prefill TTFT {engine:.3f} s")
+    print("| flow | TTFT s | vs full_recompute | recomputed share of reused | token-layers computed |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['flow']} | {r['ttft_s']:.3f} | {base / r['ttft_s']:.2f}x | {r['recompute_ratio']:.1%} | "
+              f"{r['compute_fraction']:.1%} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"rows": rows, "engine_prefill_ttft_s": engine}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
