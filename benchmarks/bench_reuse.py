@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from sparsetune.engine.llm import LLM
+from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.engine.sequence import SamplingParams
 
 
@@ -50,11 +51,7 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--profile", action="store_true", help="print each flow's top GPU kernels (torch profiler)")
     args = ap.parse_args()
-    params: dict[str, dict[str, str]] = {}
-    for p in args.param:
-        flow, kv = p.split(":", 1)
-        k, v = kv.split("=", 1)
-        params.setdefault(flow, {})[k] = v
+    params = parse_flow_param_args(args.param)
     llm = LLM(model=args.model, random_weights=True, dtype=args.dtype, max_num_seqs=1, cuda_graph=False)
     parts = reuse_prompt(args.context, args.reuse_ratio, args.segments)
     once = SamplingParams(max_tokens=1, ignore_eos=True)

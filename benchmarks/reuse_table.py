@@ -15,6 +15,7 @@ import argparse
 import json
 
 from sparsetune.engine.llm import LLM
+from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.evaluation.rag import RAG_DOCS
 from sparsetune.evaluation.runner import eval_kv_memory, evaluate
 
@@ -43,11 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/reuse")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
-    extra: dict[str, dict[str, str]] = {}
-    for p in args.param:
-        flow, kv = p.split(":", 1)
-        k, v = kv.split("=", 1)
-        extra.setdefault(flow, {})[k] = v
+    extra = parse_flow_param_args(args.param)
     rows = []
     for ctx in [int(c) for c in args.contexts.split(",")]:
         # The pool holds the batch's prompts and every stored document.

@@ -87,3 +87,13 @@ def test_prompt_longer_than_context():
 
 def test_unbuilt_command_says_so():
     assert_clean_error(run("search", "--hours", "1"), "not built yet")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--reuse", "quest"], "is a decode flow, not a reuse flow; pass it with --flow quest"),
+    (["--reuse", "cacheblend", "--reuse-param", "ratio=2"], "must be in [0.0, 1.0]"),
+    (["--reuse-param", "ratio=0.1"], "--reuse-param needs a reuse flow"),
+    (["--flow", "sparsex"], "is a reuse flow, not a decode flow; pass it with --reuse sparsex"),
+])
+def test_eval_reuse_errors(args, needle):
+    assert_clean_error(run("eval", "--task", "rag", "--samples", "1", *args), needle)

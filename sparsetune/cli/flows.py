@@ -51,7 +51,7 @@ def list_(json_out: bool = typer.Option(False, "--json")) -> None:
     for name, path in builtin_flows().items():
         cls = load_file(path)
         rows.append({"name": cls.name, "kind": flow_kind(cls), "source": cls.source, "path": str(path),
-                     "params": {k: v.describe() for k, v in cls.param_specs().items()}})
+                     "params": {k: v.describe() for k, v in cls.param_specs().items() if k not in cls.inapplicable}})
     if json_out:
         emit_json(rows)
         return
@@ -99,8 +99,18 @@ def check(
 ) -> None:
     """Validate a flow: op set, declared params, shapes, cost, and equality with dense at full budget."""
     from sparsetune.flow.check import check_flow
-    from sparsetune.flow.params import parse_param_args
+    from sparsetune.flow.params import Configurable, parse_param_args
+    from sparsetune.flow.registry import flow_kind, get_flow_class
 
+    cls = get_flow_class(file, Configurable)
+    if flow_kind(cls) == "reuse":  # plain Python over the executor's inputs: its params are what can be checked
+        flow = cls.from_strings(parse_param_args(param))
+        if json_out:
+            emit_json({"name": cls.name, "kind": "reuse", "ok": True, "params": flow.params()})
+            return
+        err.print(f"[green]ok[/] {cls.name}: reuse flow, parameters {flow.params()}; run it with "
+                  f"sparsetune eval --task rag --reuse {file}")
+        return
     report = check_flow(file, parse_param_args(param))
     if json_out:
         emit_json(report.to_dict())

@@ -123,3 +123,15 @@ class Configurable:
 
     def params(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.param_specs()}
+
+
+def parse_flow_param_args(args: list[str] | None) -> dict[str, dict[str, str]]:
+    """`["sparsex:ratio=0.1", "epic:k=32"]` → {"sparsex": {"ratio": "0.1"}, "epic": {"k": "32"}}
+    (per-flow parameters in sweeps over several flows)."""
+    out: dict[str, dict[str, str]] = {}
+    for a in args or []:
+        flow, sep, kv = a.partition(":")
+        if not sep or "=" not in kv:
+            raise SparsetuneError(f"--param {a!r}: write flow:key=value, e.g. --param sparsex:ratio=0.1")
+        out.setdefault(flow.strip(), {}).update(parse_param_args([kv]))
+    return out
