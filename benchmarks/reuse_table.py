@@ -16,17 +16,17 @@ import json
 
 from sparsetune.engine.llm import LLM
 from sparsetune.flow.params import parse_flow_param_args
-from sparsetune.evaluation.rag import RAG_DOCS
+from sparsetune.evaluation.reuse_tasks import REUSE_TASKS
 from sparsetune.evaluation.runner import eval_kv_memory, evaluate
 
 FLOWS = "full_recompute,sparsex,a3,cacheblend,epic,pie,naive_reuse"
 
 
-def budget(flow: str, ratio: float, context: int) -> dict[str, str]:
+def budget(flow: str, ratio: float, context: int, task: str = "rag") -> dict[str, str]:
     if flow in ("cacheblend", "a3", "sparsex"):
         return {"ratio": str(ratio)}
     if flow == "epic":
-        return {"k": str(max(1, round(ratio * 0.93 * context / RAG_DOCS)))}  # documents hold ~93% of the prompt
+        return {"k": str(max(1, round(ratio * 0.93 * context / REUSE_TASKS[task].count)))}  # segments hold ~93% of the prompt
     return {}
 
 
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--contexts", default="2048,4096")
     ap.add_argument("--flows", default=FLOWS)
+    ap.add_argument("--task", default="rag", help="rag, chat or agent")
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--param", action="append", default=[], help="flow:key=value (repeatable)")
     ap.add_argument("--samples", type=int, default=20)
@@ -51,8 +52,8 @@ def main() -> None:
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
                   kv_memory=eval_kv_memory(args.model, 2 * args.batch, ctx, 64, args.device, args.dtype))
         for flow in args.flows.split(","):
-            params = {**budget(flow, args.ratio, ctx), **extra.get(flow, {})}
-            res = evaluate("dense", args.model, ["rag"], ctx, args.samples, batch=args.batch, out=args.out,
+            params = {**budget(flow, args.ratio, ctx, args.task), **extra.get(flow, {})}
+            res = evaluate("dense", args.model, [args.task], ctx, args.samples, batch=args.batch, out=args.out,
                            reuse=flow, reuse_params=params, llm=llm)
             rows.append({"context": ctx, "flow": flow, "params": params, "result": res})
             print(f"ctx {ctx} {flow} {params}: acc {res['accuracy']} ref {res['dense_accuracy']} "
@@ -61,7 +62,7 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1, default=str)
-    print("\n| context | flow | params | accuracy % | of reference | top-1 agree % | recomputed % of reused | "
+    print(f"\ntask {args.task}\n| context | flow | params | accuracy % | of reference | top-1 agree % | recomputed % of reused | "
           "token-layers % | TTFT p50 s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -206,15 +206,18 @@ def test_decode_flow_is_not_a_reuse_flow(smollm):
 
 # ---- the rag workload through sparsetune eval ----------------------------------------------------
 
-def test_rag_sample_holds_its_answer_in_one_reusable_document(smollm):
-    from sparsetune.evaluation.rag import RAG_DOCS
+@pytest.mark.parametrize("task", ["rag", "chat", "agent"])
+def test_reuse_sample_holds_its_answer_in_one_reusable_segment(smollm, task):
+    from sparsetune.evaluation.reuse_tasks import REUSE_TASKS
+    from sparsetune.evaluation.samples import final_prompt_tokens
     from sparsetune.evaluation.tasks import build_samples
 
-    (s,) = build_samples("rag", smollm.tokenizer, 1024, 1, 0)
-    docs = [p for p in s.segments if p.get("reuse")]
-    assert len(docs) == RAG_DOCS and "".join(p["text"] for p in s.segments) == s.turns[0].user
-    assert sum(s.turns[0].answers[0] in d["text"] for d in docs) == 1
-    assert docs[s.meta["position"]]["text"].count(s.turns[0].answers[0]) == 1
+    (s,) = build_samples(task, smollm.tokenizer, 1024, 1, 0)
+    segs = [p for p in s.segments if p.get("reuse")]
+    assert len(segs) == REUSE_TASKS[task].count and "".join(p["text"] for p in s.segments) == s.turns[0].user
+    assert sum(s.turns[0].answers[0] in d["text"] for d in segs) == 1
+    assert segs[s.meta["position"]]["text"].count(s.turns[0].answers[0]) == 1
+    assert len({p["namespace"] for p in segs}) == 1 and abs(final_prompt_tokens(smollm.tokenizer, s) - 1024) <= 51
 
 
 def test_eval_rag_with_a_reuse_flow(smollm, tmp_path):

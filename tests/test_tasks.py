@@ -54,7 +54,7 @@ SIZES += [("niah_single", 2048), ("cwe", 2048), ("multiturn", 2048)]
 
 
 def test_registry_and_listing():
-    assert DEFAULT_SUITE + ("rag",) == tuple(TASKS)  # the reuse workload is asked for by name
+    assert DEFAULT_SUITE + ("rag", "chat", "agent") == tuple(TASKS)  # reuse workloads are asked for by name
     assert set(DEFAULT_SUITE) == {
         "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "multiturn"
     }
@@ -62,7 +62,7 @@ def test_registry_and_listing():
     assert [r["name"] for r in rows] == list(TASKS)
     for row in rows:
         assert set(row) == {"name", "family", "description", "max_new_tokens", "metric"}
-        assert row["family"] == {"multiturn": "multiturn", "rag": "reuse"}.get(row["name"], "ruler")
+        assert row["family"] == {"multiturn": "multiturn", "rag": "reuse", "chat": "reuse", "agent": "reuse"}.get(row["name"], "ruler")
         assert row["metric"] == "all" and row["max_new_tokens"] >= 30
         assert 40 < len(row["description"]) < 320 and "\n" not in row["description"]
     assert TASKS["niah_single"].max_new_tokens == 32

@@ -17,7 +17,7 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.custom import load_jsonl
 from sparsetune.evaluation.multiturn import multiturn_sample
 from sparsetune.evaluation.ruler import cwe_sample, fwe_sample, niah_sample, vt_sample
-from sparsetune.evaluation.rag import RAG_DOCS, RAG_NAMESPACE, rag_sample
+from sparsetune.evaluation.reuse_tasks import agent_sample, chat_sample, rag_sample
 from sparsetune.evaluation.samples import Sample
 from sparsetune.models.tokenizer import Tokenizer
 
@@ -119,11 +119,28 @@ _SPECS = (
     _spec(
         name="rag",
         family="reuse",
-        description=f"{RAG_DOCS} documents of filler prose, one hiding a needle, as reusable segments (namespace "
-        f"'{RAG_NAMESPACE}') in shuffled order after 'Document i:' lines, then the question. With --reuse the "
-        "documents are first stored one by one, then reused. Answer: the needle's number.",
+        description="6 documents of filler prose, one hiding a needle, as reusable segments (namespace 'rag') in "
+        "shuffled order after 'Document i:' lines, then the question. With --reuse each document is stored "
+        "alone first, then reused. Answer: the needle's number.",
         max_new_tokens=32,
         make=rag_sample,
+    ),
+    _spec(
+        name="chat",
+        family="reuse",
+        description="One user's 4 earlier turns (filler prose, one telling a needle) as reusable segments (a "
+        "namespace per conversation), in order after 'User (turn i):' lines, then the new user message "
+        "asking for the number. Answer: the needle's number.",
+        max_new_tokens=32,
+        make=chat_sample,
+    ),
+    _spec(
+        name="agent",
+        family="reuse",
+        description="4 tool outputs of agent A (filler prose, one reporting a needle) reused by agent B "
+        "(namespace 'agents') in another order after B's role prompt, then B's task. Answer: the needle's number.",
+        max_new_tokens=32,
+        make=agent_sample,
     ),
 )
 
