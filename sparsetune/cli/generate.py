@@ -24,6 +24,7 @@ def generate(
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Cap the context length."),
     no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU."),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="Share computed blocks of common prompt prefixes."),
     flow: str = typer.Option(None, "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file."),
     param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
     flow_executor: str = typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU)."),
@@ -39,6 +40,7 @@ def generate(
     options = dict(
         device=device, dtype=dtype, random_weights=random_weights, kv_memory=parse_size(kv_memory, "--kv-memory"),
         block_size=block_size, max_model_len=max_model_len, cuda_graph=not no_cuda_graph, seed=seed, max_num_seqs=8,
+        prefix_caching=prefix_caching,
         flow=flow, flow_params=parse_param_args(param), flow_executor=flow_executor,
     )
     with err.status(f"loading {model} and generating ..."):

@@ -6,12 +6,22 @@ also hold blocks it can give up on demand (idle cached segments); it installs
 `reclaim`, and whenever a request for blocks finds too few free ones, the
 manager calls `reclaim(missing)` before deciding. The scheduler thus makes room
 by evicting idle segments without knowing that segments exist.
+
+Prefix caching (`prefix_caching=True`): every full block a sequence has computed gets a chain hash
+(the previous block's hash + this block's token ids, as vLLM and nano-vllm hash blocks), and a new
+sequence whose prompt starts with the same blocks takes those blocks (reference-counted) instead
+of computing them again. A block whose last holder finishes goes back to the free list but keeps
+its hash until it is handed out again, so a later request can still find it (LRU by free order).
+Segments (`sparsetune.reuse`) live in blocks without a hash, so the two never mix.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable
+
+import numpy as np
 
 from sparsetune.engine.sequence import Sequence
 
@@ -20,11 +30,33 @@ class BlockManager:
     # Called with the number of blocks missing; frees up to that many (or more) and returns how many it freed.
     reclaim: Callable[[int], int] | None = None
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free: deque[int] = deque(range(num_blocks))
         self.reclaim = None
+        self.prefix_caching = prefix_caching
+        self.refs = [0] * num_blocks
+        self.block_hash: dict[int, bytes] = {}  # full, computed block → its chain hash
+        self.by_hash: dict[bytes, int] = {}  # chain hash → block
+        self.prefix_hits = 0  # blocks taken from the prefix cache
+
+    def _take(self) -> int:
+        """A free block for a new holder; a cached one loses its hash (its contents will change)."""
+        block = self.free.popleft()
+        h = self.block_hash.pop(block, None)
+        if h is not None and self.by_hash.get(h) == block:
+            del self.by_hash[h]
+        self.refs[block] = 1
+        return block
+
+    def _put(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] < 0:
+                raise RuntimeError(f"block {b} released more often than taken")
+            if self.refs[b] == 0:
+                self.free.append(b)
 
     @property
     def num_free(self) -> int:
@@ -49,12 +81,60 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if not self._make_room(need):
             raise RuntimeError("out of KV blocks; call can_grow first")
-        seq.block_table.extend(self.free.popleft() for _ in range(need))
+        seq.block_table.extend(self._take() for _ in range(need))
 
     def release(self, seq: Sequence) -> None:
-        self.free.extend(seq.block_table)
+        self._put(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.block_hashes = []
+
+    # ---- prefix caching -------------------------------------------------------------------------
+
+    def _chain(self, prev: bytes, tokens: list[int]) -> bytes:
+        return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the cached blocks its prompt starts with; returns the tokens covered.
+
+        At least the prompt's last token is left to compute (its logits give the first output)."""
+        if not self.prefix_caching or seq.block_table or seq.num_computed:
+            return 0
+        bs, prev = self.block_size, b""
+        for i in range((seq.num_tokens - 1) // bs):
+            h = self._chain(prev, seq.token_ids[i * bs : (i + 1) * bs])
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            if self.refs[block] == 0:
+                self.free.remove(block)  # revive a cached free block
+            self.refs[block] += 1
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            prev = h
+        self.prefix_hits += len(seq.block_table)
+        seq.num_computed = len(seq.block_table) * bs
+        return seq.num_computed
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash the sequence's newly computed full blocks so later prompts can find them."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        prev = seq.block_hashes[-1] if seq.block_hashes else b""
+        for i in range(len(seq.block_hashes), min(seq.num_computed, seq.num_tokens) // bs):
+            h = self._chain(prev, seq.token_ids[i * bs : (i + 1) * bs])
+            block = seq.block_table[i]
+            seq.block_hashes.append(h)
+            if h not in self.by_hash:  # the first block with these contents is the one found
+                self.by_hash[h] = block
+                self.block_hash[block] = h
+            prev = h
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every hash (e.g. when a decode flow's per-block state changes meaning)."""
+        self.block_hash.clear()
+        self.by_hash.clear()
 
     def allocate(self, n: int) -> list[int]:
         """`n` blocks for an owner that is not a sequence; may reclaim to find them."""
@@ -62,8 +142,8 @@ class BlockManager:
             raise ValueError(f"cannot allocate {n} blocks")
         if not self._make_room(n):
             raise RuntimeError(f"out of KV blocks: {n} wanted, {len(self.free)} free")
-        return [self.free.popleft() for _ in range(n)]
+        return [self._take() for _ in range(n)]
 
     def free_blocks(self, blocks: list[int]) -> None:
         """Take back blocks handed out by `allocate`."""
-        self.free.extend(blocks)
+        self._put(blocks)

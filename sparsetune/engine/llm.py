@@ -101,7 +101,7 @@ class LLM:
         self.max_model_len = min(max_len, num_blocks * cfg.block_size)
         self.backends: list[AttentionBackend] = [DenseAttention(mcfg.head_dim**-0.5)] * mcfg.num_hidden_layers
         self.hooks = LayerHooks()
-        self.block_manager = BlockManager(num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.backends, self.hooks, cfg.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -118,6 +118,11 @@ class LLM:
         """Route attention through `flow` (None or dense: full attention), then capture decode graphs.
 
         The flow is attached before capture, so its indexer and selection are in the graphs."""
+        if self.config.prefix_caching and flow is not None and not flow.full_attention:
+            # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
+            raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
+                                  "(its per-block state would be shared between requests); drop one of them")
+        self.block_manager.clear_prefix_cache()
         self.set_attention(DenseAttention(self.model_config.head_dim**-0.5))
         if flow is not None and not flow.full_attention:
             self._attach_flow(flow)

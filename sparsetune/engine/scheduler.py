@@ -54,6 +54,8 @@ class Scheduler:
         for seq in self.waiting:
             if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
                 break
+            if not seq.block_table:  # a new (or preempted) sequence: take the blocks of a cached prefix
+                self.blocks.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed
             chunk = min(remaining, budget)
             if not self.blocks.can_grow(seq, seq.num_computed + chunk):
@@ -101,6 +103,8 @@ class Scheduler:
         for i, seq in enumerate(batch.seqs):
             done_prefill = batch.completes_prefill(i)
             seq.num_computed += batch.num_new_tokens[i]
+            if seq.cacheable:
+                self.blocks.commit(seq)
             if batch.is_prefill and not done_prefill:
                 continue  # mid-prompt chunk: nothing sampled yet
             if batch.is_prefill:
@@ -115,6 +119,7 @@ class Scheduler:
         """Admit a sequence whose whole prompt is already in its blocks (a reuse prefill done outside
         the step loop) with its first sampled token; True when that token already finishes it."""
         seq.num_computed = seq.num_tokens
+        seq.cacheable = False  # its KV is a reuse flow's approximation: never a prefix-cache hit
         seq.status = Status.RUNNING
         self.running.append(seq)
         return self._append(seq, tok, eos_ids, max_model_len)

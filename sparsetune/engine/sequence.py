@@ -49,6 +49,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     logits: list = field(default_factory=list)  # per generated position, when params.keep_logits
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of computed full blocks (prefix caching)
+    cacheable: bool = True  # False: its KV must not be found by other prompts (reuse-flow prefill)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

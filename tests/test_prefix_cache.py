@@ -1,0 +1,69 @@
+"""Prefix caching: prompts that start with the same full blocks share them (hash-chained), and the
+results equal an engine without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsetune.engine.block_manager import BlockManager
+from sparsetune.engine.llm import LLM
+from sparsetune.engine.sequence import SamplingParams, Sequence
+from sparsetune.errors import SparsetuneError
+
+PREFIX = "You are a careful assistant. Read the notes and answer briefly. " * 6
+
+
+@pytest.fixture(scope="module")
+def cached():
+    return LLM(model="smollm2-135m", device="cpu", max_num_seqs=4, block_size=8, num_kv_blocks=160, prefix_caching=True)
+
+
+def test_shared_prefix_is_computed_once_and_outputs_match(cached, smollm):
+    prompts = [PREFIX + "What is 2 + 2?", PREFIX + "Name a color.", PREFIX + "What is 2 + 2?"]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in smollm.generate(prompts, sp)]
+    got, computed = [], []
+    for p in prompts:  # one at a time, so each later prompt finds the earlier ones' blocks
+        before = cached.stats.prefill_tokens
+        out = cached.generate([p], sp)[0]
+        got.append(out.token_ids)
+        computed.append((cached.stats.prefill_tokens - before, out.prompt_tokens))
+    assert got == want
+    (n0, t0), (n1, t1), (n2, t2) = computed
+    assert n0 == t0  # nothing cached yet
+    shared = (len(cached.tokenizer.chat_prompt(PREFIX)) - 8) // 8 * 8  # full blocks of the common start (at least)
+    assert n1 <= t1 - shared and n2 < 8  # the repeated prompt computes at most its last partial block
+    assert cached.block_manager.prefix_hits > 0
+
+
+def test_freed_cached_block_taken_by_another_holder_is_forgotten():
+    bm = BlockManager(4, 2, prefix_caching=True)
+    s = Sequence(list(range(7)), SamplingParams())
+    bm.grow(s, 7)
+    s.num_computed = 7
+    bm.commit(s)  # blocks 0-2 full: hashed
+    assert len(bm.by_hash) == 3
+    bm.release(s)
+    again = Sequence(list(range(7)), SamplingParams())
+    assert bm.match_prefix(again) == 6 and bm.refs[again.block_table[0]] == 1
+    bm.release(again)
+    bm.allocate(4)  # every block handed out again: their contents will change
+    assert not bm.by_hash and bm.match_prefix(Sequence(list(range(7)), SamplingParams())) == 0
+
+
+def test_prefix_caching_refuses_a_decode_flow():
+    with pytest.raises(SparsetuneError, match="prefix caching cannot be combined with the decode flow 'quest'"):
+        LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, prefix_caching=True, flow="quest")
+
+
+def test_reuse_prefilled_prompts_are_never_prefix_hits(cached):
+    doc = {"text": "The blue door code is 4417. " * 6, "reuse": True, "namespace": "kb"}
+    parts = ["Notes:\n", doc, "\nWhat is the blue door code?"]
+    cached.set_reuse("pie")
+    try:
+        out = cached.generate([parts], SamplingParams(max_tokens=2, ignore_eos=True), chat=False)[0]
+    finally:
+        cached.set_reuse(None)
+    hits = cached.block_manager.prefix_hits
+    cached.generate([out.prompt_token_ids], SamplingParams(max_tokens=1))  # same ids, plain prefill
+    assert cached.block_manager.prefix_hits == hits  # the reuse flow's approximate KV was not shared
