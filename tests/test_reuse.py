@@ -51,11 +51,13 @@ def test_full_recompute_equals_plain_prefill(smollm):
     assert stats.reused_tokens == 0 and stats.compute_fraction == 1.0
 
 
-@pytest.mark.parametrize("flow", ["cacheblend", "a3", "sparsex", "epic"])
-def test_selection_flows_at_full_ratio_equal_plain_prefill(smollm, flow):
+@pytest.mark.parametrize("flow,params", [("cacheblend", {}), ("a3", {}), ("sparsex", {}), ("sparsex", {"boundary_layer": "0"}),
+                                         ("epic", {"k": "4096"})])
+def test_selection_flows_at_full_ratio_equal_plain_prefill(smollm, flow, params):
     """ratio 1: every reused token is recomputed after the selection layer and every token before it,
-    so the plan (selection layer, fresh-KV write, row slicing) must reproduce plain prefill."""
-    logits, stats, layout, _ = _reuse_logits(smollm, flow, _parts(), {"k": "4096"} if flow == "epic" else {"ratio": "1.0"})
+    so the plan (selection layer, fresh-KV write, row slicing) must reproduce plain prefill
+    (boundary 0: the selection layer is the first one, which still sees every token's q/k/v)."""
+    logits, stats, layout, _ = _reuse_logits(smollm, flow, _parts(), params if flow == "epic" else {"ratio": "1.0", **params})
     torch.testing.assert_close(logits, _plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
     assert stats.segment_hits == 2 and stats.recompute_ratio == 1.0
 

@@ -160,7 +160,7 @@ class ReuseExecutor:
         else:
             sel_layer = flow.selection_layer(num_layers)
             rows = flow.initial_rows(layout).to(dev) | ~reused
-            if sel_layer is not None and sel_layer > 0:
+            if sel_layer is not None:  # every token is computed up to and at the selection layer
                 rows[:] = True
         rows[-1] = True  # the first output token is read from the last prompt token
         idx = rows.nonzero().squeeze(1)
