@@ -73,9 +73,9 @@ def test_slot_mapping_matches_pool_layout():
     bm, cache = _cache(num_blocks=8)
     bm.allocate(3)  # the segment does not start at block 0
     seg = cache.insert(list(range(10)), "kb")
-    slots = cache.slot_mapping(seg)
-    assert slots == [seg.blocks[i // BS] * BS + i % BS for i in range(10)]
     kv = KVCache(1, 8, 2, BS, 8, torch.float32, "cpu")
+    slots = kv.slots(torch.tensor(seg.blocks), torch.arange(10)).tolist()
+    assert slots == [seg.blocks[i // BS] * BS + i % BS for i in range(10)]
     k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
     kv.store(0, k, v, torch.tensor(slots))
     gk, gv = kv.gather(0, torch.tensor(seg.blocks), 10)

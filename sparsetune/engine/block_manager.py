@@ -28,7 +28,7 @@ from sparsetune.engine.sequence import Sequence
 
 class BlockManager:
     # Called with the number of blocks missing; frees up to that many (or more) and returns how many it freed.
-    reclaim: Callable[[int], int] | None = None
+    reclaim: Callable[[int], int] | None
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
@@ -117,8 +117,9 @@ class BlockManager:
         return seq.num_computed
 
     def commit(self, seq: Sequence) -> None:
-        """Hash the sequence's newly computed full blocks so later prompts can find them."""
-        if not self.prefix_caching:
+        """Hash the sequence's newly computed full blocks so later prompts can find them (not those
+        of a sequence whose KV a reuse flow approximated: `seq.cacheable` is False)."""
+        if not self.prefix_caching or not seq.cacheable:
             return
         bs = self.block_size
         prev = seq.block_hashes[-1] if seq.block_hashes else b""
@@ -130,11 +131,6 @@ class BlockManager:
                 self.by_hash[h] = block
                 self.block_hash[block] = h
             prev = h
-
-    def clear_prefix_cache(self) -> None:
-        """Forget every hash (e.g. when a decode flow's per-block state changes meaning)."""
-        self.block_hash.clear()
-        self.by_hash.clear()
 
     def allocate(self, n: int) -> list[int]:
         """`n` blocks for an owner that is not a sequence; may reclaim to find them."""

@@ -26,8 +26,8 @@ class EngineConfig:
     flow_executor: str | None = None  # "reference" | "compiled"; None: compiled on CUDA, reference on CPU
     reuse: str | None = None  # KV-reuse flow for prompts with segments; None: segments are plain text
     reuse_params: dict[str, str] = field(default_factory=dict)
-    segment_watermark: float = 0.9
-    prefix_caching: bool = False  # share computed full blocks between prompts with the same prefix  # pool use above which pinned segments may be evicted
+    segment_watermark: float = 0.9  # pool use above which pinned segments may be evicted
+    prefix_caching: bool = False  # share computed full blocks between prompts with the same prefix
     random_weights: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict)

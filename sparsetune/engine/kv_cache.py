@@ -47,6 +47,11 @@ class KVCache:
     def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    def slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slots (`block * block_size + offset`) of token `positions` of a sequence with `block_table`."""
+        bs = self.block_size
+        return block_table[positions // bs].long() * bs + positions % bs
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write new tokens' `[N, kv_heads, head_dim]` K/V at flat slots `block * block_size + offset`."""
         fn = kv_store.store_kv if k.is_cuda else kv_store.store_kv_ref

@@ -122,7 +122,6 @@ class LLM:
             # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
             raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
                                   "(its per-block state would be shared between requests); drop one of them")
-        self.block_manager.clear_prefix_cache()
         self.set_attention(DenseAttention(self.model_config.head_dim**-0.5))
         if flow is not None and not flow.full_attention:
             self._attach_flow(flow)

@@ -103,8 +103,7 @@ class Scheduler:
         for i, seq in enumerate(batch.seqs):
             done_prefill = batch.completes_prefill(i)
             seq.num_computed += batch.num_new_tokens[i]
-            if seq.cacheable:
-                self.blocks.commit(seq)
+            self.blocks.commit(seq)
             if batch.is_prefill and not done_prefill:
                 continue  # mid-prompt chunk: nothing sampled yet
             if batch.is_prefill:

@@ -26,7 +26,7 @@ from typing import Any
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.samples import METRICS, Sample, Turn
-from sparsetune.reuse.parts import Part, parse_parts
+from sparsetune.reuse.parts import parse_parts
 
 KEYS = ("prompt", "messages", "answers", "metric", "max_new_tokens", "id", "segments")
 ROLES = ("system", "user", "assistant")
@@ -152,11 +152,10 @@ def _segments(obj: dict[str, Any], prompt: str, history: tuple) -> tuple[dict[st
     if history or "messages" in obj:
         raise _LineError('"segments" go with "prompt" (the question after them), not with "messages"')
     try:
-        parts = parse_parts(obj["segments"], where='"segments"')
+        parse_parts(obj["segments"], where='"segments"')  # validation only; the parts stay as written
     except SparsetuneError as e:
         raise _LineError(str(e)) from None
-    return tuple({k: v for k, v in vars(p).items() if k == "text" or v != Part.__dataclass_fields__[k].default}
-                 for p in parts) + ({"text": prompt},)
+    return tuple({"text": p} if isinstance(p, str) else dict(p) for p in obj["segments"]) + ({"text": prompt},)
 
 
 def _is_int(value: Any) -> bool:

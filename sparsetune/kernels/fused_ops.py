@@ -407,6 +407,13 @@ def apply_rope(
     return _launch_rope(q, k, positions, cos_sin_cache, None, None, 0.0)
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation (rotate_half / neox pairs: dim i with dim i + D/2) of `x` by angles with these cos/sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 def apply_rope_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -419,9 +426,7 @@ def apply_rope_ref(
     cos = cs[:, None, :half]
     sin = cs[:, None, half:]
     for x in (q, k):
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        x.copy_(rotate_pairs(x.float(), cos, sin))
     return q, k
 
 

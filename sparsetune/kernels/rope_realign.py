@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsetune.kernels.fused_ops import _INTERPRET, _check_gpu_or_interpret, cast_rtne
+from sparsetune.kernels.fused_ops import _INTERPRET, _check_gpu_or_interpret, cast_rtne, rotate_pairs
 
 __all__ = ["realign_kv", "realign_kv_ref"]
 
@@ -198,7 +198,7 @@ def realign_kv_ref(
     """Torch twin of `realign_kv` (in place). Computes in fp32, or in fp64 for fp64 pools
     (angles included, given an fp64 inv_freq), which is what makes it a tight reference."""
     _check_args(k_pool, v_pool, src_slots, dst_slots, delta, inv_freq)
-    block_size, half = k_pool.shape[3], k_pool.shape[-1] // 2
+    block_size = k_pool.shape[3]
     cdt = torch.float64 if k_pool.dtype == torch.float64 else torch.float32
     angle = delta.to(cdt)[:, None] * inv_freq.to(device=k_pool.device, dtype=cdt)[None, :]
     cos, sin = angle.cos()[:, None, None], angle.sin()[:, None, None]  # [T, 1, 1, D/2]
@@ -208,6 +208,5 @@ def realign_kv_ref(
     kt, vt = k_pool.permute(1, 3, 0, 2, 4), v_pool.permute(1, 3, 0, 2, 4)
     k = kt[src_b, src_o].to(cdt)
     v = vt[src_b, src_o]  # gathered (copied) before any write: no aliasing even if misused
-    x1, x2 = k[..., :half], k[..., half:]
-    kt[dst_b, dst_o] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(k_pool.dtype)
+    kt[dst_b, dst_o] = rotate_pairs(k, cos, sin).to(k_pool.dtype)
     vt[dst_b, dst_o] = v

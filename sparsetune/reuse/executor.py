@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,7 +39,6 @@ class ReuseStats:
     token_layers: int = 0  # Σ over layers of rows computed
     num_layers: int = 0
     seconds: float = 0.0  # the whole reuse prefill, segment misses included
-    rows_per_layer: list[int] = field(default_factory=list)
 
     @property
     def reuse_ratio(self) -> float:
@@ -62,10 +61,6 @@ class ReuseStats:
             "compute_fraction": round(self.compute_fraction, 6), "segment_hits": self.segment_hits,
             "segment_misses": self.segment_misses, "seconds": self.seconds,
         }
-
-
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[positions // block_size].long() * block_size + positions % block_size
 
 
 class ReuseExecutor:
@@ -108,13 +103,13 @@ class ReuseExecutor:
         """Copy each segment's KV (all layers) into the request; keys rotated by the position delta."""
         if not segs:
             return
-        dev, bs = self.kv.k.device, self.kv.block_size
+        dev = self.kv.k.device
         src, dst, delta = [], [], []
         for span, seg in zip(layout.segments, segs):
             n = len(span)
             local = torch.arange(n, device=dev)
-            src.append(_slots(torch.tensor(seg.blocks, device=dev), local, bs))
-            dst.append(_slots(block_table, local + span.start, bs))
+            src.append(self.kv.slots(torch.tensor(seg.blocks, device=dev), local))
+            dst.append(self.kv.slots(block_table, local + span.start))
             # Segments are stored from position 0, so the delta is the span's start.
             delta.append(torch.full((n,), span.start if rotate else 0, dtype=torch.long, device=dev))
         fn = rope_realign.realign_kv if self.kv.k.is_cuda else rope_realign.realign_kv_ref
@@ -152,7 +147,7 @@ class ReuseExecutor:
         model, kv = self.model, self.kv
         dev, t = kv.k.device, len(token_ids)
         ids = torch.tensor(token_ids, device=dev)
-        slots = _slots(block_table, torch.arange(t, device=dev), kv.block_size)
+        slots = kv.slots(block_table, torch.arange(t, device=dev))
         num_layers = len(model.model.layers)
         sel_layer = None
         if flow is None or reused is None or not bool(reused.any()):
@@ -188,7 +183,6 @@ class ReuseExecutor:
             h, res = layer.post_attention_layernorm(h, res)
             h = layer.mlp(h)
             if stats is not None:
-                stats.rows_per_layer.append(idx.numel())
                 stats.token_layers += idx.numel()
         if stats is not None and sel_layer is None and reused is not None:
             stats.recomputed_reused = int((rows & reused).sum())

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -164,19 +164,12 @@ class SegmentCache:
                 f"{self.blocks.num_blocks} can be freed (the rest hold requests or segments in use); "
                 f"raise --kv-memory or split the segment"
             )
-        if need > self.blocks.num_free:
-            self.evict(need - self.blocks.num_free)
-        seg = Segment(
+        seg = Segment(  # allocate evicts idle segments for the missing blocks (reclaim)
             key=key, namespace=namespace, token_ids=tuple(arr.tolist()), blocks=self.blocks.allocate(need),
             pinned=pinned, last_used=self._tick(),
         )
         self._segments[key] = seg
         return seg
-
-    def slot_mapping(self, seg: Segment) -> list[int]:
-        """Flat pool slots of the segment's tokens, in order (where the engine writes its KV)."""
-        bs = self.block_size
-        return [seg.blocks[i // bs] * bs + i % bs for i in range(seg.num_tokens)]
 
     def mark_ready(self, seg: Segment) -> None:
         """The engine has written the segment's KV: lookups may now return it."""
@@ -229,13 +222,7 @@ class SegmentCache:
         LRU, then pinned idle segments least-used first, stopping once enough
         is freed. See the module docstring for why pinned ones may go here.
         """
-        freed = 0
-        for seg in self._eviction_order():
-            if freed >= num_blocks:
-                break
-            freed += self._remove(seg)
-            self.evictions += 1
-        return freed
+        return self._evict_while(lambda freed: freed < num_blocks)
 
     def usage(self) -> float:
         """Fraction of the pool's blocks in use (by anyone: requests and segments)."""
@@ -243,9 +230,13 @@ class SegmentCache:
 
     def enforce_watermark(self) -> int:
         """Evict idle segments (unpinned LRU, then pinned least-used) until usage <= watermark; blocks freed."""
+        return self._evict_while(lambda _: self.usage() > self.watermark)
+
+    def _evict_while(self, more: Callable[[int], bool]) -> int:
+        """Evict in `_eviction_order` while `more(blocks freed so far)` holds; blocks freed."""
         freed = 0
         for seg in self._eviction_order():
-            if self.usage() <= self.watermark:
+            if not more(freed):
                 break
             freed += self._remove(seg)
             self.evictions += 1
