@@ -53,7 +53,7 @@ def main() -> None:
                   kv_memory=eval_kv_memory(args.model, 2 * args.batch, ctx, 64, args.device, args.dtype))
         for flow in args.flows.split(","):
             params = {**budget(flow, args.ratio, ctx, args.task), **extra.get(flow, {})}
-            res = evaluate("dense", args.model, [args.task], ctx, args.samples, batch=args.batch, out=args.out,
+            res = evaluate(None, args.model, [args.task], ctx, args.samples, batch=args.batch, out=args.out,
                            reuse=flow, reuse_params=params, llm=llm)
             rows.append({"context": ctx, "flow": flow, "params": params, "result": res})
             print(f"ctx {ctx} {flow} {params}: acc {res['accuracy']} ref {res['dense_accuracy']} "

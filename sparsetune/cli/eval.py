@@ -11,7 +11,7 @@ from sparsetune.cli.output import emit_json, err, parse_size
 
 
 def eval_command(
-    flow: str = typer.Option("dense", "--flow", "-f", help="Flow: a built-in name (sparsetune flows list) or a .py file."),
+    flow: str = typer.Option(None, "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file (default: dense, or the reuse flow's own)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
     task: list[str] = typer.Option(None, "--task", "-t", help="Task name or a .jsonl file (repeatable; default: the standard suite)."),
     context: int = typer.Option(1024, "--context", "-c", help="Target prompt length in tokens (generated tasks; speed prompts)."),

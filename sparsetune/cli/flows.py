@@ -155,15 +155,9 @@ def calibrate(
     """Rank each layer's KV-head channels by mean|q*k| for calibrated flows (double_sparse)."""
     import json
 
-    from sparsetune.errors import SparsetuneError
     from sparsetune.flow.calibrate import calibrate as run
 
-    if text is not None and not text.is_file():
-        raise SparsetuneError(f"--text {text}: no such file")
-    try:
-        content = None if text is None else text.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise SparsetuneError(f"--text {text}: not UTF-8 text") from None
+    content = _read_text(text)
     with err.status(f"loading {model} and calibrating ..."):
         path = run(model=model, text=content, tokens=tokens, random_weights=random_weights, device=device, out=out)
     data = json.loads(path.read_text())
@@ -173,4 +167,57 @@ def calibrate(
     use = "--flow double_sparse reads it" if out is None else f"use it with --param calibration={path}"
     err.print(f"[dim]{data['model']}: {data['tokens']} tokens, {data['num_layers']} layers x "
               f"{data['num_kv_heads']} KV heads; {use}[/]")
+    sys.stdout.write(str(path) + "\n")
+
+
+def _read_text(text: Path | None) -> str | None:
+    """A --text file's content (None: the built-in text)."""
+    from sparsetune.errors import SparsetuneError
+
+    if text is None:
+        return None
+    if not text.is_file():
+        raise SparsetuneError(f"--text {text}: no such file")
+    try:
+        return text.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SparsetuneError(f"--text {text}: not UTF-8 text") from None
+
+
+@app.command("profile-heads")
+def profile_heads(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
+    text: Path = typer.Option(None, "--text", help="A UTF-8 text file to profile on (default: the built-in English text)."),
+    chunks: int = typer.Option(4, "--chunks", help="Calibration chunks (each runs alone and behind two prefixes)."),
+    chunk_tokens: int = typer.Option(512, "--chunk-tokens", help="Tokens per chunk."),
+    sink: int = typer.Option(4, "--sink", help="Sink tokens of the local pattern the edge mass is measured against."),
+    window: int = typer.Option(512, "--window", help="Local window of that pattern."),
+    out: Path = typer.Option(None, "--out", help="Where to write (default: the model's file, which --reuse redknot reads)."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed-only runs)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Score each (layer, KV head) for RedKnot's head classes: prefix shift and mass outside sinks + window."""
+    import json
+
+    from sparsetune.reuse.head_profile import global_heads, profile_heads as run
+
+    content = _read_text(text)
+    with err.status(f"loading {model} and profiling heads ..."):
+        path = run(model=model, text=content, chunks=chunks, chunk_tokens=chunk_tokens, sink=sink, window=window,
+                   random_weights=random_weights, device=device, out=out)
+    data = json.loads(path.read_text())
+    import torch
+
+    glob = global_heads(torch.tensor(data["scores"]), 0.15)
+    summary = {"path": str(path), "model": data["model"], "num_layers": data["num_layers"],
+               "num_kv_heads": data["num_kv_heads"], "chunks": data["chunks"], "chunk_tokens": data["chunk_tokens"],
+               "global_layers_at_15pct": sorted({int(i) for i in glob.nonzero()[:, 0]})}
+    if json_out:
+        emit_json(summary)
+        return
+    use = "--reuse redknot reads it" if out is None else f"use it with --reuse-param head_classes={path}"
+    err.print(f"[dim]{data['model']}: {data['chunks']} chunks of {data['chunk_tokens']} tokens, {data['num_layers']} layers x "
+              f"{data['num_kv_heads']} KV heads; at 15% global, the global heads sit in layers "
+              f"{summary['global_layers_at_15pct']}; {use}[/]")
     sys.stdout.write(str(path) + "\n")

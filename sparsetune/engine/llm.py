@@ -19,7 +19,7 @@ from sparsetune.engine.sampler import sample
 from sparsetune.engine.scheduler import Batch, Scheduler
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.registry import build_flow
+from sparsetune.flow.registry import build_flow, decode_flow_for
 from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
 from sparsetune.reuse.flow import ReuseFlow
 from sparsetune.reuse.parts import ReuseLayout, encode_parts, is_parts, parse_parts_any
@@ -66,6 +66,7 @@ class LLM:
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(cfg, k, v)
         self.config = cfg
+        cfg.flow, cfg.flow_params = decode_flow_for(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
         self.flow = self._build_flow()
         self.device = resolve_device(cfg.device)
         self.resolved: ResolvedModel = resolve_model(cfg.model, cfg.random_weights)
@@ -142,16 +143,18 @@ class LLM:
         self.flow = new
         self._install_flow(new)
 
-    @staticmethod
-    def _build_reuse(name: str | None, params: dict[str, str] | None) -> ReuseFlow | None:
+    def _build_reuse(self, name: str | None, params: dict[str, str] | None) -> ReuseFlow | None:
         if name is None:
             if params:
                 raise SparsetuneError("--reuse-param needs a reuse flow: add --reuse NAME")
             return None
-        return build_flow(name, params, ReuseFlow)
+        flow = build_flow(name, params, ReuseFlow)
+        flow.prepare(self.resolved.name, self.config.random_weights, self.model_config)
+        return flow
 
     def set_reuse(self, flow: str | None, params: dict[str, str] | None = None) -> None:
-        """Switch the reuse flow for prompts with segments (the segment cache is kept)."""
+        """Switch the reuse flow for prompts with segments (the segment cache is kept). The decode flow
+        stays as it is: a reuse flow's own decode flow (`decode_flow_for`) comes with `set_flow`."""
         self.reuse_flow = self._build_reuse(flow, params)
         self.config.reuse, self.config.reuse_params = flow, dict(params or {})
 

@@ -28,6 +28,7 @@ from sparsetune.evaluation.fidelity import FidelityTally
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
 from sparsetune.evaluation.speed import check_fits, measure_speed
+from sparsetune.flow.registry import decode_flow_for
 from sparsetune.models.registry import DEFAULT_MODEL
 from sparsetune.records import env_info, new_run_dir, write_json
 
@@ -300,7 +301,7 @@ def _load_resume(run_dir: Path) -> EvalConfig:
 
 
 def evaluate(
-    flow: str = "dense",
+    flow: str | None = None,
     model: str = DEFAULT_MODEL,
     tasks: list[str] | None = None,
     context: int = 1024,
@@ -335,7 +336,9 @@ def evaluate(
         run_dir = Path(resume)
         cfg = _load_resume(run_dir)
     else:
-        cfg = EvalConfig(flow, model, list(tasks) if tasks else None, context, samples, seed, dict(params or {}),
+        # No --flow: dense, or the reuse flow's own decode flow (loopserve); an explicit "dense" stays.
+        flow, params = decode_flow_for(flow, dict(params or {}), reuse, dict(reuse_params or {}))
+        cfg = EvalConfig(flow or "dense", model, list(tasks) if tasks else None, context, samples, seed, dict(params or {}),
                          batch, max_new_tokens, mode, fidelity, device, dtype, random_weights, kv_memory,
                          flow_executor, cuda_graph, reuse, dict(reuse_params or {}))
         run_dir = None

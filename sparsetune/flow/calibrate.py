@@ -35,12 +35,13 @@ DEFAULT_TOKENS = 2048
 Calibration = list[list[list[int]]]  # [layer][kv_head] → channel indices, most important first
 
 
-def default_path(model: str, random_weights: bool = False) -> Path:
-    """`<cache>/calibration/<model>.json`, next to the models cache (`SPARSETUNE_MODELS` moves
-    both). A local model directory's path becomes one file name; a random-weight calibration
-    gets its own file, so it never stands in for the real weights'."""
+def default_path(model: str, random_weights: bool = False, kind: str = "calibration") -> Path:
+    """`<cache>/<kind>/<model>.json` (kind: "calibration", or "head_classes" for RedKnot's head
+    profile), next to the models cache (`SPARSETUNE_MODELS` moves both). A local model directory's
+    path becomes one file name; a random-weight profile gets its own file, so it never stands in
+    for the real weights'."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "--", model.strip("/\\"))
-    return models_dir().parent / "calibration" / f"{stem}{'-random-weights' if random_weights else ''}.json"
+    return models_dir().parent / kind / f"{stem}{'-random-weights' if random_weights else ''}.json"
 
 
 def builtin_text() -> str:
@@ -108,20 +109,27 @@ def write_calibration(
     return path
 
 
+def read_model_file(path: str | Path, what: str, fix: str, instead: str) -> tuple[Path, dict]:
+    """A per-model JSON file written offline (a calibration, a head profile) as a dict; a missing or
+    unreadable one is an error naming `fix` (the command that writes it) and `instead` (a flag)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SparsetuneError(f"{what} {path} does not exist; {fix} or pass {instead}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SparsetuneError(f"{what} {path} is not readable JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise SparsetuneError(f"{what} {path} is not a JSON object; {fix}")
+    return path, data
+
+
 def load_calibration(
     path: str | Path, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None
 ) -> Calibration:
     """The channel order of a calibration file, checked against the model's shapes."""
-    path = Path(path).expanduser()
     fix = f"re-run `sparsetune flows calibrate --model {model or 'MODEL'}`"
-    if not path.is_file():
-        raise SparsetuneError(f"calibration file {path} does not exist; {fix} or pass --param calibration=FILE")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SparsetuneError(f"calibration file {path} is not readable JSON ({e}); {fix}") from None
-    if not isinstance(data, dict):
-        raise SparsetuneError(f"calibration file {path} is not a calibration (a JSON object); {fix}")
+    path, data = read_model_file(path, "calibration file", fix, "--param calibration=FILE")
     want = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     bad = [f"{k} {data.get(k)} (the model has {v})" for k, v in want.items() if data.get(k) != v]
     if bad:

@@ -87,3 +87,15 @@ def get_flow_class(name_or_path: str, kind: type[FlowT] = DecodeFlow) -> type[Fl
 
 def build_flow(name_or_path: str, raw_params: dict[str, str] | None = None, kind: type[FlowT] = DecodeFlow) -> FlowT:
     return get_flow_class(name_or_path, kind).from_strings(raw_params or {})
+
+
+def decode_flow_for(flow: str | None, params: dict[str, str], reuse: str | None,
+                    reuse_params: dict[str, str]) -> tuple[str | None, dict[str, str]]:
+    """The decode flow to run: `flow` when given, else the reuse flow's own decode flow (LoopServe
+    re-selects while decoding) with the parameters it derives, else None (dense)."""
+    if flow is not None or reuse is None:
+        return flow, params
+    from sparsetune.reuse.flow import ReuseFlow
+
+    rf = build_flow(reuse, reuse_params, ReuseFlow)
+    return (rf.decode_flow, {**rf.decode_params(), **params}) if rf.decode_flow else (None, params)

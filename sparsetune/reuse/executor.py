@@ -22,7 +22,7 @@ from sparsetune.engine.attention import causal_sdpa, prefill_backends
 from sparsetune.engine.profiling import stage
 from sparsetune.engine.rope import inv_frequencies
 from sparsetune.kernels import rope_realign
-from sparsetune.reuse.flow import ReuseFlow, SelectionInputs
+from sparsetune.reuse.flow import LayerInputs, ReuseFlow, SelectionInputs
 from sparsetune.reuse.parts import ReuseLayout
 from sparsetune.reuse.segment_cache import Segment, SegmentCache
 
@@ -37,6 +37,10 @@ class ReuseStats:
     segment_misses: int = 0  # segments prefilled on their own first (cache-building work)
     recomputed_reused: int = 0  # reused tokens recomputed in the layers after the selection
     token_layers: int = 0  # Σ over layers of rows computed
+    mlp_token_layers: int = 0  # Σ over layers of rows that ran the MLP (fewer with a sparse FFN)
+    fresh_kv: int = 0  # Σ over layers of reused (token, KV head) pairs whose KV was recomputed
+    num_kv_heads: int = 1
+    head_paged_kv_fraction: float | None = None  # share of per-head KV a head-paged store would keep
     num_layers: int = 0
     seconds: float = 0.0  # the whole reuse prefill, segment misses included
 
@@ -60,6 +64,10 @@ class ReuseStats:
             "reuse_ratio": round(self.reuse_ratio, 6), "recompute_ratio": round(self.recompute_ratio, 6),
             "compute_fraction": round(self.compute_fraction, 6), "segment_hits": self.segment_hits,
             "segment_misses": self.segment_misses, "seconds": self.seconds,
+            "mlp_fraction": round(self.mlp_token_layers / max(1, self.num_layers * self.prompt_tokens), 6),
+            "fresh_kv_fraction": round(self.fresh_kv / max(1, self.num_layers * self.num_kv_heads * self.reused_tokens), 6),
+            **({} if self.head_paged_kv_fraction is None
+               else {"head_paged_kv_fraction": round(self.head_paged_kv_fraction, 6)}),
         }
 
 
@@ -122,7 +130,8 @@ class ReuseExecutor:
     def prefill(self, flow: ReuseFlow, layout: ReuseLayout, block_table: torch.Tensor) -> tuple[torch.Tensor, ReuseStats]:
         """Fill the request's blocks with the prompt's KV by the flow's plan → (last-token logits `[V]`, stats)."""
         t0 = time.perf_counter()
-        stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=len(self.model.model.layers))
+        stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=len(self.model.model.layers),
+                           num_kv_heads=self.kv.num_kv_heads)
         segs = self.fetch_segments(layout, stats) if flow.reads_cache else []
         try:
             self.realign(layout, segs, block_table, flow.realign)
@@ -132,6 +141,7 @@ class ReuseExecutor:
         dev = self.kv.k.device
         reused = layout.reused_mask(dev) if flow.reads_cache else torch.zeros(layout.num_tokens, dtype=torch.bool, device=dev)
         stats.reused_tokens = int(reused.sum())
+        stats.head_paged_kv_fraction = flow.head_paged_kv_fraction(layout)
         hidden = self.forward(layout.token_ids, block_table, flow, layout, stats, reused)
         logits = self.model.compute_logits(hidden[-1:])[0]
         if dev.type == "cuda":
@@ -168,26 +178,56 @@ class ReuseExecutor:
             else:
                 x, res = layer.input_layernorm(h, res)
             q, k, v = attn.qkv(x, idx, model.cos_sin)
-            if li == sel_layer:
+            cached = None
+            if flow is not None and reused is not None:  # (row, head) pairs that keep their cached KV
+                cached = flow.keep_cached(li, num_layers, idx, layout, reused)
+                if cached is not None:
+                    cached = cached.to(dev)
+                    k, v = self._with_cached(li, k, v, slots[idx], cached)
+            if stats is not None and reused is not None:
+                r = reused[idx]
+                stats.fresh_kv += int(r.sum()) * k.shape[1] - (0 if cached is None else int(cached[r].sum()))
+            if li == sel_layer:  # reads the cached KV before this layer's store overwrites it
                 keep = self._select(flow, layout, li, reused, q, k, v, slots)
-                kv.store(li, k, v, slots[idx])  # every token's fresh KV at the selection layer
+            kv.store(li, k, v, slots[idx])  # at the selection layer: every token's fresh KV
+            if li == sel_layer:
                 sub = keep[idx].nonzero().squeeze(1)
                 q, res, idx = q[sub], res[sub], idx[sub]
                 plan = RowPlan.of(idx)
                 if stats is not None:
                     stats.recomputed_reused = int((keep & reused).sum())
+            keys, values = kv.gather(li, block_table, t)  # [Hkv, T, D]
+            pattern = mlp = None
+            if flow is not None and reused is not None:
+                s = LayerInputs(layout, li, num_layers, reused, idx, q, keys.transpose(0, 1), self.scale)
+                pattern, mlp = flow.attention_pattern(s), flow.mlp_rows(s)
+            if pattern is None:
+                o = self._attend(q, idx, keys, values, plan)
             else:
-                kv.store(li, k, v, slots[idx])
-            o = self._attend(li, q, idx, block_table, t, plan)
+                o = self._attend_pattern(q, idx, keys, values, pattern)
             h = attn.o_proj(o.reshape(o.shape[0], -1))
             h, res = layer.post_attention_layernorm(h, res)
-            h = layer.mlp(h)
+            if mlp is None:
+                h = layer.mlp(h)
+            else:  # rows outside `mlp` take the residual path (their MLP output is zero)
+                out, sub = torch.zeros_like(h), mlp.to(dev).nonzero().squeeze(1)
+                out[sub] = layer.mlp(h[sub])
+                h = out
             if stats is not None:
                 stats.token_layers += idx.numel()
+                stats.mlp_token_layers += idx.numel() if mlp is None else int(mlp.sum())
         if stats is not None and sel_layer is None and reused is not None:
             stats.recomputed_reused = int((rows & reused).sum())
         h, _ = model.model.norm(h, res)
         return h
+
+    def _with_cached(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                     keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh `[n, Hkv, D]` K/V with the (row, head) pairs of `keep` `[n, Hkv]` replaced by the pool's
+        (realigned cached) values at `slots`, so the store leaves those untouched."""
+        blk, off = slots // self.kv.block_size, slots % self.kv.block_size
+        m = keep[:, :, None]
+        return (torch.where(m, self.kv.k[layer][blk, :, off], k), torch.where(m, self.kv.v[layer][blk, :, off], v))
 
     def _select(self, flow: ReuseFlow, layout: ReuseLayout, layer: int, reused: torch.Tensor,
                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -203,10 +243,9 @@ class ReuseExecutor:
         keep[-1] = True
         return keep
 
-    def _attend(self, layer: int, q: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor, t: int,
+    def _attend(self, q: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 plan: "RowPlan") -> torch.Tensor:
-        """Rows `idx` (sorted positions) attend over the prompt's first t keys, row i seeing keys 0..i."""
-        k, v = self.kv.gather(layer, block_table, t)  # [Hkv, T, D]
+        """Rows `idx` (sorted positions) attend over the prompt's keys `[Hkv, T, D]`, row i seeing keys 0..i."""
         qh = q.transpose(0, 1)  # [Hq, n, D]
         out = torch.empty_like(qh)
         with stage("attention"), prefill_backends():
@@ -220,7 +259,27 @@ class ReuseExecutor:
                     scale=self.scale, enable_gqa=True).squeeze(0)
         return out.transpose(0, 1)  # [n, Hq, D]
 
+    def _attend_pattern(self, q: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        pattern) -> torch.Tensor:
+        """Like `_attend`, each head's rows seeing only the keys `pattern` allows (and their own key);
+        chunks of rows bound the `[Hq, rows, T]` mask."""
+        qh, t = q.transpose(0, 1), k.shape[1]
+        out = torch.empty_like(qh)
+        keys = torch.arange(t, device=q.device)
+        step = max(1, _MASK_CHUNK_ELEMS // (qh.shape[0] * t))
+        with stage("attention"):
+            for a in range(0, idx.numel(), step):
+                pos = idx[a : a + step]
+                end = int(pos[-1]) + 1
+                mask = pattern(pos).to(q.device)[:, :, :end] & (keys[None, None, :end] <= pos[None, :, None])
+                mask |= keys[None, None, :end] == pos[None, :, None]
+                out[:, a : a + step] = F.scaled_dot_product_attention(
+                    qh[:, a : a + step].unsqueeze(0), k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0),
+                    attn_mask=mask.unsqueeze(0), scale=self.scale, enable_gqa=True).squeeze(0)
+        return out.transpose(0, 1)
 
+
+_MASK_CHUNK_ELEMS = 1 << 26  # rows per masked attention call: a [Hq, rows, T] mask of ~64 M entries
 _MIN_RUN = 64  # consecutive rows worth a causal call of their own
 
 

@@ -14,12 +14,26 @@ the request, rotated to the segment's new position (`realign = False`: copied as
 Recomputed rows attend over the whole prompt's KV (fresh where computed, cached elsewhere) with an
 exact per-row causal mask: row at position i sees keys 0..i (not the bottom-right approximation
 of CacheBlend/LMCache's short-query FlashAttention call, anchors.md §9).
+
+Three per-layer hooks refine how the computed rows run (each sees a `LayerInputs`; None: the default):
+
+- `attention_pattern(s)`: a function of row positions → `[Hq, n, T]` bool, the keys each row may
+  see (AND-ed with the causal mask; the row's own key is always kept): per-head sparse prefill
+  attention (LoopServe's vertical and slash lines, RedKnot's windows for local heads);
+- `keep_cached(layer, num_layers, rows, layout, reused)`: `[n, Hkv]` bool, the (row, KV head)
+  pairs that keep the realigned cached KV instead of the fresh one (RedKnot's local heads);
+- `mlp_rows(s)`: `[n]` bool, the rows that run the MLP; the rest take the residual path (RedKnot's
+  sparse FFN).
+
+`prepare(model)` runs once when an engine builds the flow (model-specific files, e.g. head classes);
+`decode_flow` names a decode flow the engine installs with it when no `--flow` is given (LoopServe's
+decode-side re-selection), with `decode_params()` as its parameters.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +66,7 @@ class SelectionInputs:
     def attention_mass(self, query_rows: torch.Tensor) -> torch.Tensor:
         """`[T]` float32: Σ over query heads and the given query positions of the causal softmax
         attention probability each key receives (the Sparse-Q / A³ question-attention score)."""
-        return attention_mass(self.q, self.k, query_rows, self.scale)
+        return attention_mass(self.q[query_rows], self.k, query_rows, self.scale)
 
     def top(self, score: torch.Tensor, count: int, among: torch.Tensor | None = None) -> torch.Tensor:
         """`[T]` bool: the `count` highest-scoring tokens of `among` (default: the reused ones)."""
@@ -65,26 +79,62 @@ class SelectionInputs:
         return keep
 
 
+@dataclass
+class LayerInputs:
+    """What a flow's per-layer hooks see: the rows computed at this layer and the prompt's keys."""
+
+    layout: ReuseLayout
+    layer: int
+    num_layers: int
+    reused: torch.Tensor  # [T] bool
+    rows: torch.Tensor  # [n] positions computed at this layer (sorted; always ends with the last token)
+    q: torch.Tensor  # [n, Hq, D] their fresh queries, post-RoPE
+    k: torch.Tensor  # [T, Hkv, D] the prompt's keys as attention will read them (after this layer's store)
+    scale: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[0]
+
+
+AttentionPattern = Callable[[torch.Tensor], torch.Tensor]  # row positions [n] → allowed keys [Hq, n, T] bool
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, query_rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention `[Hq, n, T]` float32 of queries `q` `[n, Hq, D]` at positions `query_rows`
+    over all T keys `k` `[T, Hkv, D]` (a query head reads its GQA group's KV head)."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+    logits = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]).reshape(hq, n, -1) * scale  # [Hq, n, T]
+    pos = torch.arange(k.shape[0], device=q.device)
+    logits.masked_fill_(pos[None, None, :] > query_rows[None, :, None], float("-inf"))
+    return F.softmax(logits, dim=-1)
+
+
 def attention_mass(q: torch.Tensor, k: torch.Tensor, query_rows: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention of the queries at positions `query_rows` over all T keys, summed over
-    query heads and queries: `[T]` float32. Chunked over queries to bound memory at long contexts."""
+    """Causal softmax attention of queries `q` `[n, Hq, D]` at positions `query_rows` over all T keys,
+    summed over query heads and queries: `[T]` float32. Chunked over queries to bound memory."""
     t, hq = k.shape[0], q.shape[1]
-    group = hq // k.shape[1]
-    keys = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, T, D]
     mass = torch.zeros(t, dtype=torch.float32, device=q.device)
+    k = k.float()  # once, not per chunk
     chunk = max(1, _MASS_CHUNK_ELEMS // (hq * t))
-    pos = torch.arange(t, device=q.device)
     for s in range(0, query_rows.numel(), chunk):
-        rows = query_rows[s : s + chunk]
-        logits = torch.matmul(q[rows].float().transpose(0, 1), keys.transpose(1, 2)) * scale  # [Hq, n, T]
-        logits.masked_fill_(pos[None, None, :] > rows[None, :, None], float("-inf"))
-        mass += F.softmax(logits, dim=-1).sum(dim=(0, 1))
+        mass += attention_probs(q[s : s + chunk], k, query_rows[s : s + chunk], scale).sum(dim=(0, 1))
     return mass
 
 
 class ReuseFlow(Configurable):
     realign: ClassVar[bool] = True  # False: cached keys keep their old positions (naive reuse)
     reads_cache: ClassVar[bool] = True  # False: the flow never uses cached KV (full recompute)
+    decode_flow: ClassVar[str | None] = None  # a decode flow installed with this one when no --flow is given
+
+    def prepare(self, model: str, random_weights: bool, config) -> None:
+        """Called once by the engine that runs the flow (`config`: its `ModelConfig`)."""
+
+    def decode_params(self) -> dict[str, str]:
+        """Raw parameters of `decode_flow`, from this flow's own."""
+        return {}
 
     def initial_rows(self, layout: ReuseLayout) -> torch.Tensor:
         """`[T]` bool: the tokens computed from layer 0 (default: none besides the engine's own)."""
@@ -96,6 +146,21 @@ class ReuseFlow(Configurable):
     def select(self, inputs: SelectionInputs) -> torch.Tensor:
         """`[T]` bool: the reused tokens to recompute from the selection layer on."""
         raise NotImplementedError(f"{type(self).__name__} has a selection layer but no `select`")
+
+    def attention_pattern(self, s: LayerInputs) -> AttentionPattern | None:
+        return None
+
+    def keep_cached(self, layer: int, num_layers: int, rows: torch.Tensor, layout: ReuseLayout,
+                    reused: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def mlp_rows(self, s: LayerInputs) -> torch.Tensor | None:
+        return None
+
+    def head_paged_kv_fraction(self, layout: ReuseLayout) -> float | None:
+        """Share of the prompt's per-head KV that a head-paged store (RedKnot's SegPagedAttention)
+        would keep for this flow; None: the flow keeps every head's KV."""
+        return None
 
     def recompute_count(self, num_reused: int) -> int:
         """The selection budget of a ratio-based flow: `ratio` of the reused tokens."""

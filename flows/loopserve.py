@@ -1,0 +1,87 @@
+"""LoopServe (arXiv 2507.13681): online prefill sparsification with vertical and slash lines, and
+progressive KV selection while decoding (the `loopserve_decode` flow, installed with this one).
+
+Prefill (Alg. 2): cached segments are reused as they are (realigned, not recomputed: LoopServe
+serves multi-turn dialogue, whose history is cached), and the new tokens attend sparsely. At every
+layer the queries of the last `sample` computed rows (MInference's last-64 estimate) give each
+query head a causal attention map over the prompt; a vertical line is a key column, a slash line a
+diagonal (keys at distance d from the query). Each head takes its lines in descending order of
+their mass on the sampled map until the union covers a fraction `alpha` of the map's mass, and
+its rows attend only to keys on its chosen lines (and themselves). Difference from the paper's
+greedy: lines are ranked by mass and the union's coverage is exact, where the paper compares
+length-normalized marginal gains with an approximate overlap term.
+"""
+
+import torch
+
+from sparsetune.flow import Param
+from sparsetune.reuse import ReuseFlow
+from sparsetune.reuse.flow import attention_probs
+
+
+def line_masses(probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the mass of every vertical line (key j) and slash line (distance d) of a sampled
+    causal map `probs` `[H, n, T]` whose rows sit at positions `rows`: `[H, T]` each."""
+    t = probs.shape[2]
+    vertical = probs.sum(dim=1)
+    dist = (rows[:, None] - torch.arange(t, device=probs.device)[None, :]).clamp(min=0)  # [n, T]
+    slash = torch.zeros_like(vertical).scatter_add_(1, dist.flatten().expand(probs.shape[0], -1),
+                                                    probs.flatten(1))
+    return vertical, slash
+
+
+def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the fewest top lines (vertical and slash, ranked together by mass) whose union holds
+    at least `alpha` of the sampled mass: (vertical `[H, T]` bool, slash `[H, T]` bool by distance)."""
+    h, n, t = probs.shape
+    vertical, slash = line_masses(probs, rows)
+    rank = torch.empty(h, 2 * t, dtype=torch.long, device=probs.device)
+    order = torch.cat([vertical, slash], dim=1).argsort(dim=1, descending=True, stable=True)
+    rank.scatter_(1, order, torch.arange(2 * t, device=probs.device).expand(h, -1))
+    dist = (rows[:, None] - torch.arange(t, device=probs.device)[None, :]).clamp(min=0)  # [n, T]
+    target = alpha * probs.sum(dim=(1, 2))
+
+    def chosen(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pick = rank < k[:, None]
+        return pick[:, :t], pick[:, t:]
+
+    def covered(k: torch.Tensor) -> torch.Tensor:
+        v, s = chosen(k)
+        on = v[:, None, :] | s.gather(1, dist.flatten().expand(h, -1)).view(h, n, t)
+        return (probs * on).sum(dim=(1, 2))
+
+    lo = torch.zeros(h, dtype=torch.long, device=probs.device)  # covered(lo) < target (or lo = 0)
+    hi = torch.full((h,), 2 * t, dtype=torch.long, device=probs.device)  # covered(hi) >= target
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        ok = covered(mid) >= target - 1e-6
+        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
+    k = torch.where(covered(lo) >= target - 1e-6, lo, hi)
+    return chosen(k)
+
+
+class LoopServe(ReuseFlow):
+    name = "loopserve"
+    source = "LoopServe, arXiv 2507.13681"
+    decode_flow = "loopserve_decode"
+    alpha = Param(0.955, low=0.5, high=1.0, doc="share of the sampled attention mass the chosen lines cover (the paper's α)")
+    sample = Param(64, low=1, high=4096, doc="last computed rows whose queries estimate the attention map")
+    budget = Param(1024, low=1, high=1 << 22, log=True, doc="decode: tokens attended per step (the paper's B)")
+    interval = Param(16, low=1, high=4096, doc="decode: steps between re-selections (the paper's n_d)")
+
+    def decode_params(self):
+        return {"budget": str(self.budget), "interval": str(self.interval)}
+
+    def attention_pattern(self, s):
+        rows = s.rows[-self.sample :]
+        q = s.q[-self.sample :]
+        probs = attention_probs(q, s.k, rows, s.scale)  # [Hq, n, T]
+        vertical, slash = cover_lines(probs, rows, self.alpha)
+        keys = torch.arange(s.num_tokens, device=q.device)
+
+        def allowed(pos):
+            dist = (pos[:, None] - keys[None, :]).clamp(min=0)  # [n, T]
+            return vertical[:, None, :] | slash.gather(1, dist.flatten().expand(slash.shape[0], -1)).view(
+                slash.shape[0], pos.numel(), -1)
+
+        return allowed
