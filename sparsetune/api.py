@@ -11,6 +11,7 @@ from sparsetune.engine.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.registry import REGISTRY, find_local_weights
+from sparsetune.reuse.parts import is_parts, parse_parts_any
 
 
 @dataclass
@@ -30,6 +31,7 @@ class GenerateResult:
     seconds: float
     ttft_seconds: float | None
     decode_tokens_per_second: float | None
+    reuse: dict[str, Any] | None = None  # the reuse flow's name, params and prefill stats (prompts as parts)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -43,7 +45,7 @@ def load(config: EngineConfig) -> LLM:
 
 
 def generate(
-    prompt: str,
+    prompt: str | list,
     model: str = "smollm2-135m",
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -53,14 +55,18 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     **engine_options: Any,
 ) -> GenerateResult:
-    """Generate a completion for one prompt on the embedded engine."""
+    """Generate a completion for one prompt on the embedded engine. `prompt`: text, or a list of parts
+    (strings and `{"text", "reuse", "namespace", "pin"}` segments) that the engine's reuse flow
+    (`reuse=` engine option) prefills; segments missing from its cache are computed and stored first."""
     if max_new_tokens < 1:
         raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     if temperature < 0:
         raise SparsetuneError(f"--temperature must be >= 0 (got {temperature})")
     if not 0 < top_p <= 1:
         raise SparsetuneError(f"--top-p must be in (0, 1] (got {top_p})")
-    if not prompt or not prompt.strip():
+    if is_parts(prompt):
+        parse_parts_any(prompt)  # a bad part is an error before the model loads
+    elif not isinstance(prompt, str) or not prompt.strip():
         raise SparsetuneError("the prompt is empty; pass some text with --prompt")
     t0 = time.perf_counter()
     if llm is None:
@@ -89,6 +95,7 @@ def generate(
         seconds=round(seconds, 3),
         ttft_seconds=None if ttft is None else round(ttft, 4),
         decode_tokens_per_second=None if tps is None else round(tps, 2),
+        reuse=None if out.reuse is None else {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **out.reuse},
     )
 
 

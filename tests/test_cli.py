@@ -43,6 +43,33 @@ def test_generate_json():
     assert out["random_weights"] is False
 
 
+def test_generate_with_reused_segments(tmp_path):
+    """--parts with --reuse: the segment misses, is computed and stored, then realigned into the
+    prompt; the needle inside it is still read back."""
+    doc = {"text": "The secret code of the blue door is 4417. The red door has no code at all.", "reuse": True,
+           "namespace": "kb"}
+    parts = tmp_path / "parts.json"
+    parts.write_text(json.dumps(["Answer from the document.\n\n", doc, "\n\nWhat is the code of the blue door?"]))
+    proc = run("generate", "--parts", str(parts), "--reuse", "sparsex", "--max-new-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "4417" in out["text"]
+    assert out["reuse"]["flow"] == "sparsex" and out["reuse"]["segment_misses"] == 1 and out["reuse"]["reuse_ratio"] > 0.2
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--parts", "p.json"], "--parts needs a reuse flow"),
+    (["--parts", "p.json", "--prompt", "hi", "--reuse", "pie"], "exactly one of --prompt TEXT and --parts FILE"),
+    (["--parts", "missing.json", "--reuse", "pie"], "missing.json: no such file"),
+    (["--parts", "bad.json", "--reuse", "pie"], "prompt[0].text: expected a non-empty string"),
+])
+def test_generate_parts_errors(tmp_path, args, needle):
+    (tmp_path / "p.json").write_text('["hi"]')
+    (tmp_path / "bad.json").write_text('[{"text": 3}]')
+    args = [str(tmp_path / a) if a.endswith(".json") else a for a in args]
+    assert_clean_error(run("generate", *args), needle)
+
+
 def test_models_list_json():
     proc = run("models", "list", "--json")
     assert proc.returncode == 0

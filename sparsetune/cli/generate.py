@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
 from sparsetune.cli.output import emit_json, err, parse_size
 
 
+def _read_parts(path: Path) -> list:
+    """The --parts file: a JSON list of parts (validated when the prompt is encoded)."""
+    import json
+
+    from sparsetune.errors import SparsetuneError
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SparsetuneError(f"--parts {path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SparsetuneError(f"--parts {path}: not a JSON list of parts ({e})") from None
+    if not isinstance(data, list) or not data:
+        raise SparsetuneError(f'--parts {path}: expected a non-empty JSON list of strings and {{"text": ..., "reuse": true}} objects')
+    return data
+
+
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="The user message (the chat template is applied)."),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="The user message (the chat template is applied)."),
+    parts: Path = typer.Option(None, "--parts", help="A JSON file: the user message as a list of parts, strings and "
+                               '{"text": ..., "reuse": true, "namespace": ...} segments (needs --reuse).'),
+    reuse: str = typer.Option(None, "--reuse", help="KV-reuse flow for the segments of --parts: sparsex, cacheblend, ..."),
+    reuse_param: list[str] = typer.Option(None, "--reuse-param", help="Reuse-flow hyperparameter key=value (repeatable)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
@@ -35,6 +57,11 @@ def generate(
     from sparsetune.errors import SparsetuneError
     from sparsetune.flow.params import parse_param_args
 
+    if (prompt is None) == (parts is None):
+        raise SparsetuneError("pass exactly one of --prompt TEXT and --parts FILE")
+    if parts is not None and reuse is None:
+        raise SparsetuneError("--parts needs a reuse flow for its segments: add --reuse NAME (e.g. sparsex)")
+    user = prompt if parts is None else _read_parts(parts)
     if block_size < 1 or block_size & (block_size - 1):
         raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")
     options = dict(
@@ -42,10 +69,11 @@ def generate(
         block_size=block_size, max_model_len=max_model_len, cuda_graph=not no_cuda_graph, seed=seed, max_num_seqs=8,
         prefix_caching=prefix_caching,
         flow=flow, flow_params=parse_param_args(param), flow_executor=flow_executor,
+        reuse=reuse, reuse_params=parse_param_args(reuse_param),
     )
     with err.status(f"loading {model} and generating ..."):
         result = run(
-            prompt, model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            user, model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             chat=not no_chat, **options,
         )
     if json_out:
@@ -57,5 +85,9 @@ def generate(
         f"[dim]{result.model} on {result.device} ({result.dtype}): {result.prompt_tokens} prompt + "
         f"{result.completion_tokens} new tokens in {result.seconds:.2f}s{rate}; finish: {result.finish_reason}[/]"
     )
+    if result.reuse:
+        r = result.reuse
+        err.print(f"[dim]reuse ({r['flow']}): {r['reuse_ratio']:.0%} of the prompt reused, {r['recompute_ratio']:.0%} of "
+                  f"it recomputed; {r['segment_hits']} segment hits, {r['segment_misses']} computed and stored first[/]")
     if result.random_weights:
         err.print("[yellow]random weights: the text is meaningless (speed-only run)[/]")
