@@ -272,6 +272,9 @@ def summarize_reuse(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "requests": len(stats),
         **{k: _mean([s[k] for s in stats]) for k in ("reuse_ratio", "recompute_ratio", "compute_fraction")},
+        # Per-head and sparse-FFN flows (redknot): what their plans kept; older records lack them.
+        **{k: _mean([s[k] for s in stats]) for k in ("mlp_fraction", "fresh_kv_fraction", "head_paged_kv_fraction")
+           if stats and all(k in s for s in stats)},
         "ttft_p50_s": round(ttft[len(ttft) // 2], 6) if ttft else None,
     }
 
