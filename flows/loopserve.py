@@ -67,7 +67,7 @@ class LoopServe(ReuseFlow):
     alpha = Param(0.955, low=0.5, high=1.0, doc="share of the sampled attention mass the chosen lines cover (the paper's α)")
     sample = Param(64, low=1, high=4096, doc="last computed rows whose queries estimate the attention map")
     budget = Param(1024, low=1, high=1 << 22, log=True, doc="decode: tokens attended per step (the paper's B)")
-    interval = Param(16, low=1, high=4096, doc="decode: steps between re-selections (the paper's n_d)")
+    interval = Param(16, low=1, high=256, doc="decode: steps between re-selections (the paper's n_d)")
 
     def decode_params(self):
         return {"budget": str(self.budget), "interval": str(self.interval)}

@@ -9,6 +9,8 @@ mass accumulated so far. The budget (`budget`, the paper's B = 1024 tokens) is f
 top blocks of the frozen score; the runtime's sink and local blocks keep the newest outputs.
 Differences from the paper: blocks instead of tokens (`block_size=1` is token level), one
 selection per KV group instead of per query head, and the first selection is not delayed to step 16.
+The empty slots of the sequence's last, partial block read as zero keys (logit 0), so they add
+exp(-max logit) each to that block's share (as in `tidal`); the block is always kept anyway.
 The prefill side is the `loopserve` reuse flow, which installs this flow when no --flow is given.
 """
 
@@ -21,7 +23,8 @@ class LoopServeDecode(DecodeFlow):
     source = "LoopServe, arXiv 2507.13681"
     uses_keys = True
     budget = Param(1024, low=1, high=1 << 22, log=True, doc="tokens attended per step (the paper's B)")
-    interval = Param(16, low=1, high=4096, doc="decode steps between re-selections (the paper's n_d)")
+    # At most 256: the step counter is a field in the pool's dtype, and bf16 counts exactly only to 256.
+    interval = Param(16, low=1, high=256, doc="decode steps between re-selections (the paper's n_d)")
 
     def cache(self, k, v):
         zero = F.fill(F.sum(F.mean(k, dim=1), dim=2), 0.0)  # [1, 1, 1]

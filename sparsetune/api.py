@@ -11,7 +11,7 @@ from sparsetune.engine.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.registry import REGISTRY, find_local_weights
-from sparsetune.reuse.parts import is_parts, parse_parts_any
+from sparsetune.reuse.parts import parse_parts_any
 
 
 @dataclass
@@ -64,8 +64,8 @@ def generate(
         raise SparsetuneError(f"--temperature must be >= 0 (got {temperature})")
     if not 0 < top_p <= 1:
         raise SparsetuneError(f"--top-p must be in (0, 1] (got {top_p})")
-    if is_parts(prompt):
-        parse_parts_any(prompt)  # a bad part is an error before the model loads
+    if isinstance(prompt, (list, tuple)):
+        parse_parts_any(list(prompt))  # a bad part is an error before the model loads
     elif not isinstance(prompt, str) or not prompt.strip():
         raise SparsetuneError("the prompt is empty; pass some text with --prompt")
     t0 = time.perf_counter()

@@ -302,3 +302,22 @@ def test_tidal_selects_by_attention_mass_and_reuses():
     blocks0, counts0 = attn.select(0, q, kv, meta)
     blocks1, counts1 = attn.select(1, q2, kv, meta)  # not a select layer: reuses layer 0's choice
     assert torch.equal(blocks0, blocks1) and torch.equal(counts0, counts1)
+
+
+def test_a_started_block_loses_the_previous_owners_fields():
+    """A decode write that starts a block zeroes its fields (they may hold another request's state,
+    e.g. loopserve's counters); a prefill zeroes its partial last block."""
+    lens = [5 * 16 + 1, 3 * 16 + 7]  # row 0's new token starts block 5
+    kv, bt, meta, _ = paged_case(16, lens, seed=1)
+    attn = FlowAttention(build_flow("loopserve_decode", {"budget": "64"}), HEAD_DIM**-0.5)
+    for t in attn._stores(0, kv).values():
+        t.fill_(7.0)
+    attn._write_fields(0, kv, meta)
+    started, other = bt[0, 5].item(), bt[1, 3].item()
+    for t in attn.fields[0].values():
+        assert (t[started] == 0).all() and (t[other] == 7.0).all()
+    prefill = AttentionMetadata(True, torch.tensor([0]), torch.zeros(1, dtype=torch.long), bt[1:],
+                                torch.tensor([lens[1]], dtype=torch.int32), [lens[1]], [0, lens[1]], [0])
+    attn._write_fields(0, kv, prefill)
+    for t in attn.fields[0].values():
+        assert (t[other] == 0).all() and not (t[bt[1, 0].item()] == 7.0).all()

@@ -101,6 +101,30 @@ def test_reuse_generation_and_pin(smollm):
     assert seg is not None and seg.pinned
 
 
+def test_reuse_prefill_fills_the_decode_flows_fields(smollm):
+    """KV written by a reuse prefill gets the decode flow's cache stage (quest: channel max/min of each
+    full block), and the partial last block zero fields, whatever the blocks held before."""
+    smollm.set_flow("quest", {"budget": "64"})
+    smollm.set_reuse("pie")
+    try:
+        layout = encode_parts(smollm.tokenizer, parse_parts(_parts()), chat=False)
+        attn, layer, bs = smollm.backends[5], 5, smollm.kv.block_size
+        for t in attn._stores(layer, smollm.kv).values():
+            t.fill_(7.0)
+        seq, _ = smollm.add_reuse_request(layout, SamplingParams(max_tokens=3, ignore_eos=True))
+        n, table = len(layout.token_ids), seq.block_table
+        full = torch.tensor(table[: n // bs], dtype=torch.long)
+        keys = smollm.kv.k[layer][full]  # [blocks, Hkv, bs, D]
+        torch.testing.assert_close(attn.fields[layer]["kmax"][full].squeeze(2), keys.amax(2))
+        torch.testing.assert_close(attn.fields[layer]["kmin"][full].squeeze(2), keys.amin(2))
+        assert n % bs and (attn.fields[layer]["kmax"][table[n // bs]] == 0).all()
+        while smollm.scheduler.has_work():
+            smollm.step()
+    finally:
+        smollm.set_reuse(None)
+        smollm.set_flow(None)
+
+
 # ---- each flow's selection rule against a direct torch implementation ------------------------------
 
 T, HQ, HKV, D = 40, 4, 2, 8

@@ -115,6 +115,10 @@ def _summary(res: dict[str, Any], out) -> None:
         out.print(f"reuse ({reuse['flow']}): {reuse['requests']} requests, reused {_fmt(reuse['reuse_ratio'])}% of "
                   f"prompt tokens, recomputed {_fmt(reuse['recompute_ratio'])}% of them, "
                   f"{_fmt(reuse['compute_fraction'])}% of a full prefill's token-layers, TTFT p50 {reuse['ttft_p50_s']:.3f} s")
+        if reuse.get("head_paged_kv_fraction") is not None:  # per-head flows (redknot): what the rows' work kept
+            out.print(f"  per head: {_fmt(reuse['fresh_kv_fraction'])}% of the reused tokens' KV recomputed, MLP on "
+                      f"{_fmt(reuse['mlp_fraction'])}% of the token-layers, a head-paged store would keep "
+                      f"{_fmt(reuse['head_paged_kv_fraction'])}% of the KV")
     speed = res.get("speed")
     if speed:
         t = Table(title=f"speed: batch {speed['flow']['batch']} × {speed['flow']['context']} tokens, "

@@ -20,6 +20,8 @@ def _read_parts(path: Path) -> list:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SparsetuneError(f"--parts {path}: no such file") from None
+    except OSError as e:
+        raise SparsetuneError(f"--parts {path}: cannot read it ({e.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SparsetuneError(f"--parts {path}: not a JSON list of parts ({e})") from None
     if not isinstance(data, list) or not data:
@@ -61,6 +63,8 @@ def generate(
         raise SparsetuneError("pass exactly one of --prompt TEXT and --parts FILE")
     if parts is not None and reuse is None:
         raise SparsetuneError("--parts needs a reuse flow for its segments: add --reuse NAME (e.g. sparsex)")
+    if parts is None and (reuse is not None or reuse_param):
+        raise SparsetuneError("--reuse applies to the segments of a --parts FILE prompt; a --prompt has none")
     user = prompt if parts is None else _read_parts(parts)
     if block_size < 1 or block_size & (block_size - 1):
         raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")

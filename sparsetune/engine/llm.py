@@ -388,6 +388,11 @@ class LLM:
         try:
             table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
             logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
+            from sparsetune.flow.runtime import FlowAttention
+
+            for layer, backend in enumerate(self.backends):  # the decode flow's per-block fields
+                if isinstance(backend, FlowAttention):
+                    backend.rebuild_fields(layer, self.kv, table, len(ids))
         except BaseException:
             self.block_manager.release(seq)
             raise

@@ -110,7 +110,7 @@ def _build_engine(cfg: EvalConfig) -> LLM:
         model=cfg.model, device=None if cfg.device == "auto" else cfg.device,
         dtype=None if cfg.dtype == "auto" else cfg.dtype, random_weights=cfg.random_weights,
         kv_memory=kv_memory, max_num_seqs=max(cfg.batch, 1), seed=cfg.seed,
-        flow=None if cfg.flow == "dense" else cfg.flow, flow_params=dict(cfg.params),
+        flow=cfg.flow, flow_params=dict(cfg.params),  # "dense" stays explicit: no reuse flow's decode flow
         flow_executor=cfg.flow_executor, cuda_graph=cfg.cuda_graph, cuda_graph_batch_sizes=sizes,
         reuse=cfg.reuse, reuse_params=dict(cfg.reuse_params),
     )

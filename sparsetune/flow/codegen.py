@@ -503,6 +503,18 @@ def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int,
     return {n: tuple(t.shape[1:]) for n, t in flow.run_cache(kv, kv, const).items()}  # type: ignore[misc]
 
 
+def saves_state(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> bool:
+    """Whether the indexer saves state with F.save (run once on dummy fields of 3 blocks)."""
+    g = torch.Generator().manual_seed(0)
+    dims = field_dims(flow, head_dim, const_dims)
+    q = FT(torch.randn(1, 1, 2, head_dim, generator=g))
+    fields = Fields({n: FT(torch.randn(1, 3, *rc, generator=g)) for n, rc in dims.items()})
+    if flow.uses_keys:
+        dict.__setitem__(fields, "k", FT(torch.randn(1, 3, flow.block_size, head_dim, generator=g)))
+    flow.run_index(q, fields, _dummy_consts(const_dims or {}, g))
+    return bool(fields.saved)
+
+
 def why_not(flow: DecodeFlow, group: int = 4, head_dim: int = 64,
             const_dims: dict[str, tuple[int, int]] | None = None) -> dict[str, str | None]:
     """For each stage: None if it becomes a generated kernel, else the reason it does not."""

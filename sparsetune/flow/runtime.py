@@ -84,6 +84,7 @@ class FlowAttention(DenseAttention):
         self._cache_fn = self._cache_tensors
         # The generated kernels (indexer, cache stage), built on first use; None: not block-local.
         self._generated: dict[str, codegen.IndexerKernel | codegen.CacheKernel | None] = {}
+        self._saves_state: bool | None = None  # F.save in the indexer (found on first use)
         self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
         self._forced_only = False  # the indexer keeps only sink/local blocks (known once it is traced)
         if executor == "compiled":
@@ -146,14 +147,19 @@ class FlowAttention(DenseAttention):
             self._write_fields(layer, kv, meta)
 
     def _write_fields(self, layer: int, kv: KVCache, meta: AttentionMetadata) -> None:
-        """The cache stage for the blocks this step's KV write completed."""
+        """The cache stage for the blocks this step's KV write completed. A block the write starts but
+        does not complete gets zero fields: it may hold a previous owner's (a flow's state included)."""
         bs = kv.block_size
         if meta.is_prefill:
             # Blocks completed by this chunk: b with ctx <= (b+1)*bs - 1 < seq_len.
-            done = [
-                meta.block_tables[i, meta.context_len(i) // bs : meta.seq_lens_cpu[i] // bs]
-                for i in range(meta.batch_size)
-            ]
+            done, open_ = [], []
+            for i in range(meta.batch_size):
+                ctx, end = meta.context_len(i), meta.seq_lens_cpu[i]
+                done.append(meta.block_tables[i, ctx // bs : end // bs])
+                if end % bs and end // bs >= ctx // bs:
+                    open_.append(meta.block_tables[i, end // bs : end // bs + 1])
+            if open_:
+                self.zero_fields(layer, kv, torch.cat(open_).long())
             blocks = torch.cat(done).long()
             if blocks.numel():
                 self._run_cache(layer, kv, blocks, blocks)
@@ -161,15 +167,37 @@ class FlowAttention(DenseAttention):
             pos = meta.positions
             cache = self._cache_kernel(kv) if self._generated_path(kv.k) else None
             store = self._stores(layer, kv)
+            phys = meta.block_tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long()
+            if self._stateful(kv):  # a stateless flow never reads the open block's fields (always kept)
+                # Graph-safe: rows that start no block zero the null block's fields.
+                starting = ((pos % bs) == 0) & (meta.seq_lens > 0)
+                self.zero_fields(layer, kv, torch.where(starting, phys, torch.full_like(phys, kv.null_block)))
             if cache is not None and store:
                 cache.decode(kv.k[layer], kv.v[layer], pos, meta.block_tables, meta.seq_lens, kv.null_block,
                              store, self.constants(layer, kv))
                 return
-            phys = meta.block_tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long()
             completing = ((pos % bs) == bs - 1) & (meta.seq_lens > 0)
             # Graph-safe: every row computes; rows that complete nothing write to the null block.
             target = torch.where(completing, phys, torch.full_like(phys, kv.null_block))
             self._run_cache(layer, kv, phys, target, fixed_shape=True)
+
+    def _stateful(self, kv: KVCache) -> bool:
+        if self._saves_state is None:
+            self._saves_state = codegen.saves_state(self.flow, kv.head_dim, self.flow.const_dims(kv.head_dim))
+        return self._saves_state
+
+    def zero_fields(self, layer: int, kv: KVCache, blocks: torch.Tensor) -> None:
+        for t in self._stores(layer, kv).values():
+            t.index_fill_(0, blocks, 0)
+
+    def rebuild_fields(self, layer: int, kv: KVCache, block_table: torch.Tensor, num_tokens: int) -> None:
+        """Fields of a sequence whose KV was written outside this backend (a reuse prefill): the cache
+        stage on its full blocks, zeros on its partial last block."""
+        full = block_table[: num_tokens // kv.block_size].long()
+        if num_tokens % kv.block_size:
+            self.zero_fields(layer, kv, block_table[num_tokens // kv.block_size :][:1].long())
+        if full.numel():
+            self._run_cache(layer, kv, full, full)
 
     def constants(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
         """The flow's constants of `layer` (name → `[Hkv, r, c]`), in the pool's dtype and device."""

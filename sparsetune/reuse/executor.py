@@ -178,17 +178,17 @@ class ReuseExecutor:
             else:
                 x, res = layer.input_layernorm(h, res)
             q, k, v = attn.qkv(x, idx, model.cos_sin)
+            if li == sel_layer:  # fresh q/k/v; reads the cached KV before this layer's store overwrites it
+                keep = self._select(flow, layout, li, reused, q, k, v, slots)
             cached = None
             if flow is not None and reused is not None:  # (row, head) pairs that keep their cached KV
                 cached = flow.keep_cached(li, num_layers, idx, layout, reused)
-                if cached is not None:
-                    cached = cached.to(dev)
+                if cached is not None:  # only reused tokens have cached KV to keep
+                    cached = cached.to(dev) & reused[idx][:, None]
                     k, v = self._with_cached(li, k, v, slots[idx], cached)
             if stats is not None and reused is not None:
                 r = reused[idx]
                 stats.fresh_kv += int(r.sum()) * k.shape[1] - (0 if cached is None else int(cached[r].sum()))
-            if li == sel_layer:  # reads the cached KV before this layer's store overwrites it
-                keep = self._select(flow, layout, li, reused, q, k, v, slots)
             kv.store(li, k, v, slots[idx])  # at the selection layer: every token's fresh KV
             if li == sel_layer:
                 sub = keep[idx].nonzero().squeeze(1)
@@ -267,7 +267,7 @@ class ReuseExecutor:
         out = torch.empty_like(qh)
         keys = torch.arange(t, device=q.device)
         step = max(1, _MASK_CHUNK_ELEMS // (qh.shape[0] * t))
-        with stage("attention"):
+        with stage("attention"), prefill_backends():
             for a in range(0, idx.numel(), step):
                 pos = idx[a : a + step]
                 end = int(pos[-1]) + 1

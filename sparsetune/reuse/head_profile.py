@@ -91,7 +91,9 @@ def profile_heads(
         raise SparsetuneError(f"{llm.resolved.name} has no tokenizer files; head profiling needs one to encode its text")
     ids = llm.tokenizer.encode(builtin_text() if text is None else text)
     prefixes = [llm.tokenizer.encode(p) for p in PREFIXES]
-    chunk_tokens = min(chunk_tokens, llm.max_model_len - 1 - max(map(len, prefixes)))
+    # One prefill call per run (the recorder reads each sequence whole): no chunked prefill.
+    room = min(llm.max_model_len - 1, llm.config.max_num_batched_tokens)
+    chunk_tokens = min(chunk_tokens, room - max(map(len, prefixes)))
     pieces = [ids[i : i + chunk_tokens] for i in range(0, len(ids) - chunk_tokens + 1, chunk_tokens)][:chunks]
     if not pieces:
         raise SparsetuneError(f"the text has {len(ids)} tokens, fewer than one chunk of {chunk_tokens}; "
