@@ -45,7 +45,7 @@ def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
     assert [o.token_ids for o in outs] == reference
 
 
-@pytest.mark.parametrize("flow", ["quest", "block_topk", "h2o", "tidal", "double_sparse", "streaming"])
+@pytest.mark.parametrize("flow", ["quest", "block_topk", "h2o", "tidal", "double_sparse", "streaming", "loopserve_decode"])
 def test_gpu_flow_graphs(flow, tmp_path):
     """Flows on GPU (Triton sparse kernel, indexer inside the CUDA graph): full budget = dense;
     at a small budget, the compiled executor in CUDA graphs = the reference executor run eagerly."""

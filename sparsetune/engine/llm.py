@@ -390,9 +390,10 @@ class LLM:
             logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
             from sparsetune.flow.runtime import FlowAttention
 
-            for layer, backend in enumerate(self.backends):  # the decode flow's per-block fields
-                if isinstance(backend, FlowAttention):
-                    backend.rebuild_fields(layer, self.kv, table, len(ids))
+            with torch.inference_mode():  # the field stores are inference tensors
+                for layer, backend in enumerate(self.backends):  # the decode flow's per-block fields
+                    if isinstance(backend, FlowAttention):
+                        backend.rebuild_fields(layer, self.kv, table, len(ids))
         except BaseException:
             self.block_manager.release(seq)
             raise
