@@ -19,12 +19,24 @@ from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import attention_probs
 
 
+def distances(rows: torch.Tensor, t: int) -> torch.Tensor:
+    """`[n, T]`: how far each key lies behind each row (0 on and past the diagonal): its slash line."""
+    return (rows[:, None] - torch.arange(t, device=rows.device)[None, :]).clamp(min=0)
+
+
+def on_lines(vertical: torch.Tensor, slash: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`[H, n, T]` bool: the (row, key) entries on a head's chosen vertical (`[H, T]` by key) or slash
+    (`[H, T]` by distance) lines, for rows at positions `rows`."""
+    h, t = vertical.shape
+    by_slash = slash.gather(1, distances(rows, t).flatten().expand(h, -1)).view(h, rows.numel(), t)
+    return vertical[:, None, :] | by_slash
+
+
 def line_masses(probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the mass of every vertical line (key j) and slash line (distance d) of a sampled
     causal map `probs` `[H, n, T]` whose rows sit at positions `rows`: `[H, T]` each."""
-    t = probs.shape[2]
     vertical = probs.sum(dim=1)
-    dist = (rows[:, None] - torch.arange(t, device=probs.device)[None, :]).clamp(min=0)  # [n, T]
+    dist = distances(rows, probs.shape[2])
     slash = torch.zeros_like(vertical).scatter_add_(1, dist.flatten().expand(probs.shape[0], -1),
                                                     probs.flatten(1))
     return vertical, slash
@@ -38,7 +50,6 @@ def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[
     rank = torch.empty(h, 2 * t, dtype=torch.long, device=probs.device)
     order = torch.cat([vertical, slash], dim=1).argsort(dim=1, descending=True, stable=True)
     rank.scatter_(1, order, torch.arange(2 * t, device=probs.device).expand(h, -1))
-    dist = (rows[:, None] - torch.arange(t, device=probs.device)[None, :]).clamp(min=0)  # [n, T]
     target = alpha * probs.sum(dim=(1, 2))
 
     def chosen(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +57,7 @@ def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[
         return pick[:, :t], pick[:, t:]
 
     def covered(k: torch.Tensor) -> torch.Tensor:
-        v, s = chosen(k)
-        on = v[:, None, :] | s.gather(1, dist.flatten().expand(h, -1)).view(h, n, t)
-        return (probs * on).sum(dim=(1, 2))
+        return (probs * on_lines(*chosen(k), rows)).sum(dim=(1, 2))
 
     lo = torch.zeros(h, dtype=torch.long, device=probs.device)  # covered(lo) < target (or lo = 0)
     hi = torch.full((h,), 2 * t, dtype=torch.long, device=probs.device)  # covered(hi) >= target
@@ -77,11 +86,4 @@ class LoopServe(ReuseFlow):
         q = s.q[-self.sample :]
         probs = attention_probs(q, s.k, rows, s.scale)  # [Hq, n, T]
         vertical, slash = cover_lines(probs, rows, self.alpha)
-        keys = torch.arange(s.num_tokens, device=q.device)
-
-        def allowed(pos):
-            dist = (pos[:, None] - keys[None, :]).clamp(min=0)  # [n, T]
-            return vertical[:, None, :] | slash.gather(1, dist.flatten().expand(slash.shape[0], -1)).view(
-                slash.shape[0], pos.numel(), -1)
-
-        return allowed
+        return lambda pos: on_lines(vertical, slash, pos)

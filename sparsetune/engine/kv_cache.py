@@ -57,6 +57,11 @@ class KVCache:
         fn = kv_store.store_kv if k.is_cuda else kv_store.store_kv_ref
         fn(k, v, self.k[layer], self.v[layer], slot_mapping)
 
+    def read(self, layer: int, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `[N, kv_heads, head_dim]` K and V at flat slots (the counterpart of `store`)."""
+        blk, off = slot_mapping // self.block_size, slot_mapping % self.block_size
+        return self.k[layer][blk, :, off], self.v[layer][blk, :, off]
+
     def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` tokens as contiguous `[kv_heads, length, head_dim]` K and V."""
         n = -(-length // self.block_size)

@@ -292,23 +292,32 @@ class IndexerKernel:
         return out, counts
 
 
+def _dummy_index_inputs(
+    flow: DecodeFlow, group: int, head_dim: int, field_dims: dict[str, tuple[int, int]],
+    const_dims: dict[str, tuple[int, int]] | None,
+) -> tuple[FT, Fields, dict[str, FT]]:
+    """Seeded random indexer inputs over 5 blocks: q, the fields (raw keys as "k" when the flow
+    reads them) and the constants."""
+    g, nblk = torch.Generator().manual_seed(0), 5
+    q = FT(torch.randn(1, 1, group, head_dim, generator=g))
+    fields = Fields({n: FT(torch.randn(1, nblk, *rc, generator=g)) for n, rc in field_dims.items()})
+    if flow.uses_keys:
+        dict.__setitem__(fields, "k", FT(torch.randn(1, nblk, flow.block_size, head_dim, generator=g)))
+    return q, fields, _dummy_consts(const_dims or {}, g)
+
+
 def indexer_source(
     flow: DecodeFlow, group: int, head_dim: int, field_dims: dict[str, tuple[int, int]],
     const_dims: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[str, list[str], list[str], bool, int]:
     """Triton source of the flow's indexer; raises NotBlockLocal. Returns (source, fields and
     consts in argument order, whether it reads raw keys, BLOCK_S)."""
-    g = torch.Generator().manual_seed(0)
-    nblk, bs = 5, flow.block_size
-    q = FT(torch.randn(1, 1, group, head_dim, generator=g))
-    fields = Fields({n: FT(torch.randn(1, nblk, *rc, generator=g)) for n, rc in field_dims.items()})
+    bs = flow.block_size
+    q, fields, const = _dummy_index_inputs(flow, group, head_dim, field_dims, const_dims)
     inputs = {id(q): ("q_in", False)}
     inputs.update({id(dict.__getitem__(fields, n)): (f"f_{n}", True) for n in field_dims})
     if flow.uses_keys:
-        keys = FT(torch.randn(1, nblk, bs, head_dim, generator=g))
-        dict.__setitem__(fields, "k", keys)
-        inputs[id(keys)] = ("k_in", True)
-    const = _dummy_consts(const_dims or {}, g)
+        inputs[id(dict.__getitem__(fields, "k"))] = ("k_in", True)
     inputs.update({id(t): (f"c_{n}", False) for n, t in const.items()})
     sel, nodes = _record(lambda: flow.run_index(q, fields, const))
     if fields.saved:
@@ -504,14 +513,9 @@ def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int,
 
 
 def saves_state(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> bool:
-    """Whether the indexer saves state with F.save (run once on dummy fields of 3 blocks)."""
-    g = torch.Generator().manual_seed(0)
-    dims = field_dims(flow, head_dim, const_dims)
-    q = FT(torch.randn(1, 1, 2, head_dim, generator=g))
-    fields = Fields({n: FT(torch.randn(1, 3, *rc, generator=g)) for n, rc in dims.items()})
-    if flow.uses_keys:
-        dict.__setitem__(fields, "k", FT(torch.randn(1, 3, flow.block_size, head_dim, generator=g)))
-    flow.run_index(q, fields, _dummy_consts(const_dims or {}, g))
+    """Whether the indexer saves state with F.save (run once on dummy inputs)."""
+    q, fields, const = _dummy_index_inputs(flow, 2, head_dim, field_dims(flow, head_dim, const_dims), const_dims)
+    flow.run_index(q, fields, const)
     return bool(fields.saved)
 
 

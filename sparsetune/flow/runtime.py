@@ -167,12 +167,14 @@ class FlowAttention(DenseAttention):
             pos = meta.positions
             cache = self._cache_kernel(kv) if self._generated_path(kv.k) else None
             store = self._stores(layer, kv)
-            phys = meta.block_tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long()
-            if self._stateful(kv):  # a stateless flow never reads the open block's fields (always kept)
+            generated, stateful = cache is not None and bool(store), self._stateful(kv)
+            if stateful or not generated:  # the generated stage finds the blocks itself
+                phys = meta.block_tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long()
+            if stateful:  # a stateless flow never reads the open block's fields (always kept)
                 # Graph-safe: rows that start no block zero the null block's fields.
                 starting = ((pos % bs) == 0) & (meta.seq_lens > 0)
                 self.zero_fields(layer, kv, torch.where(starting, phys, torch.full_like(phys, kv.null_block)))
-            if cache is not None and store:
+            if generated:
                 cache.decode(kv.k[layer], kv.v[layer], pos, meta.block_tables, meta.seq_lens, kv.null_block,
                              store, self.constants(layer, kv))
                 return

@@ -171,6 +171,7 @@ class ReuseExecutor:
         idx = rows.nonzero().squeeze(1)
         plan = RowPlan.of(idx)
         h, res = model.model.embed_tokens(ids[idx]), None
+        fresh, mlp_rows = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev)
         for li, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             if res is None:
@@ -188,7 +189,7 @@ class ReuseExecutor:
                     k, v = self._with_cached(li, k, v, slots[idx], cached)
             if stats is not None and reused is not None:
                 r = reused[idx]
-                stats.fresh_kv += int(r.sum()) * k.shape[1] - (0 if cached is None else int(cached[r].sum()))
+                fresh += r.sum() * k.shape[1] - (0 if cached is None else cached[r].sum())
             kv.store(li, k, v, slots[idx])  # at the selection layer: every token's fresh KV
             if li == sel_layer:
                 sub = keep[idx].nonzero().squeeze(1)
@@ -215,7 +216,9 @@ class ReuseExecutor:
                 h = out
             if stats is not None:
                 stats.token_layers += idx.numel()
-                stats.mlp_token_layers += idx.numel() if mlp is None else int(mlp.sum())
+                mlp_rows += idx.numel() if mlp is None else mlp.sum()
+        if stats is not None:  # device counters, read once (no host sync per layer)
+            stats.fresh_kv, stats.mlp_token_layers = int(fresh), int(mlp_rows)
         if stats is not None and sel_layer is None and reused is not None:
             stats.recomputed_reused = int((rows & reused).sum())
         h, _ = model.model.norm(h, res)
@@ -225,17 +228,15 @@ class ReuseExecutor:
                      keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh `[n, Hkv, D]` K/V with the (row, head) pairs of `keep` `[n, Hkv]` replaced by the pool's
         (realigned cached) values at `slots`, so the store leaves those untouched."""
-        blk, off = slots // self.kv.block_size, slots % self.kv.block_size
+        kc, vc = self.kv.read(layer, slots)
         m = keep[:, :, None]
-        return (torch.where(m, self.kv.k[layer][blk, :, off], k), torch.where(m, self.kv.v[layer][blk, :, off], v))
+        return torch.where(m, kc, k), torch.where(m, vc, v)
 
     def _select(self, flow: ReuseFlow, layout: ReuseLayout, layer: int, reused: torch.Tensor,
                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The rows kept after the selection layer: the flow's choice among reused tokens, plus every
         non-reused token and the last one."""
-        blk, off = slots // self.kv.block_size, slots % self.kv.block_size
-        # The realigned cached KV `[T, Hkv, D]`, read before the fresh KV lands.
-        kc, vc = self.kv.k[layer][blk, :, off], self.kv.v[layer][blk, :, off]
+        kc, vc = self.kv.read(layer, slots)  # the realigned cached KV `[T, Hkv, D]`, read before the fresh KV lands
         inputs = SelectionInputs(layout, layer, reused, q, k, v, kc, vc, self.scale)
         with stage("indexer"):
             chosen = flow.select(inputs).to(reused.device)
