@@ -1,7 +1,8 @@
 """`flows check`: validate a flow before it runs, and estimate what it costs.
 
-1. Static: the stage methods call only flow ops (`F.name`), a few value builtins, or the
-   flow's own helper methods; no torch, no imports.
+1. Static, on the file's source before it is imported (`source_check`): the stage methods
+   call only flow ops (`F.name`), a few value builtins, or the flow's own helper methods (no
+   torch, no imports); the file's top level and imports keep to the flow API.
 2. Shapes: the stages run on small dummy tensors; every op checks its inputs and a failure
    names the flow file and line. Every cached field must be read by the indexer.
 3. Cost: bytes of cached fields per block, and indexer FLOPs per step (per KV head, per block).
@@ -10,7 +11,6 @@
 
 from __future__ import annotations
 
-import ast
 import inspect
 import textwrap
 import traceback
@@ -25,9 +25,7 @@ from sparsetune.flow import ops as F
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.ops import FT, Fields, FlowError, Selection, Trace
 from sparsetune.flow.registry import get_flow_class
-
-_VALUE_BUILTINS = {"dict", "len", "range", "tuple", "list", "float", "int", "round"}
-_STAGES = {"cache": "self, k, v", "index": "self, q, fields"}  # stage → its parameters
+from sparsetune.flow.source_check import class_stage_problems
 
 
 @dataclass
@@ -50,41 +48,15 @@ class CheckReport:
 
 
 def static_problems(cls: type[DecodeFlow]) -> list[str]:
-    """Calls in the stage methods that are not flow ops (file:line: message)."""
+    """Calls in the stage methods (and the helpers they call) that are not flow ops (file:line: message).
+
+    The rule is `source_check`'s, on the class in its file's syntax tree; `registry.load_file`
+    already ran it (with the other source rules) before the file was imported."""
     path = Path(inspect.getsourcefile(cls) or "?")
-    src_lines, first = inspect.getsourcelines(cls)
-    tree = ast.parse(textwrap.dedent("".join(src_lines)))
-    methods = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    problems: list[str] = []
-
-    def where(node: ast.AST) -> str:
-        return f"{path}:{first + node.lineno - 1}"
-
-    for fn in ast.walk(tree):
-        if not (isinstance(fn, ast.FunctionDef) and fn.name in set(_STAGES) | methods - {"__init__"}):
-            continue
-        args = [a.arg for a in fn.args.args]
-        if fn.name in _STAGES and not (len(args) == 3 or len(args) == 4 and args[3] == "const"):
-            problems.append(f"{where(fn)}: {fn.name}() takes ({_STAGES[fn.name]}) plus, optionally, `const`; "
-                            f"got ({', '.join(args)})")
-        for node in ast.walk(fn):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                problems.append(f"{where(node)}: imports are not allowed inside a flow stage")
-            elif isinstance(node, ast.Name) and node.id in ("torch", "np", "numpy"):
-                problems.append(f"{where(node)}: `{node.id}` is not allowed in a flow stage; use flow ops (F.*)")
-            elif isinstance(node, ast.Call):
-                f = node.func
-                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "F":
-                    if f.attr not in F.OPS:
-                        problems.append(f"{where(node)}: unknown op F.{f.attr}; the op set is: {', '.join(sorted(F.OPS))}")
-                elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-                    if f.attr not in methods:
-                        problems.append(f"{where(node)}: self.{f.attr}() is not a method of this flow")
-                elif isinstance(f, ast.Name) and f.id in _VALUE_BUILTINS:
-                    pass
-                else:
-                    problems.append(f"{where(node)}: `{ast.unparse(f)}(...)` is not a flow op; use F.* ops only")
-    return problems
+    if path.is_file():
+        return class_stage_problems(path, cls.__name__)
+    src_lines, first = inspect.getsourcelines(cls)  # no file: the class's own source, at its lines
+    return class_stage_problems(path, cls.__name__, source="\n" * (first - 1) + textwrap.dedent("".join(src_lines)))
 
 
 def _flow_line(cls: type[DecodeFlow], exc: BaseException) -> str:
@@ -143,10 +115,7 @@ def _run_stages(
 
 
 def check_flow(name_or_path: str, raw_params: dict[str, str] | None = None, head_dim: int = 64, group: int = 4) -> CheckReport:
-    cls = get_flow_class(name_or_path)
-    problems = static_problems(cls)
-    if problems:
-        raise SparsetuneError(f"{len(problems)} problem(s): " + " | ".join(problems[:5]))
+    cls = get_flow_class(name_or_path, all_problems=True)  # every source problem, before anything of it runs
     flow = cls.from_strings(raw_params or {})
     report = CheckReport(cls.name, str(getattr(cls, "path", "")), cls.source, flow.params())
     if cls.full_attention:

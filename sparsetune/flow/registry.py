@@ -32,12 +32,22 @@ def flows_dir() -> Path:
     return repo if repo.is_dir() else Path(sys.prefix) / "share" / "sparsetune" / "flows"
 
 
-def load_file(path: Path) -> type[Configurable]:
-    """Import a flow file and return the one flow class (`DecodeFlow` or `ReuseFlow` subclass) it defines."""
+def load_file(path: Path, *, all_problems: bool = False) -> type[Configurable]:
+    """Check a flow file's source (`source_check`: nothing of it runs before that passes), then
+    import it and return the one flow class (`DecodeFlow` or `ReuseFlow` subclass) it defines.
+
+    A failed check raises one line: the first problem and how many more, or with `all_problems`
+    (`flows check`) every problem."""
+    from sparsetune.flow.source_check import check_file
     from sparsetune.reuse.flow import ReuseFlow
 
     if not path.is_file():
         raise SparsetuneError(f"flow file {path} does not exist")
+    try:
+        source = path.read_bytes()
+    except OSError as e:
+        raise SparsetuneError(f"cannot read flow file {path}: {e.strerror}") from None
+    check_file(path, all_problems=all_problems, source=source)
     mod_name = f"sparsetune_flow_{path.stem}_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
@@ -45,7 +55,8 @@ def load_file(path: Path) -> type[Configurable]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     try:
-        spec.loader.exec_module(module)
+        # Run exactly the bytes that were checked (not a re-read of the file, which may have changed).
+        exec(compile(source, str(path), "exec", dont_inherit=True), vars(module))
     except SyntaxError as e:
         raise SparsetuneError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
     except Exception as e:  # noqa: BLE001 - a user file can raise anything at import
@@ -68,16 +79,21 @@ def builtin_flows() -> dict[str, Path]:
     return {p.stem: p for p in sorted(d.glob("*.py")) if not p.name.startswith("_")} if d.is_dir() else {}
 
 
-def get_flow_class(name_or_path: str, kind: type[FlowT] = DecodeFlow) -> type[FlowT]:
-    """The flow class of a built-in name or a file path; it must be of `kind` (decode or reuse)."""
+def flow_path(name_or_path: str) -> Path:
+    """The file of a built-in flow name, or the given path of a flow file."""
     p = Path(name_or_path)
     if p.suffix == ".py" or "/" in name_or_path:
-        cls = load_file(p)
-    else:
-        flows = builtin_flows()
-        if name_or_path not in flows:
-            raise SparsetuneError(f"unknown flow {name_or_path!r}; built-in: {', '.join(flows)} (or pass a path to a .py file)")
-        cls = load_file(flows[name_or_path])
+        return p
+    flows = builtin_flows()
+    if name_or_path not in flows:
+        raise SparsetuneError(f"unknown flow {name_or_path!r}; built-in: {', '.join(flows)} (or pass a path to a .py file)")
+    return flows[name_or_path]
+
+
+def get_flow_class(name_or_path: str, kind: type[FlowT] = DecodeFlow, *, all_problems: bool = False) -> type[FlowT]:
+    """The flow class of a built-in name or a file path; it must be of `kind` (decode or reuse).
+    `all_problems`: a file that fails the source check names every problem, not the first (`flows check`)."""
+    cls = load_file(flow_path(name_or_path), all_problems=all_problems)
     if not issubclass(cls, kind):
         want, got = flow_kind(kind), flow_kind(cls)
         fix = "--reuse" if got == "reuse" else "--flow"
