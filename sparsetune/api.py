@@ -1,17 +1,21 @@
-"""The Python API; the CLI is a thin layer over these functions."""
+"""The Python API; the CLI is a thin layer over these functions.
+
+Arguments are checked before torch and the engine are imported, so a mistake fails at once.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sparsetune.engine.config import EngineConfig
-from sparsetune.engine.llm import LLM
-from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.registry import REGISTRY, find_local_weights
 from sparsetune.reuse.parts import parse_parts_any
+
+if TYPE_CHECKING:
+    from sparsetune.engine.llm import LLM
 
 
 @dataclass
@@ -40,10 +44,6 @@ class GenerateResult:
         return d
 
 
-def load(config: EngineConfig) -> LLM:
-    return LLM(config)
-
-
 def generate(
     prompt: str | list,
     model: str = "smollm2-135m",
@@ -68,9 +68,18 @@ def generate(
         parse_parts_any(list(prompt))  # a bad part is an error before the model loads
     elif not isinstance(prompt, str) or not prompt.strip():
         raise SparsetuneError("the prompt is empty; pass some text with --prompt")
+    if llm is None:
+        for k in engine_options:
+            if k not in EngineConfig.__dataclass_fields__:
+                raise TypeError(f"unknown engine option {k!r}")
+        config = EngineConfig(model=model, **engine_options)
+        config.check()  # before torch loads
+    from sparsetune.engine.llm import LLM
+    from sparsetune.engine.sequence import SamplingParams
+
     t0 = time.perf_counter()
     if llm is None:
-        llm = LLM(EngineConfig(model=model, **engine_options))
+        llm = LLM(config)
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     t1 = time.perf_counter()

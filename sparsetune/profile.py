@@ -22,9 +22,13 @@ between launches.
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
+import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -190,6 +194,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextmanager
+def _without_kineto_notes():
+    """The profiler's native library writes `USDT:` start/stop notes straight to file descriptor 2;
+    keep every other line (warnings, errors) on stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                sys.stderr.buffer.write(b"".join(kept))
+                sys.stderr.flush()
+
+
 def profile_call(fn: Callable[[], Any], device: torch.device | str, trace_path: str | Path | None = None) -> dict[str, Any]:
     """Profile one call of `fn` (eager code: no CUDA graph replays) with the stage ranges on.
     Returns `breakdown(...)` plus "wall_ms" (the profiled call, profiler overhead included) and
@@ -202,7 +227,7 @@ def profile_call(fn: Callable[[], Any], device: torch.device | str, trace_path: 
     _sync(device)
     with warnings.catch_warnings():  # torch's note about scheduled cycles: this profile has none
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        with stage_ranges(), profile(activities=activities) as prof:
+        with _without_kineto_notes(), stage_ranges(), profile(activities=activities) as prof:
             with record_function(_ROOT):
                 t0 = time.perf_counter()
                 fn()

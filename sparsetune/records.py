@@ -61,6 +61,7 @@ def env_info(device: Any = None) -> dict[str, Any]:
     try:
         import torch
 
+        info["torch_threads"] = torch.get_num_threads()
         if torch.cuda.is_available() and (device is None or str(device).startswith("cuda")):
             idx = torch.device(device).index if device is not None and torch.device(device).index is not None else 0
             props = torch.cuda.get_device_properties(idx)

@@ -55,6 +55,7 @@ def test_generate_with_reused_segments(tmp_path):
     out = json.loads(proc.stdout)
     assert "4417" in out["text"]
     assert out["reuse"]["flow"] == "sparsex" and out["reuse"]["segment_misses"] == 1 and out["reuse"]["reuse_ratio"] > 0.2
+    assert "segment cache lives in this process" in proc.stderr  # a later run computes the segment again
 
 
 @pytest.mark.parametrize("args,needle", [

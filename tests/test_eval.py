@@ -58,15 +58,17 @@ def test_teacher_forced_decode_equals_prefill(smollm):
 def test_fidelity_of_a_full_budget_flow_is_exact_and_a_small_budget_is_not(smollm, tmp_path):
     """quest with every block selected attends like dense: fidelity 1 and equal accuracy; at a
     tight budget the forced pass must see different logits (the metric can fail)."""
-    full = evaluate("quest", tasks=["niah_single"], context=512, samples=2, batch=2, params={"budget_ratio": "1.0"},
-                    max_new_tokens=6, out=tmp_path, llm=smollm)
+    full = evaluate("quest", tasks=["niah_single"], context=512, samples=2, batch=2, params={"budget_ratio": 1.0},
+                    max_new_tokens=6, out=tmp_path, llm=smollm)  # a typed value, as Python callers write it
     assert full["fidelity"]["top1"] == 1.0 and full["fidelity"]["top10"] == 1.0
     assert full["fidelity"]["cosine"] > 0.99999
     assert full["accuracy"] == full["dense_accuracy"] and full["relative_accuracy"] in (1.0, None)
+    assert "attends every block of the 512-token context" in full["note"]  # said, not silent
     tight = evaluate("quest", tasks=["niah_single"], context=512, samples=2, batch=2, params={"budget": "64"},
                      max_new_tokens=6, out=tmp_path, llm=smollm)
     assert tight["fidelity"]["cosine"] < 0.9999
     assert tight["params"]["budget"] == 64 and tight["fidelity"]["positions"] == full["fidelity"]["positions"]
+    assert tight["note"] is None
 
 
 def test_multiturn_feeds_back_replies(smollm, tmp_path):
@@ -85,17 +87,19 @@ def test_custom_jsonl(smollm, tmp_path):
         + json.dumps({"messages": [{"role": "user", "content": "What is the capital of Italy? One word."}],
                       "answers": ["Rome", "Roma"], "metric": "any"}) + "\n"
     )
-    res = evaluate("dense", tasks=[str(f)], samples=5, batch=2, max_new_tokens=8, out=tmp_path / "runs", llm=smollm)
-    assert res["tasks"]["capitals"]["n"] == 2
+    res = evaluate("dense", tasks=[str(f)], samples=1, batch=2, max_new_tokens=8, out=tmp_path / "runs", llm=smollm)
+    assert res["tasks"]["capitals"]["n"] == 2 and res["tasks"]["capitals"]["total"] == 2  # --samples: generated only
     assert res["tasks"]["capitals"]["accuracy"] == 1.0
+    res = evaluate("dense", tasks=[str(f)], limit=1, batch=2, max_new_tokens=8, out=tmp_path / "runs", llm=smollm)
+    assert res["tasks"]["capitals"]["n"] == 1 and res["tasks"]["capitals"]["total"] == 2 and res["limit"] == 1
 
 
 def test_interrupt_leaves_a_partial_record_and_resume_finishes_it(smollm, tmp_path):
     calls = []
 
-    def stop_after_first_chunk(done: int, total: int, what: str) -> None:
+    def stop_after_first_chunk(done: float, total: int, what: str) -> None:
         calls.append(done)
-        if done > 0:
+        if done >= 1 and done == int(done):  # a whole sample is recorded (fractions come mid-chunk)
             raise KeyboardInterrupt
 
     kwargs = dict(tasks=["niah_single"], context=256, samples=4, batch=2, max_new_tokens=4, out=tmp_path)
@@ -139,12 +143,17 @@ def test_api_errors(smollm, tmp_path):
 
 def test_cli_json_and_summary(tmp_path):
     f = tmp_path / "t.jsonl"
-    f.write_text(json.dumps({"prompt": "What is the capital of France?", "answers": ["Paris"]}) + "\n")
-    proc = run("eval", "--task", str(f), "--max-new-tokens", "8", "--out", str(tmp_path / "runs"), "--json")
+    f.write_text(json.dumps({"prompt": "What is the capital of France?", "answers": ["Paris"], "kind": "geo"}) + "\n")
+    proc = run("eval", "--task", str(f), "--max-new-tokens", "8", "--out", str(tmp_path / "runs"), "--threads", "1",
+               "--json")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert TOP_KEYS <= set(res) and res["complete"] and res["tasks"]["t"]["accuracy"] == 1.0
     assert "t " in proc.stderr and "record:" in proc.stderr  # the summary table goes to stderr with --json
+    assert "eval: 1/1 samples" in proc.stderr  # plain progress lines when stderr is not a terminal
+    run_dir = tmp_path / "runs" / os.listdir(tmp_path / "runs")[0]
+    assert json.loads((run_dir / "env.json").read_text())["torch_threads"] == 1
+    assert read_records(run_dir)[0]["meta"]["extra"] == {"kind": "geo"}  # a dataset's own field, kept
 
 
 def test_cli_list_tasks():
@@ -195,7 +204,7 @@ def test_cli_interrupt_keeps_partial_run(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
-    assert "Traceback" not in stderr and "--resume" in stderr
     [run_dir] = list(out.iterdir())
+    assert "Traceback" not in stderr and f"sparsetune eval --resume {run_dir}" in stderr
     res = json.loads((run_dir / "results.json").read_text())
     assert res["complete"] is False and 1 <= res["samples_done"] < 40

@@ -119,3 +119,15 @@ def test_cli_errors(tmp_path, args, needle):
     assert isinstance(res.exception, SparsetuneError), res.output
     assert needle in str(res.exception)
     assert not list(tmp_path.iterdir())  # no run directory for a failed run
+
+
+def test_cli_prints_the_table_on_stdout_without_profiler_notes(tmp_path):
+    """Without --json the breakdown is the command's output (stdout); the profiler's native
+    `USDT:` start/stop notes do not leak into the terminal."""
+    from tests.test_cli import run
+
+    proc = run("profile", "--random-weights", "--device", "cpu", "--batch", "1", "--context", "96", "--steps", "1",
+               "--threads", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "% of step" in proc.stdout and "sum" in proc.stdout
+    assert "USDT" not in proc.stdout + proc.stderr

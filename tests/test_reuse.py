@@ -262,3 +262,4 @@ def test_eval_rag_with_a_reuse_flow(smollm, tmp_path):
     assert res["dense_accuracy"] is not None and res["fidelity"]["positions"] > 0  # the reference ran
     recs = [json.loads(line) for line in (tmp_path.glob("*/samples.jsonl").__next__()).read_text().splitlines()]
     assert all(r["reuse"]["segment_hits"] == 6 for r in recs)  # stage 1 stored every document first
+    assert "-cacheblend-smollm2-135m" in res["run_dir"] and "dense" not in res["run_dir"]

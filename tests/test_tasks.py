@@ -15,7 +15,7 @@ from sparsetune.evaluation.custom import load_jsonl
 from sparsetune.evaluation.multiturn import POSITIONS
 from sparsetune.evaluation.samples import Sample, final_prompt_tokens, gold_replies, turn_messages
 from sparsetune.evaluation.scoring import postprocess, score
-from sparsetune.evaluation.tasks import DEFAULT_SUITE, TASKS, build_samples, list_tasks
+from sparsetune.evaluation.tasks import DEFAULT_SUITE, TASKS, build_samples, list_tasks, task_size
 
 N = 3  # samples per (task, context): enough for the multiturn rotation to show every position
 
@@ -385,10 +385,19 @@ def test_custom_segments_are_the_user_message_parts(tmp_path):
     assert s.turns[0].user == "Notes:\nRemember 42.Which number?"
 
 
+def test_custom_keeps_extra_keys(tmp_path):
+    """A dataset's own fields are metadata, not errors."""
+    (s,) = load_jsonl(write(tmp_path, [json.dumps({**OK, "kind": "qa", "category": {"a": 1}, "id": 7})]))
+    assert s.meta == {"line": 1, "id": 7, "extra": {"kind": "qa", "category": {"a": 1}}}
+
+
 def test_custom_through_build_samples(tmp_path, tok):
     path = write(tmp_path, [json.dumps({"prompt": f"p{i}", "answers": ["a"]}) for i in range(5)])
-    got = build_samples(str(path), tok, 1024, 3, 0)  # not resized; the first `samples` lines
-    assert [s.turns[0].user for s in got] == ["p0", "p1", "p2"]
+    got = build_samples(str(path), tok, 1024, 3, 0)  # not resized; every line: --samples is for generated tasks
+    assert [s.turns[0].user for s in got] == ["p0", "p1", "p2", "p3", "p4"]
+    got = build_samples(str(path), tok, 1024, 3, 0, limit=2)  # --limit caps
+    assert [s.turns[0].user for s in got] == ["p0", "p1"]
+    assert task_size(str(path), 3) == 5 and task_size("vt", 3) == 3
 
 
 OK = {"prompt": "p", "answers": ["a"]}
@@ -412,7 +421,6 @@ OK = {"prompt": "p", "answers": ["a"]}
             json.dumps({"messages": [{"role": "bot", "content": "q"}], "answers": ["a"]}),
             r'tasks\.jsonl:2: "messages\[0\]\.role" must be one of system, user, assistant',
         ),
-        (json.dumps({**OK, "promt": "p"}), r'tasks\.jsonl:2: unknown key "promt"; the keys are prompt, messages'),
         (json.dumps({"answers": ["a"]}), r'tasks\.jsonl:2: missing "prompt" \(a string\) or "messages"'),
         (json.dumps({**OK, "messages": []}), r'tasks\.jsonl:2: give either "prompt" or "messages", not both'),
         (json.dumps({**OK, "max_new_tokens": 0}), r'tasks\.jsonl:2: "max_new_tokens" must be an integer of at least'),

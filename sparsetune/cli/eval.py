@@ -7,6 +7,7 @@ from typing import Any
 
 import typer
 
+from sparsetune.cli.options import apply_threads, progress, threads_option
 from sparsetune.cli.output import emit_json, err, parse_size
 
 
@@ -15,7 +16,8 @@ def eval_command(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
     task: list[str] = typer.Option(None, "--task", "-t", help="Task name or a .jsonl file (repeatable; default: the standard suite)."),
     context: int = typer.Option(1024, "--context", "-c", help="Target prompt length in tokens (generated tasks; speed prompts)."),
-    samples: int = typer.Option(4, "--samples", "-n", help="Samples per generated task."),
+    samples: int = typer.Option(4, "--samples", help="Samples per generated task (a .jsonl file runs every line)."),
+    limit: int = typer.Option(None, "--limit", help="At most N samples per task, generated or from a file."),
     seed: int = typer.Option(0, help="Seed for task generation, speed prompts and random weights."),
     param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
     reuse: str = typer.Option(None, "--reuse", help="KV-reuse flow for tasks with segments (e.g. --task rag): sparsex, cacheblend, ..."),
@@ -33,13 +35,14 @@ def eval_command(
     out: Path = typer.Option(Path("runs"), "--out", "-o", help="Directory for run records."),
     resume: Path = typer.Option(None, "--resume", help="Continue an interrupted run directory (its config wins)."),
     list_tasks: bool = typer.Option(False, "--list-tasks", help="Describe the built-in tasks and exit."),
+    threads: int = threads_option(),
     json_out: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
 ) -> None:
     """Measure a flow's accuracy, fidelity to dense and speed."""
     if list_tasks:
         _list_tasks(json_out)
         return
-    from sparsetune.evaluation.runner import evaluate
+    from sparsetune.evaluation.config import EvalConfig, check_config, load_resume_config
     from sparsetune.flow.params import parse_param_args
 
     kwargs: dict[str, Any] = dict(
@@ -47,27 +50,29 @@ def eval_command(
         params=parse_param_args(param), batch=batch, max_new_tokens=max_new_tokens, mode=mode,
         fidelity=not no_fidelity, device=device, dtype=dtype, random_weights=random_weights,
         kv_memory=parse_size(kv_memory, "--kv-memory"), flow_executor=flow_executor, cuda_graph=not no_cuda_graph,
-        reuse=reuse, reuse_params=parse_param_args(reuse_param), out=out, resume=resume,
+        reuse=reuse, reuse_params=parse_param_args(reuse_param), limit=limit,
     )
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    # Arguments are checked before torch loads (evaluate checks them again, for Python callers).
+    check_config(load_resume_config(resume) if resume is not None else EvalConfig(**kwargs))
+    apply_threads(threads)
+    from sparsetune.evaluation.runner import evaluate
 
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
-    ) as bar:
-        task_id = bar.add_task(f"loading {model} and building tasks", total=None)
+    where: dict[str, Path] = {}
+    with progress("eval", "samples") as update:
+        update(0, 0, f"loading {model} and building tasks")
 
-        def on_start(run_dir: Path, _res: dict[str, Any]) -> None:
+        def on_start(run_dir: Path, res: dict[str, Any]) -> None:
+            where["run_dir"] = run_dir
             err.print(f"[dim]run directory: {run_dir}[/]")
-
-        def on_progress(done: int, total: int, what: str) -> None:
-            bar.update(task_id, completed=done, total=total, description=f"evaluating ({what})")
+            if res.get("note"):
+                err.print(f"[yellow]note: {res['note']}[/]")
 
         try:
-            results = evaluate(**kwargs, on_progress=on_progress, on_start=on_start)
+            results = evaluate(**kwargs, out=out, resume=resume, on_progress=update, on_start=on_start)
         except KeyboardInterrupt:
-            err.print("[yellow]interrupted: the partial run is on disk (results.json: complete=false); "
-                      "continue it with --resume RUN_DIR[/]")
+            if "run_dir" in where:
+                err.print(f"[yellow]interrupted: the partial run is on disk (results.json: complete=false); "
+                          f"continue it with: sparsetune eval --resume {where['run_dir']}[/]")
             raise
     if json_out:
         emit_json(results)
@@ -103,7 +108,8 @@ def _summary(res: dict[str, Any], out) -> None:
             return row
 
         for name, row in res["tasks"].items():
-            t.add_row(name, str(row["n"]), *cells(row["accuracy"], row["dense_accuracy"], row.get("fidelity")))
+            n = str(row["n"]) if not row.get("total") or row["total"] == row["n"] else f"{row['n']} of {row['total']}"
+            t.add_row(name, n, *cells(row["accuracy"], row["dense_accuracy"], row.get("fidelity")))
         t.add_row("[bold]mean[/]", "", *cells(res["accuracy"], res["dense_accuracy"], res.get("fidelity")))
         out.print(t)
         who = res["flow"] if not res.get("reuse") else f"{res['flow']} + {res['reuse']['flow']}"
@@ -133,6 +139,8 @@ def _summary(res: dict[str, Any], out) -> None:
         out.print(t)
         if speed.get("decode_speedup"):
             out.print(f"decode speedup over dense: {speed['decode_speedup']:.2f}×")
+    if res.get("note"):
+        out.print(f"[yellow]note: {res['note']}[/]")
     out.print(f"[dim]record: {res['run_dir']}/results.json ({res['seconds']:.0f}s)[/]")
 
 

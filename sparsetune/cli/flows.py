@@ -9,9 +9,11 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from sparsetune.cli.options import apply_threads, threads_option
 from sparsetune.cli.output import emit_json, err
 
-app = typer.Typer(help="List, show, check, create and calibrate flows.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="List, show, check, create and calibrate flows.", no_args_is_help=True, add_completion=False,
+                  rich_markup_mode=None)
 
 TEMPLATE = '''"""{title}: one line on the rule this flow implements, and where it comes from.
 
@@ -87,8 +89,12 @@ def show(name: str, json_out: bool = typer.Option(False, "--json")) -> None:
     table.add_column("meaning")
     for k, v in params.items():
         table.add_row(k, v["describe"], v["doc"])
+    if not out.is_terminal:  # a pipe or a file gets the source as it is, uncut; the table goes to stderr
+        err.print(table)
+        sys.stdout.write(source)
+        return
     out.print(table)
-    out.print(Syntax(source, "python"))
+    out.print(Syntax(source, "python", word_wrap=True))
 
 
 @app.command()
@@ -102,7 +108,7 @@ def check(
     from sparsetune.flow.params import Configurable, parse_param_args
     from sparsetune.flow.registry import flow_kind, get_flow_class
 
-    cls = get_flow_class(file, Configurable)
+    cls = get_flow_class(file, Configurable, all_problems=True)
     if flow_kind(cls) == "reuse":  # plain Python over the executor's inputs: its params are what can be checked
         flow = cls.from_strings(parse_param_args(param))
         if json_out:
@@ -136,6 +142,9 @@ def new(
     path = out or Path(f"{name}.py")
     if path.exists():
         raise SparsetuneError(f"{path} exists; pick another --out")
+    if not path.parent.is_dir():
+        raise SparsetuneError(f"--out {path}: the directory {path.parent} does not exist; create it first "
+                              f"(mkdir -p {path.parent}) or pick another --out")
     cls = "".join(p.capitalize() for p in name.split("_")) or "MyFlow"
     path.write_text(TEMPLATE.format(title=name.replace("_", " ").capitalize(), name=name, cls=cls, file=path))
     err.print(f"wrote {path}; next: sparsetune flows check {path}")
@@ -150,11 +159,13 @@ def calibrate(
     out: Path = typer.Option(None, "--out", help="Where to write (default: the model's file, which --param calibration=auto reads)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed-only runs)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    threads: int = threads_option(),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Rank each layer's KV-head channels by mean|q*k| for calibrated flows (double_sparse)."""
     import json
 
+    apply_threads(threads)
     from sparsetune.flow.calibrate import calibrate as run
 
     content = _read_text(text)
@@ -195,11 +206,13 @@ def profile_heads(
     out: Path = typer.Option(None, "--out", help="Where to write (default: the model's file, which --reuse redknot reads)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed-only runs)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    threads: int = threads_option(),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Score each (layer, KV head) for RedKnot's head classes: prefix shift and mass outside sinks + window."""
     import json
 
+    apply_threads(threads)
     from sparsetune.reuse.head_profile import global_heads, profile_heads as run
 
     content = _read_text(text)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from sparsetune.cli.options import apply_threads, threads_option
 from sparsetune.cli.output import emit_json, err, parse_size
 
 
@@ -32,7 +33,9 @@ def _read_parts(path: Path) -> list:
 def generate(
     prompt: str = typer.Option(None, "--prompt", "-p", help="The user message (the chat template is applied)."),
     parts: Path = typer.Option(None, "--parts", help="A JSON file: the user message as a list of parts, strings and "
-                               '{"text": ..., "reuse": true, "namespace": ...} segments (needs --reuse).'),
+                               '{"text": ..., "reuse": true, "namespace": ...} segments (needs --reuse). Segments '
+                               "are cached for this process only: each run computes them once, then reuses them; "
+                               "keep them across prompts with the Python API's LLM."),
     reuse: str = typer.Option(None, "--reuse", help="KV-reuse flow for the segments of --parts: sparsex, cacheblend, ..."),
     reuse_param: list[str] = typer.Option(None, "--reuse-param", help="Reuse-flow hyperparameter key=value (repeatable)."),
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
@@ -52,6 +55,7 @@ def generate(
     flow: str = typer.Option(None, "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file."),
     param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
     flow_executor: str = typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU)."),
+    threads: int = threads_option(),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object to stdout."),
 ) -> None:
     """Generate a completion for one prompt."""
@@ -66,8 +70,6 @@ def generate(
     if parts is None and (reuse is not None or reuse_param):
         raise SparsetuneError("--reuse applies to the segments of a --parts FILE prompt; a --prompt has none")
     user = prompt if parts is None else _read_parts(parts)
-    if block_size < 1 or block_size & (block_size - 1):
-        raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")
     options = dict(
         device=device, dtype=dtype, random_weights=random_weights, kv_memory=parse_size(kv_memory, "--kv-memory"),
         block_size=block_size, max_model_len=max_model_len, cuda_graph=not no_cuda_graph, seed=seed, max_num_seqs=8,
@@ -75,6 +77,7 @@ def generate(
         flow=flow, flow_params=parse_param_args(param), flow_executor=flow_executor,
         reuse=reuse, reuse_params=parse_param_args(reuse_param),
     )
+    apply_threads(threads)
     with err.status(f"loading {model} and generating ..."):
         result = run(
             user, model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -82,8 +85,8 @@ def generate(
         )
     if json_out:
         emit_json(result.to_dict())
-        return
-    sys.stdout.write(result.text + "\n")
+    else:
+        sys.stdout.write(result.text + "\n")
     rate = f", {result.decode_tokens_per_second:.1f} tok/s decode" if result.decode_tokens_per_second else ""
     err.print(
         f"[dim]{result.model} on {result.device} ({result.dtype}): {result.prompt_tokens} prompt + "
@@ -92,6 +95,7 @@ def generate(
     if result.reuse:
         r = result.reuse
         err.print(f"[dim]reuse ({r['flow']}): {r['reuse_ratio']:.0%} of the prompt reused, {r['recompute_ratio']:.0%} of "
-                  f"it recomputed; {r['segment_hits']} segment hits, {r['segment_misses']} computed and stored first[/]")
+                  f"it recomputed; {r['segment_hits']} segment hits, {r['segment_misses']} computed and stored first "
+                  "(the segment cache lives in this process: a later run computes them again)[/]")
     if result.random_weights:
         err.print("[yellow]random weights: the text is meaningless (speed-only run)[/]")

@@ -5,36 +5,59 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
+try:  # typer >= 0.22 vendors click
+    from typer._click import exceptions as cx
+except ImportError:  # older typer runs on click itself
+    from click import exceptions as cx
+
+from sparsetune import __version__
 from sparsetune.cli.output import err
 from sparsetune.errors import SparsetuneError
 
+# Plain click help (rich_markup_mode=None): typer's rich help labels flags `--json <bool>`.
 app = typer.Typer(
     name="sparsetune",
     help="Try, tune and ship sparse-attention and KV-reuse flows for LLM serving.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
-# Commands whose issue has not landed: each says so in one line and exits non-zero.
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"sparsetune {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Try, tune and ship sparse-attention and KV-reuse flows for LLM serving."""
+
+
+# Commands that are not built yet: each says so in one line and exits non-zero.
 _NOT_BUILT = {
-    "search": ("Optuna + LLM-agent search over flows and hyperparameters (not built yet).", "planned after issue #5"),
-    "export": ("Turn a winning flow into a production config (not built yet).", "planned after issue #5"),
+    "search": "Multi-objective search over flows and their hyperparameters (not built yet).",
+    "export": "Export a tuned flow as a bundle that runs inside SGLang (not built yet).",
 }
 
 
-def _not_built_command(name: str, issue: str):
+def _not_built_command(name: str):
     def command() -> None:
-        raise SparsetuneError(f"`sparsetune {name}` is not built yet ({issue}); `sparsetune generate` works today")
+        raise SparsetuneError(f"`sparsetune {name}` is not built yet; today `sparsetune eval` measures a flow "
+                              "and `sparsetune profile` breaks down its decode step")
 
     return command
 
 
-for _name, (_help, _issue) in _NOT_BUILT.items():
+for _name, _help in _NOT_BUILT.items():
     app.command(name=_name, help=_help, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-        _not_built_command(_name, _issue)
+        _not_built_command(_name)
     )
 
 
@@ -53,14 +76,27 @@ _register()
 
 
 def main() -> None:
+    command = typer.main.get_command(app)
     try:
-        app()
+        code = command.main(prog_name="sparsetune", standalone_mode=False)
     except SparsetuneError as e:
-        err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except cx.UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # a command group on its own: its help
+            e.show()
+            sys.exit(2)
+        # Bad or missing options: one line, and where to read about them.
+        path = e.ctx.command_path if e.ctx is not None else "sparsetune"
+        err.print(f"[bold red]error:[/] {escape(e.format_message())} (see {path} --help)", soft_wrap=True)
+        sys.exit(2)
+    except cx.ClickException as e:
+        err.print(f"[bold red]error:[/] {escape(e.format_message())}", soft_wrap=True)
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
         err.print("interrupted")
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ from rich.table import Table
 
 from sparsetune.cli.output import emit_json, err
 
-app = typer.Typer(help="Models the engine knows.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="Models the engine knows.", no_args_is_help=True, add_completion=False,
+                  rich_markup_mode=None)
 
 
 @app.command("list")

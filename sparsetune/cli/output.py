@@ -11,7 +11,7 @@ from rich.console import Console
 
 from sparsetune.errors import SparsetuneError
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines are not cut at 80 columns
 
 
 def emit_json(obj: Any) -> None:

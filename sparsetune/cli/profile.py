@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from sparsetune.cli.options import apply_threads, threads_option
 from sparsetune.cli.output import emit_json, err, parse_size
 
 
@@ -26,18 +27,26 @@ def profile(
     seed: int = typer.Option(0, help="Seed for the prompts and random weights."),
     trace: Path = typer.Option(None, "--trace", help="Also write the profiled step's Chrome trace (JSON) here."),
     out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the run directory."),
-    json_out: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
+    threads: int = threads_option(),
+    json_out: bool = typer.Option(False, "--json", help="Print results.json to stdout (the table goes to stderr)."),
 ) -> None:
     """Break one decode step into attention, flow stages, GEMMs, norms, sampling, ... (GPU kernel
     time; CPU time on CPU, attributed by stage)."""
-    from sparsetune import records
     from sparsetune.flow.params import parse_param_args
-    from sparsetune.profile import plot, profile as run
 
     options = dict(device=device, dtype=dtype, random_weights=random_weights, flow_executor=flow_executor, seed=seed,
                    kv_memory=parse_size(kv_memory, "--kv-memory"))
+    flow_params = parse_param_args(param)
+    from sparsetune.engine.config import EngineConfig
+
+    EngineConfig(model=model, **{**options, "device": None if device == "auto" else device,
+                                 "dtype": None if dtype == "auto" else dtype}).check()  # before torch loads
+    apply_threads(threads)
+    from sparsetune import records
+    from sparsetune.profile import plot, profile as run
+
     with err.status(f"profiling {flow} on {model}: batch {batch}, context {context} ..."):
-        result = run(model=model, flow=flow, flow_params=parse_param_args(param), batch=batch, context=context,
+        result = run(model=model, flow=flow, flow_params=flow_params, batch=batch, context=context,
                      steps=steps, trace_path=trace, **options)
     run_dir = records.new_run_dir(out, "profile", flow, model)
     result["run_dir"] = str(run_dir)
@@ -46,7 +55,11 @@ def profile(
     plot(result, run_dir / "profile.png")
     if json_out:
         emit_json(result)
-    err.print(table(result))
+        err.print(table(result))
+    else:
+        from rich.console import Console
+
+        Console(highlight=False).print(table(result))
     err.print(f"[dim]{run_dir}/: results.json, env.json, profile.png" + (f"; trace: {trace}" if trace else "") + "[/]")
 
 

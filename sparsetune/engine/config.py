@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sparsetune.errors import SparsetuneError
 from sparsetune.models.registry import DEFAULT_MODEL
 
 
@@ -31,3 +32,25 @@ class EngineConfig:
     random_weights: bool = False
     seed: int = 0
     extra: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        """The option rules that need neither torch nor weights, and that the model exists (`LLM`, the
+        Python API and the CLI run them first, so a mistake fails before torch loads)."""
+        from sparsetune.device import check_device_name, check_dtype_name
+        from sparsetune.models.resolve import model_config
+
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise SparsetuneError(f"--block-size must be a power of two (got {bs})")
+        for flag, value, low in (("--max-model-len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
+                                 ("max_num_batched_tokens", self.max_num_batched_tokens, 1),
+                                 ("--kv-memory", self.kv_memory, 1), ("num_kv_blocks", self.num_kv_blocks, 1)):
+            if value is not None and value < low:
+                raise SparsetuneError(f"{flag} must be at least {low} (got {value})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise SparsetuneError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        check_device_name(self.device)
+        check_dtype_name(self.dtype)
+        if self.flow_executor not in (None, "reference", "compiled"):
+            raise SparsetuneError(f"--flow-executor {self.flow_executor!r}: use reference or compiled")
+        model_config(self.model, self.random_weights)

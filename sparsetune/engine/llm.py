@@ -65,6 +65,7 @@ class LLM:
             if not hasattr(cfg, k):
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(cfg, k, v)
+        cfg.check()
         self.config = cfg
         cfg.flow, cfg.flow_params = decode_flow_for(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
         self.flow = self._build_flow()
@@ -95,6 +96,7 @@ class LLM:
         num_blocks = self._num_kv_blocks(max_len)
         if num_blocks < 1:
             raise SparsetuneError("the KV pool has no room for a single block; raise --kv-memory")
+        self._check_memory(num_blocks)
         self.kv = KVCache(
             mcfg.num_hidden_layers, num_blocks, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim,
             self.dtype, self.device,
@@ -182,6 +184,21 @@ class LLM:
         budget = int(free * cfg.gpu_memory_utilization) - act - (1 << 30)
         return max(0, budget // per_block)
 
+    def _check_memory(self, num_blocks: int) -> None:
+        """A KV pool larger than the device's memory is refused before it is allocated."""
+        cfg, mcfg = self.config, self.model_config
+        need = num_blocks * (KVCache.bytes_per_block(mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size,
+                                                     mcfg.head_dim, self.dtype) + self._flow_bytes_per_block())
+        if self.device.type == "cuda":
+            have, what = torch.cuda.mem_get_info(self.device)[0], "free GPU memory"
+        else:
+            import os
+
+            have, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory"
+        if need > have:
+            raise SparsetuneError(f"the KV pool needs {need / 2**30:.1f} GiB but {what} is {have / 2**30:.1f} GiB; "
+                                  "lower --batch or --context, or set --kv-memory")
+
     def _flow_bytes_per_block(self) -> int:
         """A flow's per-block fields on its sparse layers: they live beside the pool, sized like it."""
         flow, mcfg = self.flow, self.model_config
@@ -204,7 +221,7 @@ class LLM:
         raw = dict(cfg.flow_params)
         if "block_size" not in raw:
             raw["block_size"] = str(cfg.block_size)  # --block-size sets the flow's granularity too
-        elif raw["block_size"] != str(cfg.block_size) and cfg.block_size != EngineConfig.block_size:
+        elif str(raw["block_size"]) != str(cfg.block_size) and cfg.block_size != EngineConfig.block_size:
             raise SparsetuneError(
                 f"--block-size {cfg.block_size} disagrees with --param block_size={raw['block_size']}; set it once"
             )

@@ -12,7 +12,9 @@ the sample's history), `answers` (non-empty list of strings), and optionally `me
 fraction of answers found, the default; "any": 1 if any is found), `max_new_tokens`, `id`, and
 `segments`: the parts of the user message before `prompt` (strings, or {"text", "reuse",
 "namespace", "pin"} objects, see `reuse/parts.py`); with `--reuse` the reusable ones come from the
-segment cache. The task's name is the file's stem. Custom samples are used as written: `--context` does not resize them.
+segment cache. Any other key (a dataset's `kind`, `category`, ids) is kept as the sample's
+metadata (`meta.extra` in samples.jsonl). The task's name is the file's stem. Custom samples are
+used as written: `--context` does not resize them; every line runs unless `--limit` caps them.
 
 Every mistake is a `SparsetuneError` naming the file, the line and the field, so a user can fix a
 large file from the message alone.
@@ -70,10 +72,6 @@ def _sample(line: str, task: str, index: int, lineno: int, ids: dict[Any, int]) 
         raise _LineError(f"not valid JSON ({e.msg} at column {e.colno}); write one JSON object per line") from None
     if not isinstance(obj, dict):
         raise _LineError(f"expected a JSON object, got {_kind(obj)}; write one JSON object per line")
-    unknown = [k for k in obj if k not in KEYS]
-    if unknown:
-        raise _LineError(f'unknown key "{unknown[0]}"; the keys are {", ".join(KEYS)}')
-
     answers = _answers(obj)
     metric = obj.get("metric", "all")
     if metric not in METRICS:
@@ -96,6 +94,9 @@ def _sample(line: str, task: str, index: int, lineno: int, ids: dict[Any, int]) 
     meta: dict[str, Any] = {"line": lineno}
     if sample_id is not None:
         meta["id"] = sample_id
+    extra = {k: v for k, v in obj.items() if k not in KEYS}
+    if extra:  # a dataset's own fields (kind, category, ids): kept in samples.jsonl, not used
+        meta["extra"] = extra
     return Sample(
         task=task,
         index=index,

@@ -15,15 +15,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from sparsetune.engine.llm import LLM
-from sparsetune.engine.sequence import SamplingParams
+from sparsetune.engine.sequence import SamplingParams, Status
 from sparsetune.errors import SparsetuneError
+from sparsetune.evaluation.config import DEFAULT_SPEED_TOKENS, EvalConfig, check_config, load_resume_config
 from sparsetune.evaluation.fidelity import FidelityTally
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
@@ -33,55 +34,15 @@ from sparsetune.models.registry import DEFAULT_MODEL
 from sparsetune.records import env_info, new_run_dir, write_json
 
 SCHEMA = "sparsetune.eval/1"
-MODES = ("auto", "accuracy", "speed", "all")
-DEFAULT_SPEED_TOKENS = 128
 
 # on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.
-ProgressFn = Callable[[int, int, str], None]
-
-
-@dataclass
-class EvalConfig:
-    """Everything that determines a run; written to config.json and read back by `resume`."""
-
-    flow: str = "dense"
-    model: str = DEFAULT_MODEL
-    tasks: list[str] | None = None  # None: the default suite
-    context: int = 1024
-    samples: int = 4
-    seed: int = 0
-    params: dict[str, str] = field(default_factory=dict)  # raw --param strings
-    batch: int = 8
-    max_new_tokens: int | None = None  # None: each task's own length (speed: 128)
-    mode: str = "auto"
-    fidelity: bool = True
-    device: str = "auto"
-    dtype: str = "auto"
-    random_weights: bool = False
-    kv_memory: int | None = None
-    flow_executor: str | None = None
-    cuda_graph: bool = True
-    reuse: str | None = None  # KV-reuse flow for tasks with segments (rag)
-    reuse_params: dict[str, str] = field(default_factory=dict)
+ProgressFn = Callable[[float, int, str], None]  # done may be fractional mid-chunk
 
 
 def _resolve_mode(cfg: EvalConfig, device: torch.device) -> str:
-    if cfg.mode not in MODES:
-        raise SparsetuneError(f"--mode {cfg.mode!r}: use one of {', '.join(MODES)}")
-    mode = cfg.mode
-    if mode == "auto":
-        mode = "speed" if cfg.random_weights else ("all" if device.type == "cuda" else "accuracy")
-    if cfg.random_weights and mode != "speed":
-        raise SparsetuneError("accuracy needs real weights: drop --random-weights, or pass --mode speed")
-    return mode
-
-
-def _validate(cfg: EvalConfig) -> None:
-    for name, value, low in (("--context", cfg.context, 16), ("--samples", cfg.samples, 1), ("--batch", cfg.batch, 1)):
-        if value < low:
-            raise SparsetuneError(f"{name} must be at least {low} (got {value})")
-    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
-        raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
+    if cfg.mode == "auto":
+        return "speed" if cfg.random_weights else ("all" if device.type == "cuda" else "accuracy")
+    return cfg.mode
 
 
 def eval_kv_memory(model: str, batch: int, context: int, gen_tokens: int = 512, device: str | None = None,
@@ -139,9 +100,9 @@ class _Pass:
 
 
 def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: bool,
-              forced: _Pass | None = None) -> _Pass:
+              forced: _Pass | None = None, tick: Callable[[int], None] | None = None) -> _Pass:
     """Greedy turns for a chunk of samples; multi-turn samples feed back their own earlier replies
-    (or, when `forced`, the dense pass's replies and tokens)."""
+    (or, when `forced`, the dense pass's replies and tokens). `tick(n)`: n more turns finished."""
     tok = llm.tokenizer
     n = len(samples)
     out = _Pass([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [None] * n)
@@ -173,8 +134,14 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
                 seq, stats = llm.add_reuse_request(layout, p)
                 seqs.append(seq)
                 out.reuse[i] = stats.to_dict()
+        pending = list(seqs)
         while llm.scheduler.has_work():
             llm.step()
+            if tick is not None:
+                done = [q for q in pending if q.status == Status.FINISHED]
+                if done:
+                    pending = [q for q in pending if q.status != Status.FINISHED]
+                    tick(len(done))
         for i, ids, s in zip(rows, prompts, seqs):
             out.prompts[i].append(ids)
             out.tokens[i].append(s.completion_ids)
@@ -192,19 +159,35 @@ def _score_turns(sample: Sample, texts: list[str]) -> list[float]:
     return [score(postprocess(t), list(turn.answers), sample.metric) for turn, t in zip(sample.turns, texts)]
 
 
-def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed: bool) -> list[dict[str, Any]]:
+def _passes(plain: bool, dense_needed: bool, fidelity: bool) -> int:
+    """Passes over each sample: the dense reference, the flow's own, the forced one (fidelity)."""
+    return int(dense_needed) + int(not (plain and dense_needed)) + int(dense_needed and fidelity and not plain)
+
+
+def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed: bool,
+                   on_turns: Callable[[float], None] | None = None) -> list[dict[str, Any]]:
+    """Records of a chunk of samples; `on_turns(fraction)`: the share of the chunk's work done."""
     plain = _is_plain(llm)
+    units = _passes(plain, dense_needed, cfg.fidelity) * sum(len(s.turns) for s in chunk)
+    state = {"done": 0}
+
+    def tick(n: int) -> None:
+        state["done"] += n
+        if on_turns is not None:
+            on_turns(min(1.0, state["done"] / units))
+
     dense = None
     if dense_needed:  # the reference: full attention, every prompt token computed (no reuse)
         reuse_flow, llm.reuse_flow = llm.reuse_flow, None
         llm.set_flow(None)
         try:
-            dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity)
+            dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity, tick=tick)
         finally:
             llm.set_flow(cfg.flow, cfg.params)
             llm.reuse_flow = reuse_flow
-    main = dense if plain and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False)
-    forced = _run_pass(llm, chunk, cfg, True, forced=dense) if dense is not None and cfg.fidelity and not plain else None
+    main = dense if plain and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False, tick=tick)
+    forced = (_run_pass(llm, chunk, cfg, True, forced=dense, tick=tick)
+              if dense is not None and cfg.fidelity and not plain else None)
     records = []
     for i, s in enumerate(chunk):
         turn_scores = _score_turns(s, main.texts[i])
@@ -234,8 +217,9 @@ def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 6) if xs else None
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-task and overall accuracy, dense accuracy and fidelity, from sample records alone."""
+def summarize(records: list[dict[str, Any]], totals: dict[str, int] | None = None) -> dict[str, Any]:
+    """Per-task and overall accuracy, dense accuracy and fidelity, from sample records alone;
+    `totals`: how many samples each task has (`n` of `total` ran, after --limit)."""
     by_task: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_task.setdefault(r["task"], []).append(r)
@@ -249,7 +233,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                 overall.add_record(r["fidelity"])
         dense = [r["dense"]["score"] for r in recs if r.get("dense")]
         tasks[name] = {
-            "accuracy": _mean([r["score"] for r in recs]), "n": len(recs),
+            "accuracy": _mean([r["score"] for r in recs]), "n": len(recs), "total": (totals or {}).get(name),
             "dense_accuracy": _mean(dense) if len(dense) == len(recs) else None,
             "fidelity": fid.summary(),
         }
@@ -294,13 +278,33 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
 
 # ---- the run --------------------------------------------------------------------------------------
 
-def _load_resume(run_dir: Path) -> EvalConfig:
-    cfg_file = run_dir / "config.json"
-    if not cfg_file.is_file():
-        raise SparsetuneError(f"--resume {run_dir}: no config.json there; pass a run directory made by sparsetune eval")
-    raw = json.loads(cfg_file.read_text())
-    known = EvalConfig.__dataclass_fields__
-    return EvalConfig(**{k: v for k, v in raw.get("eval", {}).items() if k in known})
+def _check_samples_fit(llm: LLM, samples: list[Sample], cfg: EvalConfig) -> None:
+    """Every sample's first prompt and reply fit one request (custom files are not resized),
+    before a run directory exists."""
+    for s in samples:
+        ids = prompt_layout(llm.tokenizer, s).token_ids if s.segments else prompt_ids(llm.tokenizer, s, 0, [])
+        gen = cfg.max_new_tokens or s.max_new_tokens
+        if len(ids) + gen + 1 > llm.max_model_len:
+            where = f"{s.task} sample {s.index}" + (f" (line {s.meta['line']})" if "line" in s.meta else "")
+            raise SparsetuneError(f"{where}: {len(ids)} prompt tokens + {gen} generated exceed the {llm.max_model_len} "
+                                  "tokens a request can hold; lower --context or --max-new-tokens")
+
+
+def _budget_note(llm: LLM, context: int) -> str | None:
+    """Say so when a sparse flow attends every block of the context anyway: it then matches dense."""
+    flow = llm.flow
+    if flow is None or flow.full_attention:
+        return None
+    blocks = -(-context // flow.block_size)
+    window = "budget" in flow.inapplicable  # sinks + recent window only (streaming)
+    attended = min(blocks, flow.sink_blocks + flow.local_blocks) if window else flow.budget_blocks(blocks)
+    if attended < blocks:
+        return None
+    budget = f"{flow.budget_ratio:g} of the context" if flow.budget_ratio is not None else f"{flow.budget} tokens"
+    what = f"its sink and local blocks ({flow.sink_blocks} + {flow.local_blocks})" if window else f"its budget ({budget})"
+    fix = "lower --param local_blocks" if window else "pass --param budget_ratio=0.125 (or a smaller --param budget)"
+    return (f"{flow.name} attends every block of the {context}-token context: {what} covers it, so the result "
+            f"is dense attention; {fix}")
 
 
 def evaluate(
@@ -310,7 +314,7 @@ def evaluate(
     context: int = 1024,
     samples: int = 4,
     seed: int = 0,
-    params: dict[str, str] | None = None,
+    params: dict[str, Any] | None = None,
     batch: int = 8,
     max_new_tokens: int | None = None,
     mode: str = "auto",
@@ -322,31 +326,37 @@ def evaluate(
     flow_executor: str | None = None,
     cuda_graph: bool = True,
     reuse: str | None = None,
-    reuse_params: dict[str, str] | None = None,
+    reuse_params: dict[str, Any] | None = None,
     out: str | Path | None = None,
     resume: str | Path | None = None,
     on_progress: ProgressFn | None = None,
     on_start: Callable[[Path, dict[str, Any]], None] | None = None,
     llm: LLM | None = None,
+    limit: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate `flow` on `model`; returns the `results.json` object (also written to the run dir).
 
+    `samples`: per generated task; a custom JSONL file runs every line. `limit`: at most this many
+    samples per task (either kind). `params`/`reuse_params`: `--param` strings or typed values.
     `resume`: a run directory of an interrupted run; its config wins and finished samples are kept.
     `llm`: an idle engine of `model` to reuse (sweeps): its flow is switched to `flow`; engine
     options (device, dtype, batch limits, KV memory) are then the engine's own.
+    Every argument is checked before an engine is built or a run directory is created.
     """
     if resume is not None:
         run_dir = Path(resume)
-        cfg = _load_resume(run_dir)
+        cfg = load_resume_config(run_dir)
     else:
-        # No --flow: dense, or the reuse flow's own decode flow (loopserve); an explicit "dense" stays.
-        flow, params = decode_flow_for(flow, dict(params or {}), reuse, dict(reuse_params or {}))
         cfg = EvalConfig(flow or "dense", model, list(tasks) if tasks else None, context, samples, seed, dict(params or {}),
                          batch, max_new_tokens, mode, fidelity, device, dtype, random_weights, kv_memory,
-                         flow_executor, cuda_graph, reuse, dict(reuse_params or {}))
+                         flow_executor, cuda_graph, reuse, dict(reuse_params or {}), limit)
         run_dir = None
-    _validate(cfg)
-    from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples
+    check_config(cfg)
+    if resume is None:
+        # No --flow: dense, or the reuse flow's own decode flow (loopserve); an explicit "dense" stays.
+        flow_spec, flow_params = decode_flow_for(flow, cfg.params, reuse, cfg.reuse_params)
+        cfg.flow, cfg.params = flow_spec or "dense", dict(flow_params)
+    from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples, task_size
 
     task_names = cfg.tasks or list(DEFAULT_SUITE)
     if llm is None:
@@ -364,15 +374,25 @@ def evaluate(
     if accuracy_on and llm.tokenizer is None:
         raise SparsetuneError(f"{llm.resolved.name} has no tokenizer; accuracy tasks need one (or pass --mode speed)")
     all_samples: list[Sample] = []
+    task_totals: dict[str, int] = {}
     if accuracy_on:
         for name in task_names:
-            all_samples.extend(build_samples(name, llm.tokenizer, cfg.context, cfg.samples, cfg.seed))
+            built = build_samples(name, llm.tokenizer, cfg.context, cfg.samples, cfg.seed, cfg.limit)
+            all_samples.extend(built)
+            if built:
+                task_totals[built[0].task] = task_size(name, cfg.samples)
+        _check_samples_fit(llm, all_samples, cfg)
+    if speed_on:
+        check_fits(llm, cfg.batch, cfg.context + (cfg.max_new_tokens or DEFAULT_SPEED_TOKENS))
 
     flow_name = llm.flow.name if llm.flow is not None else "dense"
     flow_params = llm.flow.params() if llm.flow is not None else {}
+    note = _budget_note(llm, cfg.context)
     if run_dir is None:
-        label = flow_name if llm.reuse_flow is None else f"{flow_name}+{llm.reuse_flow.name}"
-        run_dir = new_run_dir(out, label, llm.resolved.name)
+        # <flow>, <reuse flow> (dense decoding), or <flow>-<reuse flow>
+        label = [flow_name] if llm.reuse_flow is None or flow_name != "dense" else []
+        label += [llm.reuse_flow.name] if llm.reuse_flow is not None else []
+        run_dir = new_run_dir(out, *label, llm.resolved.name)
         config = {
             "schema": SCHEMA, "eval": asdict(cfg), "mode": resolved_mode, "tasks": task_names,
             "flow": {"name": flow_name, "spec": cfg.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm)},
@@ -396,12 +416,13 @@ def evaluate(
         res: dict[str, Any] = {
             "schema": SCHEMA, "run_dir": str(run_dir), "flow": flow_name, "model": llm.resolved.name,
             "params": flow_params, "mode": resolved_mode, "context": cfg.context, "samples_per_task": cfg.samples,
-            "seed": cfg.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+            "limit": cfg.limit, "seed": cfg.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+            "note": note,
         }
         if llm.reuse_flow is not None:
             res["reuse"] = {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **summarize_reuse(records)}
         if accuracy_on:
-            res |= summarize(records)
+            res |= summarize(records, task_totals)
             res["samples_done"] = len(records)
             res["samples_total"] = len(all_samples)
         else:
@@ -422,7 +443,14 @@ def evaluate(
             on_progress(len(records), total, "samples")
         with open(run_dir / "samples.jsonl", "a") as f:
             for start in range(0, len(todo), chunk_size):
-                new = _chunk_records(llm, todo[start:start + chunk_size], cfg, dense_needed)
+                chunk = todo[start:start + chunk_size]
+                base = len(records)
+
+                def partial(fraction: float, base: int = base, n: int = len(chunk)) -> None:
+                    if on_progress:  # whole samples are counted once their records are written
+                        on_progress(base + min(fraction, 0.99) * n, total, "samples")
+
+                new = _chunk_records(llm, chunk, cfg, dense_needed, partial)
                 for r in new:
                     f.write(json.dumps(r, default=str) + "\n")
                 f.flush()

@@ -154,24 +154,46 @@ def is_custom(task: str) -> bool:
     return task.endswith(".jsonl") or Path(task).is_file()
 
 
-def build_samples(task: str, tokenizer: Tokenizer, context: int, samples: int, seed: int) -> list[Sample]:
-    """The samples of `task` (a built-in name or a .jsonl path) at `context` prompt tokens.
-
-    Custom files are used as written (not resized; `context` and `seed` do not apply): the first
-    `samples` lines' samples.
-    """
-    if samples < 1:
-        raise SparsetuneError(f"--samples {samples} must be at least 1")
-    if is_custom(task):
-        return load_jsonl(task)[:samples]
+def _spec_of(task: str) -> TaskSpec:
     spec = TASKS.get(task)
     if spec is None:
         raise SparsetuneError(
             f"unknown task {task!r}; use one of {', '.join(TASKS)}, or a path to a .jsonl file of custom tasks"
         )
+    return spec
+
+
+def task_lengths(tasks: list[str] | None, context: int) -> list[tuple[str, int, int]]:
+    """Check task names and files without a tokenizer; (what, prompt tokens, generated tokens) for
+    each generated task (its prompts are sized to `context`). Custom files are validated here and
+    their prompts measured once tokenized."""
+    out = []
+    for task in tasks or DEFAULT_SUITE:
+        if is_custom(task):
+            load_jsonl(task)
+        else:
+            out.append((f"task {task}", context, _spec_of(task).max_new_tokens))
+    return out
+
+
+def build_samples(task: str, tokenizer: Tokenizer, context: int, samples: int, seed: int,
+                  limit: int | None = None) -> list[Sample]:
+    """The samples of `task` (a built-in name or a .jsonl path) at `context` prompt tokens:
+    `samples` of a generated task, every line of a custom file (used as written: `context` and
+    `seed` do not apply); `limit` caps either (`task_size` is how many the task has)."""
+    if samples < 1:
+        raise SparsetuneError(f"--samples {samples} must be at least 1")
+    if is_custom(task):
+        return load_jsonl(task)[:limit]
+    spec = _spec_of(task)
     if context < 1:
         raise SparsetuneError(f"--context {context} must be a positive number of tokens")
-    return spec.generate(tokenizer, context, samples, seed)
+    return spec.generate(tokenizer, context, min(samples, limit or samples), seed)
+
+
+def task_size(task: str, samples: int) -> int:
+    """How many samples `task` has before `--limit`: `samples` (generated) or the file's lines."""
+    return len(load_jsonl(task)) if is_custom(task) else samples
 
 
 def list_tasks() -> list[dict]:

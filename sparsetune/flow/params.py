@@ -47,6 +47,22 @@ class Param:
         self.validate(name, value)
         return value
 
+    def coerce(self, name: str, value: Any) -> Any:
+        """A value from the Python API: a `--param` string is parsed; a typed value (0.125, 512,
+        (0, 1), True) is checked against the parameter's type, then validated."""
+        if isinstance(value, str):
+            return self.parse(name, value)
+        t = self.type
+        ok = (value is None or (t is bool and isinstance(value, bool))
+              or (t is int and isinstance(value, int) and not isinstance(value, bool))
+              or (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+              or (t is tuple and isinstance(value, (list, tuple)) and all(isinstance(x, int) for x in value)))
+        if not ok:
+            raise SparsetuneError(f"--param {name}={value!r}: expected {t.__name__}")
+        value = tuple(value) if t is tuple else float(value) if t is float and value is not None else value
+        self.validate(name, value)
+        return value
+
     def validate(self, name: str, value: Any) -> None:
         if value is None:
             if self.default is not None:
@@ -110,7 +126,8 @@ class Configurable:
         return specs
 
     @classmethod
-    def from_strings(cls, raw: dict[str, str]) -> Self:
+    def from_strings(cls, raw: dict[str, Any]) -> Self:
+        """From `--param` strings, or typed values from the Python API (`{"budget_ratio": 0.125}`)."""
         specs = cls.param_specs()
         values = {}
         for k, text in raw.items():
@@ -118,7 +135,7 @@ class Configurable:
                 raise SparsetuneError(f"flow {cls.name!r} has no parameter {k!r}; it has: {', '.join(sorted(specs))}")
             if k in cls.inapplicable:
                 raise SparsetuneError(f"flow {cls.name!r} does not use --param {k}: {cls.inapplicable[k]}")
-            values[k] = specs[k].parse(k, text)
+            values[k] = specs[k].coerce(k, text)
         return cls(**values)
 
     def params(self) -> dict[str, Any]:

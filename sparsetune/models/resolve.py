@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparsetune.errors import SparsetuneError
 from sparsetune.models.config import ModelConfig
 from sparsetune.models.registry import (
     REGISTRY,
@@ -17,7 +18,6 @@ from sparsetune.models.registry import (
     models_dir,
 )
 from sparsetune.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, has_tokenizer_files
-from sparsetune.models.weights import materialize_gguf
 
 
 @dataclass
@@ -38,17 +38,50 @@ class ResolvedModel:
         return None
 
 
-def resolve_model(name_or_path: str, random_weights: bool = False) -> ResolvedModel:
+def _local_dir(name_or_path: str) -> Path | None:
+    """The directory `--model` names, or None for a registry name."""
     path = Path(name_or_path).expanduser()
     if name_or_path.lower() not in REGISTRY and (path.is_dir() or "/" in name_or_path or name_or_path.startswith(".")):
-        if not path.is_dir():
-            raise SparsetuneError(f"model directory {path} does not exist")
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise SparsetuneError(f"{path} has no config.json; expected an HF-format model directory")
-        config = ModelConfig.from_json_file(cfg_file)
-        if not random_weights and not any(path.glob("*.safetensors")):
-            raise SparsetuneError(f"no *.safetensors files in {path}; pass --random-weights for a speed-only run")
+        return path
+    return None
+
+
+def _check_local_dir(path: Path, random_weights: bool) -> ModelConfig:
+    if not path.is_dir():
+        raise SparsetuneError(f"model directory {path} does not exist; pass a registered name (sparsetune models list) "
+                              "or an HF-format directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise SparsetuneError(f"{path} has no config.json; expected an HF-format model directory")
+    config = ModelConfig.from_json_file(cfg_file)
+    if not random_weights and not any(path.glob("*.safetensors")):
+        raise SparsetuneError(f"no *.safetensors files in {path}; pass --random-weights for a speed-only run")
+    return config
+
+
+def model_config(name_or_path: str, random_weights: bool = False) -> tuple[str, ModelConfig]:
+    """The model's name and architecture, checked without loading or converting anything (no torch):
+    what argument checks need before an engine is built."""
+    path = _local_dir(name_or_path)
+    if path is not None:
+        return str(path), _check_local_dir(path, random_weights)
+    spec = get_spec(name_or_path)
+    if spec.gguf_package:
+        if not random_weights:
+            gguf_path(spec)  # the package is installed and holds its file
+    elif not random_weights:
+        directory, looked = find_local_weights(spec)
+        if directory is None:
+            raise missing_weights_error(spec, looked)
+    return spec.name, spec.config
+
+
+def resolve_model(name_or_path: str, random_weights: bool = False) -> ResolvedModel:
+    from sparsetune.models.weights import materialize_gguf
+
+    path = _local_dir(name_or_path)
+    if path is not None:
+        config = _check_local_dir(path, random_weights)
         return ResolvedModel(str(path), config, None if random_weights else path, path, None, random_weights)
 
     spec = get_spec(name_or_path)

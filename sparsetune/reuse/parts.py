@@ -15,9 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
 
 from sparsetune.errors import SparsetuneError
+
+if TYPE_CHECKING:
+    import torch
 
 PART_KEYS = {"text", "reuse", "namespace", "pin"}
 
@@ -60,6 +63,8 @@ class ReuseLayout:
         return [s for s in self.spans if s.reuse]
 
     def reused_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        import torch
+
         """`[T]` bool: True at tokens of reusable segments."""
         mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=device)
         for s in self.segments:
