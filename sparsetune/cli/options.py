@@ -53,7 +53,8 @@ def progress(description: str, unit: str, plain_every: float = 30.0) -> Iterator
             task = bar.add_task(description, total=None)
 
             def update(done: float, total: int, what: str) -> None:
-                bar.update(task, completed=done, total=total or None, description=f"{description} ({what})")
+                phase = f" ({what})" if what != unit else ""
+                bar.update(task, completed=done, total=total or None, description=f"{description}{phase}")
 
             yield update
         return
@@ -63,7 +64,7 @@ def progress(description: str, unit: str, plain_every: float = 30.0) -> Iterator
     def update(done: float, total: int, what: str) -> None:
         now = time.monotonic() - t0
         if not total:  # nothing counted yet: say what is happening
-            err.print(f"{description}: {what}", highlight=False, soft_wrap=True)
+            err.print(f"{description}: {what}", highlight=False)
             return
         if state["first"] is None:
             state["first"] = (now, done)  # resumed work is not counted in the rate
@@ -73,7 +74,7 @@ def progress(description: str, unit: str, plain_every: float = 30.0) -> Iterator
         t_first, d_first = state["first"]
         rate = (done - d_first) / (now - t_first) if now > t_first and done > d_first else None
         eta = f", ETA {_clock((total - done) / rate)}" if rate and done < total else ""
-        err.print(f"{description}: {int(done)}/{total} {unit} ({what}), {_clock(now)} elapsed{eta}",
-                  highlight=False, soft_wrap=True)
+        phase = f" ({what})" if what != unit else ""
+        err.print(f"{description}: {int(done)}/{total} {unit}{phase}, {_clock(now)} elapsed{eta}", highlight=False)
 
     yield update
