@@ -69,10 +69,7 @@ def generate(
     elif not isinstance(prompt, str) or not prompt.strip():
         raise SparsetuneError("the prompt is empty; pass some text with --prompt")
     if llm is None:
-        for k in engine_options:
-            if k not in EngineConfig.__dataclass_fields__:
-                raise TypeError(f"unknown engine option {k!r}")
-        config = EngineConfig(model=model, **engine_options)
+        config = EngineConfig(model=model, **engine_options)  # an unknown option is a TypeError
         config.check()  # before torch loads
     from sparsetune.engine.llm import LLM
     from sparsetune.engine.sequence import SamplingParams

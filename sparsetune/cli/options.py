@@ -39,6 +39,10 @@ def _clock(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
+def _phase(what: str, unit: str) -> str:
+    return f" ({what})" if what != unit else ""
+
+
 @contextmanager
 def progress(description: str, unit: str, plain_every: float = 30.0) -> Iterator[Callable[[float, int, str], None]]:
     """`update(done, total, what)`: a bar with an ETA on a terminal; otherwise (CI logs, nohup) a
@@ -53,8 +57,7 @@ def progress(description: str, unit: str, plain_every: float = 30.0) -> Iterator
             task = bar.add_task(description, total=None)
 
             def update(done: float, total: int, what: str) -> None:
-                phase = f" ({what})" if what != unit else ""
-                bar.update(task, completed=done, total=total or None, description=f"{description}{phase}")
+                bar.update(task, completed=done, total=total or None, description=description + _phase(what, unit))
 
             yield update
         return
@@ -74,7 +77,7 @@ def progress(description: str, unit: str, plain_every: float = 30.0) -> Iterator
         t_first, d_first = state["first"]
         rate = (done - d_first) / (now - t_first) if now > t_first and done > d_first else None
         eta = f", ETA {_clock((total - done) / rate)}" if rate and done < total else ""
-        phase = f" ({what})" if what != unit else ""
-        err.print(f"{description}: {int(done)}/{total} {unit}{phase}, {_clock(now)} elapsed{eta}", highlight=False)
+        err.print(f"{description}: {int(done)}/{total} {unit}{_phase(what, unit)}, {_clock(now)} elapsed{eta}",
+                  highlight=False)
 
     yield update

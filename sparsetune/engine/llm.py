@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -164,9 +165,7 @@ class LLM:
 
     def _num_kv_blocks(self, max_len: int) -> int:
         cfg, mcfg = self.config, self.model_config
-        per_block = KVCache.bytes_per_block(
-            mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim, self.dtype
-        ) + self._flow_bytes_per_block()
+        per_block = self._bytes_per_block()
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_memory is not None:
@@ -186,18 +185,20 @@ class LLM:
 
     def _check_memory(self, num_blocks: int) -> None:
         """A KV pool larger than the device's memory is refused before it is allocated."""
-        cfg, mcfg = self.config, self.model_config
-        need = num_blocks * (KVCache.bytes_per_block(mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size,
-                                                     mcfg.head_dim, self.dtype) + self._flow_bytes_per_block())
+        need = num_blocks * self._bytes_per_block()
         if self.device.type == "cuda":
             have, what = torch.cuda.mem_get_info(self.device)[0], "free GPU memory"
         else:
-            import os
-
             have, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory"
         if need > have:
             raise SparsetuneError(f"the KV pool needs {need / 2**30:.1f} GiB but {what} is {have / 2**30:.1f} GiB; "
                                   "lower --batch or --context, or set --kv-memory")
+
+    def _bytes_per_block(self) -> int:
+        """Pool bytes per KV block: keys and values of every layer, plus the flow's fields."""
+        cfg, mcfg = self.config, self.model_config
+        return KVCache.bytes_per_block(mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim,
+                                       self.dtype) + self._flow_bytes_per_block()
 
     def _flow_bytes_per_block(self) -> int:
         """A flow's per-block fields on its sparse layers: they live beside the pool, sized like it."""
