@@ -161,3 +161,16 @@ def test_python_api_takes_typed_params():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["0.125 512 (0, 1) 2", "--param budget='lots': expected int",
                                         "--param budget=1.5: expected int"]
+
+
+def test_a_custom_prompt_too_long_is_refused_before_the_run_directory(tmp_path):
+    """Custom samples are not resized: one longer than a request can hold names its line, and
+    nothing is left on disk."""
+    f = tmp_path / "long.jsonl"
+    f.write_text(json.dumps({"prompt": "hi", "answers": ["a"]}) + "\n"
+                 + json.dumps({"prompt": "word " * 9000, "answers": ["a"]}) + "\n")
+    out = tmp_path / "runs"
+    proc = run("eval", "--task", str(f), "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert_clean_error(proc, "long sample 1 (line 2)", "lower --context or --max-new-tokens")
+    assert not out.exists()

@@ -283,11 +283,11 @@ def _check_samples_fit(llm: LLM, samples: list[Sample], cfg: EvalConfig) -> None
     before a run directory exists."""
     for s in samples:
         ids = prompt_layout(llm.tokenizer, s).token_ids if s.segments else prompt_ids(llm.tokenizer, s, 0, [])
-        gen = cfg.max_new_tokens or s.max_new_tokens
-        if len(ids) + gen + 1 > llm.max_model_len:
+        try:
+            check_fits(llm, 1, len(ids) + (cfg.max_new_tokens or s.max_new_tokens))
+        except SparsetuneError as e:
             where = f"{s.task} sample {s.index}" + (f" (line {s.meta['line']})" if "line" in s.meta else "")
-            raise SparsetuneError(f"{where}: {len(ids)} prompt tokens + {gen} generated exceed the {llm.max_model_len} "
-                                  "tokens a request can hold; lower --context or --max-new-tokens")
+            raise SparsetuneError(f"{where}: {e}") from None
 
 
 def _budget_note(llm: LLM, context: int) -> str | None:
