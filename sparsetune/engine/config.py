@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from sparsetune.models.config import ModelConfig
 
 
 @dataclass
@@ -33,9 +37,10 @@ class EngineConfig:
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
-    def check(self) -> None:
+    def check(self) -> tuple[str, ModelConfig]:
         """The option rules that need neither torch nor weights, and that the model exists (`LLM`, the
-        Python API and the CLI run them first, so a mistake fails before torch loads)."""
+        Python API and the CLI run them first, so a mistake fails before torch loads). Returns the
+        model's name and architecture (`models.resolve.model_config`)."""
         from sparsetune.device import check_device_name, check_dtype_name
         from sparsetune.models.resolve import model_config
 
@@ -53,4 +58,4 @@ class EngineConfig:
         check_dtype_name(self.dtype)
         if self.flow_executor not in (None, "reference", "compiled"):
             raise SparsetuneError(f"--flow-executor {self.flow_executor!r}: use reference or compiled")
-        model_config(self.model, self.random_weights)
+        return model_config(self.model, self.random_weights)

@@ -50,7 +50,6 @@ def check_config(cfg: EvalConfig) -> None:
     model's existence and context length."""
     from sparsetune.engine.config import EngineConfig
     from sparsetune.evaluation.tasks import task_lengths
-    from sparsetune.models.resolve import model_config
 
     for name, value, low in (("--context", cfg.context, 16), ("--samples", cfg.samples, 1), ("--batch", cfg.batch, 1),
                              ("--max-new-tokens", cfg.max_new_tokens, 1), ("--limit", cfg.limit, 1)):
@@ -61,10 +60,10 @@ def check_config(cfg: EvalConfig) -> None:
     if cfg.random_weights and cfg.mode in ("accuracy", "all"):
         raise SparsetuneError("accuracy needs real weights: drop --random-weights, or pass --mode speed")
     lengths = task_lengths(cfg.tasks, cfg.context)  # unknown tasks and bad files fail here
-    EngineConfig(model=cfg.model, device=None if cfg.device == "auto" else cfg.device,
-                 dtype=None if cfg.dtype == "auto" else cfg.dtype, kv_memory=cfg.kv_memory, max_num_seqs=cfg.batch,
-                 flow_executor=cfg.flow_executor, random_weights=cfg.random_weights).check()
-    name, mcfg = model_config(cfg.model, cfg.random_weights)
+    name, mcfg = EngineConfig(model=cfg.model, device=None if cfg.device == "auto" else cfg.device,
+                              dtype=None if cfg.dtype == "auto" else cfg.dtype, kv_memory=cfg.kv_memory,
+                              max_num_seqs=cfg.batch, flow_executor=cfg.flow_executor,
+                              random_weights=cfg.random_weights).check()  # the model exists: its name, architecture
     max_len = mcfg.max_position_embeddings
     speed_only = cfg.mode == "speed" or cfg.mode == "auto" and cfg.random_weights
     needs = [] if speed_only else [(prompt, cfg.max_new_tokens or gen, what) for what, prompt, gen in lengths]
