@@ -15,7 +15,7 @@ import json
 import math
 import time
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.evaluation.runner import eval_kv_memory, evaluate
 
 

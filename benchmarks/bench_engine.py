@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import measure_copy_bandwidth, measure_matmul_flops, wall  # noqa: E402
 
-from sparsetune.engine.llm import LLM  # noqa: E402
-from sparsetune.engine.sequence import SamplingParams, Sequence, Status  # noqa: E402
+from sparsetune.llm import LLM  # noqa: E402
+from sparsetune.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from sparsetune.profile import profile_call, profile_decode  # noqa: E402
 
 
@@ -82,13 +82,9 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
     vocab = llm.model_config.vocab_size
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     seqs = []
-    for _ in range(batch):
-        ids = torch.randint(0, vocab, (ctx,)).tolist()
-        s = Sequence(ids, params)
-        llm.block_manager.grow(s, ctx + steps + 8)
-        s.num_computed = ctx - 1  # the pool holds (random) KV for every earlier position
-        s.status = Status.RUNNING
-        llm.scheduler.running.append(s)
+    for _ in range(batch):  # the pool holds (random) KV for every earlier position
+        s = llm.reserve(torch.randint(0, vocab, (ctx,)).tolist(), params)
+        llm.admit_prefilled(s)
         seqs.append(s)
     for _ in range(3):
         llm.step()
@@ -107,8 +103,7 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
             times.append(s.elapsed_time(e) / 1e3)
         replay = statistics.median(times)
     for s in seqs:
-        llm.scheduler.running.remove(s)
-        llm.block_manager.release(s)
+        llm.abort(s)
     ctx_avg = int(ctx + 3 + steps / 2)
     wb, kb = weight_bytes_per_step(llm, batch), step_kv_bytes(llm, batch, ctx_avg)
     return {"flow": llm.flow.name if llm.flow else "dense", "batch": batch, "context": ctx, "step_ms": per_step * 1e3, "graph_replay_ms": None if replay is None else replay * 1e3,
@@ -180,9 +175,9 @@ def main() -> None:
 
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                      "copy_bandwidth": bw, "matmul_flops": flops, "decode": [], "prefill": []}
-    from sparsetune.flow.calibrate import synthetic_calibration, write_calibration
+    from sparsetune.models.artifacts import synthetic_calibration, write_calibration
     from sparsetune.flow.params import parse_param_args
-    from sparsetune.flow.registry import get_flow_class
+    from sparsetune.registry import get_flow_class
 
     for flow in args.flows.split(","):
         params = {} if flow == "dense" else parse_param_args(args.param)

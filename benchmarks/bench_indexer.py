@@ -31,9 +31,9 @@ from common import bench_us, measure_copy_bandwidth  # noqa: E402
 
 from sparsetune.engine.kv_cache import KVCache  # noqa: E402
 from sparsetune.flow import codegen  # noqa: E402
-from sparsetune.flow.calibrate import synthetic_calibration  # noqa: E402
+from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.flow.codegen import build_indexer  # noqa: E402
-from sparsetune.flow.registry import build_flow  # noqa: E402
+from sparsetune.registry import build_flow  # noqa: E402
 from sparsetune.flow.runtime import FlowAttention  # noqa: E402
 from sparsetune.kernels import select_topk as topk_mod  # noqa: E402
 from sparsetune.kernels.select_topk import select_topk  # noqa: E402

@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.engine.sequence import SamplingParams
 

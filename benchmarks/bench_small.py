@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.models.registry import get_spec, gguf_available
 

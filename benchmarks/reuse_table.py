@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.evaluation.reuse_tasks import REUSE_TASKS
 from sparsetune.evaluation.runner import eval_kv_memory, evaluate

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.evaluation.runner import eval_kv_memory, evaluate
-from sparsetune.flow.registry import get_flow_class
+from sparsetune.registry import get_flow_class
 
 
 def main() -> None:

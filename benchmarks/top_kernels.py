@@ -10,7 +10,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.engine.scheduler import Batch
 from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.flow.params import parse_param_args

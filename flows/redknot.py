@@ -25,7 +25,8 @@ import torch
 from sparsetune.flow import Param
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import attention_mass
-from sparsetune.reuse.head_profile import global_heads, resolve_head_scores
+from sparsetune.models.artifacts import resolve_head_scores
+from sparsetune.reuse.head_classes import global_heads
 
 
 class RedKnot(ReuseFlow):

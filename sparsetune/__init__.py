@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return evaluate
     if name == "LLM":
-        from sparsetune.engine.llm import LLM
+        from sparsetune.llm import LLM
 
         return LLM
     if name == "EngineConfig":

@@ -15,7 +15,7 @@ from sparsetune.models.registry import REGISTRY, find_local_weights
 from sparsetune.reuse.parts import parse_parts_any
 
 if TYPE_CHECKING:
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
 
 
 @dataclass
@@ -71,7 +71,7 @@ def generate(
     if llm is None:
         config = EngineConfig(model=model, **engine_options)  # an unknown option is a TypeError
         config.check()  # before torch loads
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
 
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ then profiles one more decode step eagerly with `torch.profiler` and attributes 
 - on CPU, CPU time: each op's self time goes to its category; coarser, since a CPU "kernel" is an
   aten op and time between ops (Python, scheduling) counts too.
 
-An op's category is its innermost stage range (`sparsetune.engine.profiling.stage`: attention,
+An op's category is its innermost stage range (`sparsetune.engine.stages.stage`: attention,
 indexer, top-k, KV store, the flow's cache stage, norm, RoPE, activation, sampling), else its
 name (`OP_CATEGORIES`: GEMMs, greedy sampling's argmax, ...), else "other" (embedding, input
 preparation, scheduling, the logits' cast). On CPU the categories partition the profiled step's
@@ -35,14 +35,14 @@ from typing import Any, Callable
 import torch
 from torch.autograd import DeviceType
 
-from sparsetune.engine.profiling import PREFIX, stage_ranges
+from sparsetune.engine.stages import PREFIX, stage_ranges
 from sparsetune.errors import SparsetuneError
 
 # Display order; keys of `result["categories"]`.
 CATEGORIES = ("attention", "indexer", "topk", "cache_update", "gemm", "norm", "rope", "activation", "sampling", "other")
 LABELS = {"topk": "top-k", "cache_update": "cache update"}
 
-# Stage range (engine/profiling.py) → (category, part of the category).
+# Stage range (engine/stages.py) → (category, part of the category).
 STAGES = {
     "attention": ("attention", None),
     "indexer": ("indexer", None),
@@ -285,27 +285,27 @@ def profile_decode(
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=new + 1, ignore_eos=True)  # greedy, never finishes early
     seqs = [llm.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params) for _ in range(batch)]
-    graphs = llm.runner.graphs
+    graphs = llm.uses_graphs
     try:
         while any(s.status == Status.WAITING for s in seqs):  # real prefill, chunked as the engine does
             llm.step()
         for _ in range(warmup):
             llm.step()
         engine = [_timed_step(llm) for _ in range(steps)]
-        llm.runner.graphs = {}  # eager from here on: profiled kernels, not a graph replay
-        if graphs:
-            llm.step()  # eager warm-up (a compiled flow stage may compile for this batch shape)
-            eager = [_timed_step(llm) for _ in range(steps)]
-        else:
-            eager = engine
-        with stage_ranges():
-            llm.step()  # warm-up with the ranges on
-        if any(s.status != Status.RUNNING for s in seqs):
-            raise RuntimeError("a profiled sequence finished early")
-        prof = profile_call(llm.step, llm.device, trace_path)
+        with llm.eager_mode():  # profiled kernels, not a graph replay
+            if graphs:
+                llm.step()  # eager warm-up (a compiled flow stage may compile for this batch shape)
+                eager = [_timed_step(llm) for _ in range(steps)]
+            else:
+                eager = engine
+            with stage_ranges():
+                llm.step()  # warm-up with the ranges on
+            if any(s.status != Status.RUNNING for s in seqs):
+                raise RuntimeError("a profiled sequence finished early")
+            prof = profile_call(llm.step, llm.device, trace_path)
     finally:
-        llm.runner.graphs = graphs
-        _drop(llm, seqs)
+        for s in seqs:
+            llm.abort(s)
 
     backends = [b for b in llm.backends if getattr(b, "flow", None) is not None]
     flow = llm.flow
@@ -338,7 +338,7 @@ def profile_decode(
         "profiled_step_ms": prof["wall_ms"],
         "step_ms": round(statistics.median(engine) * 1e3, 4),
         "eager_step_ms": round(statistics.median(eager) * 1e3, 4),
-        "cuda_graphs": bool(graphs),
+        "cuda_graphs": graphs,
         "trace": None if trace_path is None else str(trace_path),
     }
 
@@ -371,22 +371,6 @@ def _timed_step(llm) -> float:
     return time.perf_counter() - t0
 
 
-def _drop(llm, seqs) -> None:
-    """Take the profiled sequences out of the engine and free their blocks."""
-    from sparsetune.engine.sequence import Status
-
-    sched = llm.scheduler
-    for s in seqs:
-        if s.status == Status.FINISHED:
-            continue  # postprocess already released it
-        if s in sched.running:
-            sched.running.remove(s)
-        if s in sched.waiting:
-            sched.waiting.remove(s)
-        llm.block_manager.release(s)
-        s.status = Status.FINISHED
-
-
 def profile(
     model: str = "smollm2-135m", flow: str = "dense", flow_params: dict[str, str] | None = None, batch: int = 1,
     context: int = 2048, steps: int = 5, trace_path: str | Path | None = None, **engine_options: Any,
@@ -394,7 +378,7 @@ def profile(
     """Build an engine sized for the case (max_num_seqs = batch, context + the decode steps) and
     run `profile_decode` on it. `engine_options`: `EngineConfig` fields (device, dtype, ...)."""
     from sparsetune.engine.config import EngineConfig
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
     from sparsetune.models.registry import REGISTRY
 
     _check_case(batch, context, steps)

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded default model on CPU, float32 (loaded once per test session)."""
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
 
     return LLM(model="smollm2-135m", device="cpu", max_num_seqs=8)
 

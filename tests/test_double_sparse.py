@@ -12,15 +12,9 @@ import torch
 from test_flows import GROUP, HEAD_DIM, HKV, block_keys, paged_case, prefill_cache, reference_selection, selected_sets
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.calibrate import (
-    builtin_text,
-    calibrate,
-    default_path,
-    load_calibration,
-    resolve_calibration,
-    synthetic_calibration,
-)
-from sparsetune.flow.registry import build_flow
+from sparsetune.calibration.channels import builtin_text, calibrate
+from sparsetune.models.artifacts import artifact_path, load_calibration, resolve_calibration, synthetic_calibration
+from sparsetune.registry import build_flow, get_flow_class
 from sparsetune.flow.runtime import FlowAttention
 
 CAL_TOKENS = 256
@@ -124,19 +118,19 @@ def test_load_calibration_rejects_wrong_shapes(calibration, tmp_path):
 
 
 def test_auto_calibration_is_the_models_default_file(calibration, smollm, tmp_path, monkeypatch):
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
 
-    monkeypatch.setattr("sparsetune.flow.calibrate.models_dir", lambda: tmp_path / "models")
-    assert default_path("smollm2-135m") == tmp_path / "calibration" / "smollm2-135m.json"
-    assert default_path("smollm2-135m", random_weights=True).name == "smollm2-135m-random-weights.json"
+    monkeypatch.setattr("sparsetune.models.artifacts.models_dir", lambda: tmp_path / "models")
+    assert artifact_path("smollm2-135m") == tmp_path / "calibration" / "smollm2-135m.json"
+    assert artifact_path("smollm2-135m", random_weights=True).name == "smollm2-135m-random-weights.json"
     flow = build_flow("double_sparse")
     with pytest.raises(SparsetuneError) as e:
-        resolve_calibration(flow, "smollm2-135m", False, 30, 3, 64)
+        resolve_calibration(flow.calibration, flow.name, "smollm2-135m", False, 30, 3, 64)
     assert str(e.value) == ("double_sparse needs channel calibration for smollm2-135m: run "
                             "`sparsetune flows calibrate --model smollm2-135m` (or pass --param calibration=FILE)")
-    default_path("smollm2-135m").parent.mkdir(parents=True)
-    default_path("smollm2-135m").write_text(calibration.read_text())
+    artifact_path("smollm2-135m").parent.mkdir(parents=True)
+    artifact_path("smollm2-135m").write_text(calibration.read_text())
     # The engine finds it for its model; at a generous budget the flow decodes exactly as dense.
     prompts = ["What is the capital of France?", "Name three primary colours and say which one you like most."]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -188,4 +182,4 @@ def test_check_wants_const_by_name(tmp_path):
     from sparsetune.flow.check import check_flow
 
     with pytest.raises(SparsetuneError, match=r"consts.py:11: index\(\) takes \(self, q, fields\) plus, optionally, `const`"):
-        check_flow(str(path))
+        check_flow(get_flow_class(str(path), all_problems=True))

@@ -7,7 +7,7 @@ import random
 import torch
 from conftest import assert_logits_match, hf_logits
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 
 TEXTS = [

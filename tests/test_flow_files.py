@@ -17,7 +17,7 @@ import pytest
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow import registry
-from sparsetune.flow.registry import builtin_flows, load_file
+from sparsetune.registry import builtin_flows, get_flow_class, load_file
 from sparsetune.flow.source_check import file_problems
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,7 +239,7 @@ def test_first_problem_then_count_and_check_flow_lists_all(tmp_path):
     assert "\n" not in one and one.startswith(f"{path}:1: `import os`")
     assert one.endswith(f"(and 2 more; run sparsetune flows check {path})"), one
     with pytest.raises(SparsetuneError) as e:
-        check_flow(str(path))
+        check_flow(get_flow_class(str(path), all_problems=True))
     every = str(e.value)
     assert "\n" not in every and every.startswith("3 problems: ")
     for where in (f"{path}:1:", f"{path}:2:", f"{path}:6:"):

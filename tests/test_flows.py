@@ -15,7 +15,7 @@ from sparsetune.engine.attention import AttentionMetadata
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.check import check_flow
-from sparsetune.flow.registry import build_flow
+from sparsetune.registry import build_flow, get_flow_class
 from sparsetune.flow.runtime import FlowAttention
 
 HEAD_DIM, HKV, GROUP = 32, 2, 3
@@ -103,12 +103,12 @@ def test_streaming_keeps_sinks_and_window_only():
                                         ("block_topk", {"block_size": "1"}), ("h2o", {}), ("tidal", {}),
                                         ("double_sparse", {}), ("double_sparse", {"block_size": "1", "channels": "8"})])
 def test_full_budget_equals_dense(name, extra):
-    report = check_flow(name, extra, head_dim=HEAD_DIM, group=GROUP)
+    report = check_flow(get_flow_class(name, all_problems=True), extra, head_dim=HEAD_DIM, group=GROUP)
     assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order
 
 
 def test_check_reports_cost():
-    r = check_flow("quest", head_dim=64, group=4)
+    r = check_flow(get_flow_class("quest", all_problems=True), head_dim=64, group=4)
     assert r.fields == {"kmax": [1, 64], "kmin": [1, 64]}
     assert r.field_bytes_per_block == 2 * 2 * 64
     # Per block: 2 products + max over G*D, a sum to G, a max to 1: 4*G*D + G*(D) ... at least 3*G*D.
@@ -144,7 +144,7 @@ def test_check_rejects_bad_programs_with_line(case, tmp_path):
     path = tmp_path / "bad.py"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(SparsetuneError) as e:
-        check_flow(str(path))
+        check_flow(get_flow_class(str(path), all_problems=True))
     msg = str(e.value)
     assert message in msg, msg
     assert f"bad.py:{len(head) + line_offset}:" in msg, msg  # points at the offending line
@@ -167,7 +167,7 @@ def test_check_rejects_unread_field(tmp_path):
                 return F.topk(F.max(F.gemm(fields["c"], q), dim=2))
     '''))
     with pytest.raises(SparsetuneError, match="extra written by cache\\(\\) but never read"):
-        check_flow(str(path))
+        check_flow(get_flow_class(str(path), all_problems=True))
 
 
 @pytest.mark.parametrize("raw,needle", [({"budget": "lots"}, "expected int"), ({"block_size": "12"}, "must be one of"),
@@ -196,7 +196,7 @@ def test_flows_new_then_check_passes(tmp_path):
 
 @pytest.mark.parametrize("flow", ["quest", "tidal"])
 def test_engine_generous_budget_equals_dense(smollm, flow):
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
 
     prompts = ["What is the capital of France?", "Name three primary colours and say which one you like most."]
@@ -207,7 +207,7 @@ def test_engine_generous_budget_equals_dense(smollm, flow):
 
 
 def test_engine_small_budget_really_selects(smollm):
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
 
     llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow="block_topk",
@@ -223,7 +223,7 @@ def test_engine_small_budget_really_selects(smollm):
 @pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse"])
 def test_compiled_executor_equals_reference(name):
     """torch.compile'd stages (Inductor; C++ on CPU, Triton on GPU) select exactly what the reference does."""
-    from sparsetune.flow.calibrate import synthetic_calibration
+    from sparsetune.models.artifacts import synthetic_calibration
 
     lens = [30 * 16 + 7, 11 * 16]
     kv, bt, meta, q = paged_case(16, lens, seed=3)

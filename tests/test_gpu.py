@@ -7,8 +7,8 @@ import torch
 from conftest import assert_logits_match, hf_logits
 from test_model_vs_hf import _tiny_hf
 
-from sparsetune.engine.llm import LLM
-from sparsetune.flow.calibrate import synthetic_calibration, write_calibration
+from sparsetune.llm import LLM
+from sparsetune.models.artifacts import synthetic_calibration, write_calibration
 from sparsetune.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -59,8 +59,8 @@ def test_select_topk_matches_brute_force(radix_bits, width, monkeypatch):
 # ---- the generated indexer and cache stage ------------------------------------------------------
 
 from sparsetune.flow import codegen  # noqa: E402
-from sparsetune.flow.calibrate import synthetic_calibration  # noqa: E402
-from sparsetune.flow.registry import build_flow  # noqa: E402
+from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
+from sparsetune.registry import build_flow  # noqa: E402
 from sparsetune.flow.runtime import FlowAttention  # noqa: E402
 from test_flows import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache  # noqa: E402
 

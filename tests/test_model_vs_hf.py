@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import assert_logits_match, hf_logits
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 
 PROMPTS = [

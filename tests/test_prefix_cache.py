@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sparsetune.engine.block_manager import BlockManager
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.errors import SparsetuneError
 

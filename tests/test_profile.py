@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from sparsetune.cli.profile import profile as profile_command
-from sparsetune.engine import profiling
+from sparsetune.engine import stages
 from sparsetune.errors import SparsetuneError
 from sparsetune.profile import CATEGORIES, profile_decode
 
@@ -29,7 +29,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def llm(one_thread):
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
 
     return LLM(model="smollm2-135m", device="cpu", random_weights=True, max_num_seqs=BATCH, max_model_len=256)
 
@@ -47,7 +47,7 @@ def check_common(r: dict) -> None:
     assert 0.5 * r["profiled_step_ms"] <= r["sum_ms"] <= 1.2 * r["profiled_step_ms"]
     assert r["step_ms"] > 0 and r["timing"] == "CPU time" and not r["cuda_graphs"]
     assert (r["batch"], r["context"], r["device"]) == (BATCH, CONTEXT, "cpu")
-    assert not profiling.ENABLED  # the stage ranges are off again
+    assert not stages.ENABLED  # the stage ranges are off again
 
 
 def test_dense_breakdown(llm, tmp_path):

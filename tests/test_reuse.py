@@ -8,7 +8,7 @@ import torch
 
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.registry import build_flow
+from sparsetune.registry import build_flow
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import SelectionInputs
 from sparsetune.reuse.parts import ReuseLayout, Span, encode_parts, parse_parts

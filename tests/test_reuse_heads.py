@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from sparsetune.flow.registry import build_flow, decode_flow_for
+from sparsetune.registry import build_flow, decode_flow_for
 from sparsetune.flow.runtime import FlowAttention
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import LayerInputs
-from sparsetune.reuse.head_profile import PREFIXES, global_heads, profile_heads
+from sparsetune.calibration.heads import PREFIXES, profile_heads
+from sparsetune.reuse.head_classes import global_heads
 from sparsetune.reuse.parts import ReuseLayout, Span
 from test_flows import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache, reference_selection, selected_sets
 from test_reuse import DOC_A, _parts, _plain_logits, _reuse_logits
@@ -42,7 +43,7 @@ def _lines_reference(probs: torch.Tensor, rows: list[int], alpha: float) -> tupl
 def test_loopserve_lines_match_the_greedy_cover(alpha):
     import sys
 
-    from sparsetune.flow.registry import get_flow_class
+    from sparsetune.registry import get_flow_class
 
     cover_lines = sys.modules[get_flow_class("loopserve", ReuseFlow).__module__].cover_lines
     g = torch.Generator().manual_seed(int(alpha * 1000))

@@ -47,7 +47,7 @@ class {cls}(DecodeFlow):
 @app.command("list")
 def list_(json_out: bool = typer.Option(False, "--json")) -> None:
     """Built-in flows."""
-    from sparsetune.flow.registry import builtin_flows, flow_kind, load_file
+    from sparsetune.registry import builtin_flows, flow_kind, load_file
 
     rows = []
     for name, path in builtin_flows().items():
@@ -71,7 +71,7 @@ def list_(json_out: bool = typer.Option(False, "--json")) -> None:
 def show(name: str, json_out: bool = typer.Option(False, "--json")) -> None:
     """A flow's parameters (type, default, search space) and source."""
     from sparsetune.flow.params import Configurable
-    from sparsetune.flow.registry import flow_kind, get_flow_class
+    from sparsetune.registry import flow_kind, get_flow_class
 
     cls = get_flow_class(name, Configurable)
     params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
@@ -106,7 +106,7 @@ def check(
     """Validate a flow: op set, declared params, shapes, cost, and equality with dense at full budget."""
     from sparsetune.flow.check import check_flow
     from sparsetune.flow.params import Configurable, parse_param_args
-    from sparsetune.flow.registry import flow_kind, get_flow_class
+    from sparsetune.registry import flow_kind, get_flow_class
 
     cls = get_flow_class(file, Configurable, all_problems=True)
     if flow_kind(cls) == "reuse":  # plain Python over the executor's inputs: its params are what can be checked
@@ -117,7 +117,7 @@ def check(
         err.print(f"[green]ok[/] {cls.name}: reuse flow, parameters {flow.params()}; run it with "
                   f"sparsetune eval --task rag --reuse {file}")
         return
-    report = check_flow(file, parse_param_args(param))
+    report = check_flow(cls, parse_param_args(param))
     if json_out:
         emit_json(report.to_dict())
         return
@@ -166,7 +166,7 @@ def calibrate(
     import json
 
     apply_threads(threads)
-    from sparsetune.flow.calibrate import calibrate as run
+    from sparsetune.calibration.channels import calibrate as run
 
     content = _read_text(text)
     with err.status(f"loading {model} and calibrating ..."):
@@ -213,7 +213,8 @@ def profile_heads(
     import json
 
     apply_threads(threads)
-    from sparsetune.reuse.head_profile import global_heads, profile_heads as run
+    from sparsetune.calibration.heads import profile_heads as run
+    from sparsetune.reuse.head_classes import global_heads
 
     content = _read_text(text)
     with err.status(f"loading {model} and profiling heads ..."):

@@ -1,4 +1,9 @@
-"""Engine settings, with defaults that fit a CPU laptop and scale to one GPU."""
+"""Engine settings, with defaults that fit a CPU laptop and scale to one GPU.
+
+Frozen: nothing writes onto a caller's config. Derive a changed one with `dataclasses.replace`
+(`LLM` does, for the block size a flow asks for); what the engine derives from it (device, dtype,
+pool size, context length) lives on the `Engine`. The flow and reuse fields are names and raw
+parameter strings: the engine itself never reads them (`sparsetune.llm.LLM` does)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ if TYPE_CHECKING:
     from sparsetune.models.config import ModelConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str | None = None  # None: CUDA if present, else CPU
@@ -35,7 +40,6 @@ class EngineConfig:
     prefix_caching: bool = False  # share computed full blocks between prompts with the same prefix
     random_weights: bool = False
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def check(self) -> tuple[str, ModelConfig]:
         """The option rules that need neither torch nor weights, and that the model exists (`LLM`, the

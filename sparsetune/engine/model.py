@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sparsetune.engine.attention import ForwardContext
-from sparsetune.engine.profiling import stage
+from sparsetune.engine.stages import stage
 from sparsetune.engine.rope import cos_sin_table
 from sparsetune.kernels import fused_ops
 from sparsetune.models.config import ModelConfig

@@ -31,6 +31,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_graphs = True  # False: decode runs eagerly even with graphs captured (`Engine.eager`)
         self.graph_logits: dict[int, torch.Tensor] = {}
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Logits `[B, V]` at each sequence's last new token (or `[N, V]` for every token)."""
-        if not batch.is_prefill and self.graphs and not all_logits:
+        if not batch.is_prefill and self.graphs and self.use_graphs and not all_logits:
             return self._replay(batch)
         input_ids, meta = self.prepare(batch)
         hidden = self.model(input_ids, self.context(meta))

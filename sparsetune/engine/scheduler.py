@@ -110,20 +110,31 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = Status.RUNNING
-            if self._append(seq, sampled[seq.seq_id], eos_ids, max_model_len):
+            if self.append_token(seq, sampled[seq.seq_id], eos_ids, max_model_len):
                 finished.append(seq)
         return finished
 
-    def add_prefilled(self, seq: Sequence, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> bool:
-        """Admit a sequence whose whole prompt is already in its blocks (a reuse prefill done outside
-        the step loop) with its first sampled token; True when that token already finishes it."""
-        seq.num_computed = seq.num_tokens
-        seq.cacheable = False  # its KV is a reuse flow's approximation: never a prefix-cache hit
+    def admit_running(self, seq: Sequence, num_computed: int) -> None:
+        """Admit a sequence whose blocks already hold the KV of its first `num_computed` tokens (a
+        prefill done outside the step loop) straight into the running set."""
+        seq.num_computed = num_computed
         seq.status = Status.RUNNING
         self.running.append(seq)
-        return self._append(seq, tok, eos_ids, max_model_len)
 
-    def _append(self, seq: Sequence, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> bool:
+    def abort(self, seq: Sequence) -> bool:
+        """Take a request out wherever it is and free its blocks; False if it had already finished."""
+        if seq.status == Status.FINISHED:
+            return False
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"
+        return True
+
+    def append_token(self, seq: Sequence, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> bool:
         """Append a sampled token to a running sequence; finish it (freeing its blocks) when it stops."""
         seq.token_ids.append(tok)
         p = seq.params

@@ -31,6 +31,21 @@ class SamplingParams:
             raise ValueError("max_tokens must not exceed the number of forced tokens")
 
 
+@dataclass
+class RequestEvents:
+    """When things happened to a request, in `time.perf_counter` seconds (None: not yet)."""
+
+    arrival: float | None = None  # added to the engine (or the time the caller gave)
+    scheduled: float | None = None  # first in a batch (or admitted prefilled)
+    first_token: float | None = None
+    tokens: list[float] = field(default_factory=list)  # each generated token, the first included
+    finished: float | None = None  # stopped, reached its length, or aborted
+
+    def to_dict(self) -> dict[str, object]:
+        return {"arrival": self.arrival, "scheduled": self.scheduled, "first_token": self.first_token,
+                "tokens": list(self.tokens), "finished": self.finished}
+
+
 class Status(Enum):
     WAITING = "waiting"  # needs (more) prefill: new, chunked, or preempted
     RUNNING = "running"  # decoding
@@ -51,6 +66,7 @@ class Sequence:
     logits: list = field(default_factory=list)  # per generated position, when params.keep_logits
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of computed full blocks (prefix caching)
     cacheable: bool = True  # False: its KV must not be found by other prompts (reuse-flow prefill)
+    events: RequestEvents = field(default_factory=RequestEvents)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams, Status
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.config import DEFAULT_SPEED_TOKENS, EvalConfig, check_config, load_resume_config
@@ -29,7 +29,7 @@ from sparsetune.evaluation.fidelity import FidelityTally
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
 from sparsetune.evaluation.speed import check_fits, measure_speed
-from sparsetune.flow.registry import decode_flow_for
+from sparsetune.registry import decode_flow_for
 from sparsetune.models.registry import DEFAULT_MODEL
 from sparsetune.records import env_info, new_run_dir, write_json
 
@@ -178,13 +178,14 @@ def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed:
 
     dense = None
     if dense_needed:  # the reference: full attention, every prompt token computed (no reuse)
-        reuse_flow, llm.reuse_flow = llm.reuse_flow, None
+        reuse_flow = llm.reuse_flow
+        llm.set_reuse(None)
         llm.set_flow(None)
         try:
             dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity, tick=tick)
         finally:
             llm.set_flow(cfg.flow, cfg.params)
-            llm.reuse_flow = reuse_flow
+            llm.set_reuse(reuse_flow)
     main = dense if plain and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False, tick=tick)
     forced = (_run_pass(llm, chunk, cfg, True, forced=dense, tick=tick)
               if dense is not None and cfg.fidelity and not plain else None)

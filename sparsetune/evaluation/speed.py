@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sparsetune.engine.llm import LLM
+from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
 

@@ -13,7 +13,7 @@ A flow declares hyperparameters as class attributes of type `Param` and two stag
 Either stage may take a third parameter, `const`: per-layer, per-KV-head constants (name →
 `[1, r, c]`). A `calibrated` flow gets `const["channels"]`, `[1, channels, head_dim]`: row i is
 one-hot at the i-th most important channel of that layer's KV head, from an offline calibration
-(`sparsetune flows calibrate`, `flow/calibrate.py`), so `F.gemm(k, const["channels"])` keeps the
+(`sparsetune flows calibrate`, `calibration/channels.py`), so `F.gemm(k, const["channels"])` keeps the
 top channels of each key (DoubleSparse's label cache). A calibrated flow declares the params
 `calibration` (a file, or "auto": the default file of the engine's model) and `channels`.
 

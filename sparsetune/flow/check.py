@@ -24,7 +24,6 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.flow import ops as F
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.ops import FT, Fields, FlowError, Selection, Trace
-from sparsetune.flow.registry import get_flow_class
 from sparsetune.flow.source_check import class_stage_problems
 
 
@@ -69,7 +68,7 @@ def _flow_line(cls: type[DecodeFlow], exc: BaseException) -> str:
 
 def _constants(flow: DecodeFlow, rows: int, head_dim: int) -> dict[str, FT]:
     """The stages' `const` over `rows` KV heads; a calibrated flow gets a synthetic channel order."""
-    from sparsetune.flow.calibrate import synthetic_calibration
+    from sparsetune.models.artifacts import synthetic_calibration
     from sparsetune.flow.runtime import channel_selector, const_rows
 
     if not flow.calibrated:
@@ -114,8 +113,10 @@ def _run_stages(
     return out, trace, n_cache, fields
 
 
-def check_flow(name_or_path: str, raw_params: dict[str, str] | None = None, head_dim: int = 64, group: int = 4) -> CheckReport:
-    cls = get_flow_class(name_or_path, all_problems=True)  # every source problem, before anything of it runs
+def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, head_dim: int = 64,
+               group: int = 4) -> CheckReport:
+    """Run a decode flow class (`registry.get_flow_class(..., all_problems=True)` found it) on small
+    inputs: its shapes, cost and compiled paths, and that it equals dense attention at full budget."""
     flow = cls.from_strings(raw_params or {})
     report = CheckReport(cls.name, str(getattr(cls, "path", "")), cls.source, flow.params())
     if cls.full_attention:
@@ -165,7 +166,7 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     """Max relative error of the flow at budget_ratio=1 against dense paged decode (float64)."""
     from sparsetune.engine.attention import AttentionMetadata
     from sparsetune.engine.kv_cache import KVCache
-    from sparsetune.flow.calibrate import synthetic_calibration
+    from sparsetune.models.artifacts import synthetic_calibration
     from sparsetune.flow.runtime import FlowAttention
     from sparsetune.kernels.paged_decode import paged_decode_attention_ref
 

@@ -18,7 +18,7 @@ import torch
 
 from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
-from sparsetune.engine.profiling import stage
+from sparsetune.engine.stages import stage
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow import codegen
 from sparsetune.flow.base import DecodeFlow
@@ -61,7 +61,7 @@ class FlowAttention(DenseAttention):
         calibration: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> None:
         """`calibration`: a calibrated flow's channel order per layer and KV head, most important
-        first (`flow.calibrate.load_calibration`)."""
+        first (`models.artifacts.resolve_calibration`)."""
         super().__init__(scale, use_triton)
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsetune.engine.attention import causal_sdpa, prefill_backends
-from sparsetune.engine.profiling import stage
+from sparsetune.engine.stages import stage
 from sparsetune.engine.rope import inv_frequencies
 from sparsetune.kernels import rope_realign
 from sparsetune.reuse.flow import LayerInputs, ReuseFlow, SelectionInputs

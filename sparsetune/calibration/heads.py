@@ -15,7 +15,8 @@ KV heads by the max over the query group. The file is JSON:
      "prefix_shift", "edge_mass", "scores": [layer][kv_head] → float}
 
 The `redknot` flow makes the top `global_ratio` of all (layer, KV head) scores global heads
-(RedKnot's default 15%) and the rest local, so the ratio stays a searchable parameter.
+(RedKnot's default 15%) and the rest local, so the ratio stays a searchable parameter. The
+file's format and how a flow reads it are in `sparsetune.models.artifacts`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import torch.nn.functional as F
 from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.calibrate import builtin_text, default_path, read_model_file
+from sparsetune.calibration.channels import builtin_text
+from sparsetune.models.artifacts import HEAD_CLASSES, artifact_path
 from sparsetune.models.registry import DEFAULT_MODEL
 from sparsetune.reuse.flow import attention_probs
 
 METHOD = "RedKnot: max(1 - cos(map alone, map behind a prefix), mass outside sinks + window), max over the query group"
 PREFIXES = ("The following document is provided for reference.", "Background context unrelated to the question below.")
-KIND = "head_classes"
 
 
 class _MapRecorder(DenseAttention):
@@ -79,7 +80,7 @@ def profile_heads(
 ) -> Path:
     """Profile `model`'s heads on `chunks` chunks of `chunk_tokens` tokens of `text` (default: the
     built-in text) and write the scores to `out` (default: the model's file, which `redknot` reads)."""
-    from sparsetune.engine.llm import LLM
+    from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
 
     if chunks < 1 or chunk_tokens < 2:
@@ -115,7 +116,7 @@ def profile_heads(
         return (x / runs).view(cfg.num_hidden_layers, cfg.num_key_value_heads, group).amax(-1)
 
     shift, edge = per_kv_head(rec.shift), per_kv_head(rec.edge)
-    path = Path(out).expanduser() if out is not None else default_path(llm.resolved.name, random_weights, KIND)
+    path = Path(out).expanduser() if out is not None else artifact_path(llm.resolved.name, random_weights, HEAD_CLASSES)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "model": llm.resolved.name, "method": METHOD, "num_layers": cfg.num_hidden_layers,
@@ -124,42 +125,3 @@ def profile_heads(
         "scores": torch.maximum(shift, edge).tolist(),
     }))
     return path
-
-
-SCORES = ("scores", "edge_mass", "prefix_shift")  # what a flow may rank heads by ("scores": RedKnot's max)
-
-
-def load_head_scores(path: str | Path, num_layers: int, num_kv_heads: int, model: str | None = None,
-                     key: str = "scores") -> torch.Tensor:
-    """The `[layers, kv_heads]` scores (`key`: one of SCORES) of a head profile file, checked against
-    the model's shapes."""
-    fix = f"re-run `sparsetune flows profile-heads --model {model or 'MODEL'}`"
-    path, data = read_model_file(path, "head profile", fix, "--reuse-param head_classes=FILE")
-    scores = data.get(key)
-    if not (isinstance(scores, list) and len(scores) == num_layers
-            and all(isinstance(row, list) and len(row) == num_kv_heads and all(isinstance(x, (int, float)) for x in row)
-                    for row in scores)):
-        raise SparsetuneError(f"head profile {path} does not fit the model ({num_layers} layers x {num_kv_heads} "
-                              f"KV heads of numeric `{key}`); {fix}")
-    return torch.tensor(scores, dtype=torch.float64)
-
-
-def global_heads(scores: torch.Tensor, ratio: float) -> torch.Tensor:
-    """`[layers, kv_heads]` bool: the top `ratio` of all heads by score (at least one when ratio > 0)."""
-    flat = scores.flatten()
-    count = min(flat.numel(), max(1 if ratio > 0 else 0, round(ratio * flat.numel())))
-    out = torch.zeros(flat.numel(), dtype=torch.bool)
-    out[flat.argsort(descending=True, stable=True)[:count]] = True
-    return out.view_as(scores)
-
-
-def resolve_head_scores(spec: str, model: str, random_weights: bool, num_layers: int, num_kv_heads: int,
-                        key: str = "scores") -> torch.Tensor:
-    """The head scores a flow runs with: its file, or for "auto" the model's default profile."""
-    if spec != "auto":
-        return load_head_scores(spec, num_layers, num_kv_heads, model, key)
-    path = default_path(model, random_weights, KIND)
-    if not path.is_file():
-        cmd = f"sparsetune flows profile-heads --model {model}" + (" --random-weights" if random_weights else "")
-        raise SparsetuneError(f"redknot needs head classes for {model}: run `{cmd}` (or pass --reuse-param head_classes=FILE)")
-    return load_head_scores(path, num_layers, num_kv_heads, model, key)

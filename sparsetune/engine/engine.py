@@ -1,0 +1,397 @@
+"""`Engine`: model, KV pool, scheduler and runner; runs requests of token ids (or text) to completion.
+
+A closed layer: it knows attention only as `AttentionBackend`s installed per layer (`set_attention`)
+and never imports flows or reuse. `sparsetune.llm.LLM` composes it with a decode flow and a reuse flow.
+
+The request API, for servers, benchmarks and search workers:
+`add_request` (optionally with an arrival time) → `step` until `has_work` is false, `abort` at any
+time, `admit_prefilled` for a prompt whose KV was written outside the step loop (reuse, or a
+benchmark's synthetic context), `eager` to bypass captured CUDA graphs, and on every `Sequence` its
+`events` (arrival, scheduled, first token, each token, finish) on the `time.perf_counter` clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence as Seq
+
+import torch
+
+from sparsetune.device import resolve_device, resolve_dtype
+from sparsetune.engine.attention import AttentionBackend, DenseAttention, LayerHooks
+from sparsetune.engine.block_manager import BlockManager
+from sparsetune.engine.config import EngineConfig
+from sparsetune.engine.kv_cache import KVCache
+from sparsetune.engine.model import CausalLM
+from sparsetune.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
+from sparsetune.engine.sampler import sample
+from sparsetune.engine.scheduler import Batch, Scheduler
+from sparsetune.engine.sequence import SamplingParams, Sequence, Status
+from sparsetune.errors import SparsetuneError
+from sparsetune.models.resolve import ResolvedModel, resolve_model
+from sparsetune.models.weights import init_random, load_safetensors_dir
+
+CPU_DEFAULT_KV_MEMORY = 2 << 30
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    reuse: dict | None = None  # `ReuseStats.to_dict()` of a prompt prefilled by a reuse flow
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    preemptions: int = 0
+    first_token_seconds: list[float] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, extra_elems_per_block: int = 0, capture: bool = True) -> None:
+        """`extra_elems_per_block`: elements (of the pool's dtype) per KV block kept beside keys and
+        values (a decode flow's per-block fields), so the pool is sized for both. `capture`: capture decode CUDA graphs
+        now (a caller that installs other attention first captures later, `capture_graphs`)."""
+        config.check()
+        self.config = cfg = config
+        self.extra_elems_per_block = extra_elems_per_block
+        self.device = resolve_device(cfg.device)
+        self.resolved: ResolvedModel = resolve_model(cfg.model, cfg.random_weights)
+        spec = self.resolved.spec
+        self.dtype = resolve_dtype(cfg.dtype, self.device, spec.gpu_dtype if spec else "bfloat16")
+        mcfg = self.resolved.config
+        self.model_config = mcfg
+        self.tokenizer = self.resolved.load_tokenizer()
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids
+
+        max_len = min(mcfg.max_position_embeddings, cfg.max_model_len or mcfg.max_position_embeddings)
+        torch.manual_seed(cfg.seed)
+        with torch.device(self.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                self.model = CausalLM(mcfg, max_positions=max_len)
+            finally:
+                torch.set_default_dtype(prev)
+        if self.resolved.weights_dir is None:
+            init_random(self.model, cfg.seed)
+        else:
+            load_safetensors_dir(self.model, self.resolved.weights_dir)
+        self.model.eval()
+
+        num_blocks = self._num_kv_blocks(max_len)
+        if num_blocks < 1:
+            raise SparsetuneError("the KV pool has no room for a single block; raise --kv-memory")
+        self._check_memory(num_blocks)
+        self.kv = KVCache(
+            mcfg.num_hidden_layers, num_blocks, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim,
+            self.dtype, self.device,
+        )
+        self.max_model_len = min(max_len, num_blocks * cfg.block_size)
+        self.backends: list[AttentionBackend] = [self.dense_attention()] * mcfg.num_hidden_layers
+        self.hooks = LayerHooks()
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, self.backends, self.hooks, cfg.max_num_seqs, self.max_model_len)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.stats = EngineStats()
+        if capture:
+            self.capture_graphs()
+
+    # ---- attention and graphs ----------------------------------------------------------------------
+
+    def dense_attention(self) -> DenseAttention:
+        return DenseAttention(self.model_config.head_dim**-0.5)
+
+    def set_attention(self, backend: AttentionBackend, layers: Seq[int] | None = None) -> None:
+        """Route attention of `layers` (default: all) through `backend`. Captured graphs are dropped
+        (they hold the old backend's kernels); `capture_graphs` takes new ones."""
+        for i in range(len(self.backends)) if layers is None else layers:
+            self.backends[i] = backend
+        self.runner.graphs.clear()
+
+    def set_hooks(self, hooks: LayerHooks) -> None:
+        """Install per-layer hooks (see `LayerHooks`). Captured graphs are dropped, as for `set_attention`."""
+        self.hooks = hooks
+        self.runner.hooks = hooks
+        self.runner.graphs.clear()
+
+    def capture_graphs(self) -> None:
+        """Capture decode CUDA graphs for the installed attention (CUDA with `cuda_graph` on; else nothing)."""
+        if self.device.type == "cuda" and self.config.cuda_graph:
+            self.runner.capture_graphs(self.config.cuda_graph_batch_sizes or DEFAULT_GRAPH_BATCH_SIZES)
+
+    @property
+    def eager(self) -> bool:
+        """True: decode steps run eagerly even where graphs are captured (profiling, debugging)."""
+        return not self.runner.use_graphs
+
+    @eager.setter
+    def eager(self, value: bool) -> None:
+        self.runner.use_graphs = not value
+
+    @contextmanager
+    def eager_mode(self) -> Iterator[None]:
+        """Run decode steps eagerly inside the block; the graphs come back after it."""
+        before = self.eager
+        self.eager = True
+        try:
+            yield
+        finally:
+            self.eager = before
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Decode steps replay captured graphs (captured and not eager)."""
+        return bool(self.runner.graphs) and self.runner.use_graphs
+
+    # ---- the KV pool -------------------------------------------------------------------------------
+
+    def _num_kv_blocks(self, max_len: int) -> int:
+        cfg, mcfg = self.config, self.model_config
+        per_block = self.bytes_per_block()
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_memory is not None:
+            return cfg.kv_memory // per_block
+        if self.device.type == "cpu":
+            # No point in more than max_num_seqs full-length sequences.
+            return min(CPU_DEFAULT_KV_MEMORY // per_block, cfg.max_num_seqs * -(-max_len // cfg.block_size))
+        free, _total = torch.cuda.mem_get_info(self.device)
+        # Reserve the prefill activations of a full token budget (hidden, qkv, gate/up, a few temporaries).
+        e = self.dtype.itemsize
+        act = cfg.max_num_batched_tokens * e * (
+            6 * mcfg.hidden_size + 3 * mcfg.intermediate_size
+            + 2 * (mcfg.num_attention_heads + 2 * mcfg.num_key_value_heads) * mcfg.head_dim
+        )
+        budget = int(free * cfg.gpu_memory_utilization) - act - (1 << 30)
+        return max(0, budget // per_block)
+
+    def _check_memory(self, num_blocks: int) -> None:
+        """A KV pool larger than the device's memory is refused before it is allocated."""
+        need = num_blocks * self.bytes_per_block()
+        if self.device.type == "cuda":
+            have, what = torch.cuda.mem_get_info(self.device)[0], "free GPU memory"
+        else:
+            have, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory"
+        if need > have:
+            raise SparsetuneError(f"the KV pool needs {need / 2**30:.1f} GiB but {what} is {have / 2**30:.1f} GiB; "
+                                  "lower --batch or --context, or set --kv-memory")
+
+    def bytes_per_block(self) -> int:
+        """Pool bytes per KV block: keys and values of every layer, plus `extra_elems_per_block`."""
+        cfg, mcfg = self.config, self.model_config
+        return KVCache.bytes_per_block(mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim,
+                                       self.dtype) + self.extra_elems_per_block * self.dtype.itemsize
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SparsetuneError(f"{self.resolved.name} has no tokenizer files; add them or pass token ids")
+            if not prompt.strip():
+                raise SparsetuneError("the prompt is empty; pass some text with --prompt")
+            return self.tokenizer.chat_prompt(prompt) if chat else self.tokenizer.encode(prompt)
+        if not prompt:
+            raise SparsetuneError("the prompt is empty")
+        return list(prompt)
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
+        """Queue a prompt; `arrival` (perf_counter seconds, default now) is its first event."""
+        self._check_prompt(token_ids)
+        seq = Sequence(list(token_ids), params)
+        seq.events.arrival = time.perf_counter() if arrival is None else arrival
+        self.scheduler.add(seq)
+        return seq
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if len(token_ids) + 1 > self.max_model_len:
+            raise SparsetuneError(
+                f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
+                f"(prompt plus at least one new token); shorten the prompt"
+                + ("" if self.max_model_len >= self.model_config.max_position_embeddings else " or raise --kv-memory")
+            )
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise SparsetuneError(f"prompt token ids must be in [0, {vocab})")
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is (waiting, mid-prefill, decoding); its blocks are freed and it
+        finishes with reason "abort". A finished request is left as it is."""
+        if self.scheduler.abort(seq):
+            seq.events.finished = time.perf_counter()
+
+    def reserve(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
+        """A request that owns KV blocks for its whole prompt but is not scheduled: the caller writes
+        the prompt's KV into `seq.block_table` itself, then hands it over with `admit_prefilled`
+        (or gives the blocks back with `abort`)."""
+        self._check_prompt(token_ids)
+        seq = Sequence(list(token_ids), params)
+        seq.events.arrival = time.perf_counter() if arrival is None else arrival
+        if not self.block_manager.can_grow(seq, len(token_ids)):
+            raise SparsetuneError(f"a {len(token_ids)}-token prompt does not fit in the free KV pool; raise --kv-memory")
+        self.block_manager.grow(seq, len(token_ids))
+        return seq
+
+    def admit_prefilled(self, seq: Sequence, logits: torch.Tensor | None = None) -> bool:
+        """Schedule a `reserve`d request whose prompt KV is in its blocks. With the last prompt
+        position's `logits`, its first token is sampled now (True when that token already finishes
+        it); without, the last prompt token is recomputed by its first decode step (the pool holds
+        every earlier position)."""
+        seq.events.scheduled = time.perf_counter()
+        seq.cacheable = False  # its KV was not written by this engine's prefill: never a prefix-cache hit
+        if logits is None:
+            self.scheduler.admit_running(seq, seq.num_tokens - 1)
+            return False
+        tok = self._sample([seq], logits[None])[0]
+        self.scheduler.admit_running(seq, seq.num_tokens)
+        done = self.scheduler.append_token(seq, tok, self.eos_token_ids, self.max_model_len)
+        self._token_events([seq], time.perf_counter())
+        return done
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled batch (a prefill chunk, or a decode token for every running request)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        t0 = time.perf_counter()
+        for s in batch.seqs:
+            if s.events.scheduled is None:
+                s.events.scheduled = t0
+        logits = self.runner.run(batch)
+        sampling = [i for i in range(len(batch.seqs)) if not batch.is_prefill or batch.completes_prefill(i)]
+        sampled: dict[int, int] = {}
+        if sampling:
+            seqs = [batch.seqs[i] for i in sampling]
+            toks = self._sample(seqs, logits if not batch.is_prefill else logits[sampling])
+            sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
+        t1 = time.perf_counter()
+        self._account(batch, t1 - t0)
+        finished = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, self.max_model_len)
+        self._token_events([s for s in batch.seqs if s.seq_id in sampled], t1)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        return finished
+
+    @staticmethod
+    def _token_events(seqs: list[Sequence], now: float) -> None:
+        for s in seqs:
+            ev = s.events
+            if ev.first_token is None:
+                ev.first_token = now
+            ev.tokens.append(now)
+            if s.status == Status.FINISHED:
+                ev.finished = now
+
+    def _sample(self, seqs: list[Sequence], rows: torch.Tensor) -> list[int]:
+        """Next token of each sequence from its logits row (greedy, sampled, or teacher-forced)."""
+        if all(s.params.temperature == 0 for s in seqs):
+            toks = rows.argmax(dim=-1).tolist()  # greedy: no per-step parameter tensors
+        else:
+            temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
+            top_ps = torch.tensor([s.params.top_p for s in seqs], device=self.device)
+            toks = sample(rows, temps, top_ps, self.generator).tolist()
+        for i, s in enumerate(seqs):
+            if s.params.forced_tokens:
+                toks[i] = s.params.forced_tokens[s.num_completion_tokens]
+            if s.params.keep_logits:
+                s.logits.append(rows[i].float().cpu())
+        return toks
+
+    def _account(self, batch: Batch, seconds: float) -> None:
+        s = self.stats
+        s.steps += 1
+        if batch.is_prefill:
+            s.prefill_tokens += sum(batch.num_new_tokens)
+            s.prefill_seconds += seconds
+        else:
+            s.decode_tokens += len(batch.seqs)
+            s.decode_seconds += seconds
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        chat: bool = True,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        """Run prompts (text or token ids) to completion with continuous batching; results in prompt order."""
+        params_list = self._params_list(prompts, params)
+        t0 = time.perf_counter()
+        encoded = [self.encode_prompt(p, chat) for p in prompts]
+        seqs = [self.add_request(ids, p, t0) for ids, p in zip(encoded, params_list)]
+        return self.run_to_completion(encoded, seqs, on_token)
+
+    @staticmethod
+    def _params_list(prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None) -> list[SamplingParams]:
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        return params_list
+
+    def run_to_completion(
+        self, encoded: list[list[int]], seqs: list[Sequence], on_token: Callable[[int], None] | None = None,
+        reuse: dict[int, dict] | None = None,
+    ) -> list[Completion]:
+        """Step until the engine is idle; `on_token(n)`: `n` new tokens of `seqs` after each step.
+        Each request's time to first token (from its arrival) goes to `stats.first_token_seconds`."""
+        reported = {s.seq_id for s in seqs if s.events.first_token is not None}
+        for s in seqs:
+            if s.seq_id in reported:
+                self.stats.first_token_seconds.append(s.events.first_token - s.events.arrival)
+        while self.scheduler.has_work():
+            before = sum(s.num_tokens for s in seqs)
+            self.step()
+            if on_token is not None:
+                on_token(sum(s.num_tokens for s in seqs) - before)
+            for s in seqs:
+                if s.events.first_token is not None and s.seq_id not in reported:
+                    reported.add(s.seq_id)
+                    self.stats.first_token_seconds.append(s.events.first_token - s.events.arrival)
+        reuse = reuse or {}
+        return [
+            Completion(
+                ids, s.completion_ids, self.tokenizer.decode(s.completion_ids) if self.tokenizer else None,
+                s.finish_reason, reuse.get(s.seq_id),
+            )
+            for ids, s in zip(encoded, seqs)
+        ]
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits `[n, V]` at every prompt position (prefill in chunks, through the pool)."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        self._check_prompt(token_ids)
+        seq = Sequence(list(token_ids), SamplingParams(max_tokens=1))
+        out = []
+        try:
+            while seq.num_computed < seq.num_tokens:
+                n = min(self.config.max_num_batched_tokens, seq.num_tokens - seq.num_computed)
+                if not self.block_manager.can_grow(seq, seq.num_computed + n):
+                    raise SparsetuneError("the prompt does not fit in the KV pool; raise --kv-memory")
+                self.block_manager.grow(seq, seq.num_computed + n)
+                out.append(self.runner.run(Batch(True, [seq], [n]), all_logits=True))
+                seq.num_computed += n
+        finally:
+            self.block_manager.release(seq)
+            seq.status = Status.FINISHED
+        return torch.cat(out)

@@ -1,0 +1,211 @@
+"""`LLM`: the composition root. An `Engine` with a decode flow on its attention layers and a reuse
+flow for prompts with reusable segments.
+
+The engine knows neither: this is where flows are found (`registry`), sized into the KV pool,
+attached as attention backends, and where a reuse flow's prefill is admitted into the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields, replace
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from sparsetune.engine.config import EngineConfig
+from sparsetune.engine.engine import Completion, Engine, EngineStats  # noqa: F401 - re-exported
+from sparsetune.engine.sequence import SamplingParams, Sequence
+from sparsetune.errors import SparsetuneError
+from sparsetune.models.artifacts import resolve_calibration
+from sparsetune.registry import build_flow, decode_flow_for
+from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
+from sparsetune.reuse.flow import ReuseFlow
+from sparsetune.reuse.parts import ReuseLayout, encode_parts, is_parts, parse_parts_any
+from sparsetune.reuse.segment_cache import SegmentCache
+
+
+class LLM(Engine):
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        cfg = config or EngineConfig()
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = [k for k in overrides if k not in known]
+        if unknown:
+            raise TypeError(f"unknown engine option {unknown[0]!r}")
+        cfg = replace(cfg, **overrides)
+        _name, mcfg = cfg.check()
+        flow_name, flow_params = decode_flow_for(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
+        self.flow = _build_flow(cfg, flow_name, flow_params)
+        # The pool's block size is the flow's granularity.
+        cfg = replace(cfg, flow=flow_name, flow_params=dict(flow_params),
+                      block_size=self.flow.block_size if self.flow is not None else cfg.block_size)
+        super().__init__(cfg, extra_elems_per_block=_flow_elems_per_block(self.flow, mcfg), capture=False)
+        self._install_flow(self.flow)
+        # Segments live in the same pool; a request short of blocks evicts idle ones (reclaim).
+        self.segments = SegmentCache(self.block_manager, cfg.block_size,
+                                     salt=f"{self.resolved.name}|random={cfg.random_weights}|{self.dtype}",
+                                     watermark=cfg.segment_watermark)
+        self.reuse_executor = ReuseExecutor(self.model, self.kv, self.segments, mcfg.rope_scaling, mcfg.rope_theta)
+        self.reuse_flow = self._build_reuse(cfg.reuse, cfg.reuse_params)
+
+    # ---- the decode flow ---------------------------------------------------------------------------
+
+    def _install_flow(self, flow) -> None:
+        """Route attention through `flow` (None or dense: full attention), then capture decode graphs.
+
+        The flow is attached before capture, so its indexer and selection are in the graphs."""
+        if self.config.prefix_caching and flow is not None and not flow.full_attention:
+            # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
+            raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
+                                  "(its per-block state would be shared between requests); drop one of them")
+        self.set_attention(self.dense_attention())
+        if flow is not None and not flow.full_attention:
+            self._attach_flow(flow)
+        self.capture_graphs()
+
+    def set_flow(self, flow: str | None, params: dict[str, str] | None = None) -> None:
+        """Switch the decode flow of a live engine (same weights and KV pool); recaptures graphs."""
+        if self.scheduler.has_work():
+            raise RuntimeError("set_flow needs an idle engine")
+        cfg = replace(self.config, flow=flow, flow_params=dict(params or {}))
+        new = _build_flow(cfg, flow, cfg.flow_params)
+        if new is not None and new.block_size != cfg.block_size:
+            raise SparsetuneError(f"the KV pool uses blocks of {cfg.block_size}; a flow with block_size "
+                                  f"{new.block_size} needs a new engine")
+        self.config, self.flow = cfg, new
+        self._install_flow(new)
+
+    def _attach_flow(self, flow) -> None:
+        from sparsetune.flow.runtime import EXECUTORS, FlowAttention
+
+        n = self.model_config.num_hidden_layers
+        bad = [i for i in flow.dense_layers if not 0 <= i < n]
+        if bad:
+            raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {n}-layer model")
+        sparse = [i for i in range(n) if i not in flow.dense_layers]
+        if flow.select_layers and sparse and sparse[0] not in flow.select_layers:
+            raise SparsetuneError(
+                f"--param select_layers: the first sparse layer ({sparse[0]}) must select, "
+                f"since later layers reuse its choice; got {list(flow.select_layers)}"
+            )
+        executor = self.config.flow_executor or ("compiled" if self.device.type == "cuda" else "reference")
+        if executor not in EXECUTORS:
+            raise SparsetuneError(f"--flow-executor {executor!r}: use one of {', '.join(EXECUTORS)}")
+        calibration = None
+        if flow.calibrated:  # per-layer channel order, for this model and its shapes
+            mcfg = self.model_config
+            calibration = resolve_calibration(flow.calibration, flow.name, self.resolved.name,
+                                              self.resolved.random_weights, n, mcfg.num_key_value_heads, mcfg.head_dim)
+        attn = FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor, calibration=calibration)
+        self.set_attention(attn, sparse)
+
+    # ---- the reuse flow ----------------------------------------------------------------------------
+
+    def _build_reuse(self, name: str | None, params: dict[str, str] | None) -> ReuseFlow | None:
+        if name is None:
+            if params:
+                raise SparsetuneError("--reuse-param needs a reuse flow: add --reuse NAME")
+            return None
+        flow = build_flow(name, params, ReuseFlow)
+        flow.prepare(self.resolved.name, self.config.random_weights, self.model_config)
+        return flow
+
+    def set_reuse(self, flow: str | ReuseFlow | None, params: dict[str, str] | None = None) -> None:
+        """Switch the reuse flow for prompts with segments (the segment cache is kept): a name or path
+        with raw params, or a built `ReuseFlow` (None: segments run as plain text). The decode flow
+        stays as it is: a reuse flow's own decode flow (`decode_flow_for`) comes with `set_flow`."""
+        if isinstance(flow, ReuseFlow):
+            self.reuse_flow = flow
+            self.config = replace(self.config, reuse=flow.name, reuse_params={k: str(v) for k, v in flow.params().items()})
+            return
+        self.reuse_flow = self._build_reuse(flow, params)
+        self.config = replace(self.config, reuse=flow, reuse_params=dict(params or {}))
+
+    def cache_segments(self, layout: ReuseLayout) -> int:
+        """Stage 1 of the reuse protocol: store every segment of `layout` that the cache lacks, each
+        prefilled on its own at position 0 (a cache-building request); returns how many were new."""
+        stats = ReuseStats()
+        for seg in self.reuse_executor.fetch_segments(layout, stats):
+            self.segments.release(seg)
+        return stats.segment_misses
+
+    def add_reuse_request(self, layout: ReuseLayout, params: SamplingParams,
+                          arrival: float | None = None) -> tuple[Sequence, ReuseStats]:
+        """Prefill a prompt with segments by the reuse flow's plan now, sample its first token, and
+        hand it to the scheduler to decode with the others (`step` runs it from there)."""
+        if self.reuse_flow is None:
+            raise SparsetuneError("no reuse flow is set; pass --reuse NAME (or LLM(reuse=...))")
+        ids = layout.token_ids
+        seq = self.reserve(ids, params, arrival)
+        try:
+            table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
+            logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
+            from sparsetune.flow.runtime import FlowAttention
+
+            with torch.inference_mode():  # the field stores are inference tensors
+                for layer, backend in enumerate(self.backends):  # the decode flow's per-block fields
+                    if isinstance(backend, FlowAttention):
+                        backend.rebuild_fields(layer, self.kv, table, len(ids))
+        except BaseException:
+            self.abort(seq)
+            raise
+        self.segments.enforce_watermark()  # idle segments above the watermark go, pinned ones last
+        self.stats.prefill_tokens += len(ids)
+        self.stats.prefill_seconds += stats.seconds
+        self.admit_prefilled(seq, logits)
+        return seq, stats
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int] | list],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        chat: bool = True,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion with continuous batching; results in prompt order. A prompt given
+        as parts (text and reusable segments) is prefilled by the reuse flow when one is set."""
+        params_list = self._params_list(prompts, params)
+        t0 = time.perf_counter()
+        encoded, seqs, reuse = [], [], {}
+        for prompt, p in zip(prompts, params_list):
+            if is_parts(prompt):  # reusable segments: the reuse flow prefills it now
+                layout = encode_parts(self.tokenizer, parse_parts_any(prompt), chat)
+                encoded.append(layout.token_ids)
+                if self.reuse_flow is None:
+                    seqs.append(self.add_request(layout.token_ids, p, t0))
+                else:
+                    seq, stats = self.add_reuse_request(layout, p, t0)
+                    seqs.append(seq)
+                    reuse[seq.seq_id] = stats.to_dict()
+            else:
+                encoded.append(self.encode_prompt(prompt, chat))
+                seqs.append(self.add_request(encoded[-1], p, t0))
+        return self.run_to_completion(encoded, seqs, on_token, reuse)
+
+
+def _build_flow(cfg: EngineConfig, name: str | None, params: dict[str, str]):
+    """The decode flow of `--flow`/`--param` (None: dense). `--block-size` sets the flow's granularity
+    unless the params set it; both set differently is an error."""
+    if name is None:
+        if params:
+            raise SparsetuneError("--param needs --flow")
+        return None
+    raw = dict(params)
+    if "block_size" not in raw:
+        raw["block_size"] = str(cfg.block_size)
+    elif str(raw["block_size"]) != str(cfg.block_size) and cfg.block_size != EngineConfig.block_size:
+        raise SparsetuneError(
+            f"--block-size {cfg.block_size} disagrees with --param block_size={raw['block_size']}; set it once"
+        )
+    return build_flow(name, raw)
+
+
+def _flow_elems_per_block(flow, mcfg) -> int:
+    """A flow's per-block fields on its sparse layers, in pool elements: they live beside the pool."""
+    if flow is None or flow.full_attention:
+        return 0
+    from sparsetune.flow.codegen import field_dims
+
+    dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
+    layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)
+    return layers * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values())

@@ -1,0 +1,139 @@
+"""Per-model files written offline and read when a flow runs: where they live, how they are read
+and checked against the model's shapes (the one place for both).
+
+- **channel calibration** (`kind` "calibration", DoubleSparse): written by
+  `sparsetune.calibration.channels`. JSON:
+
+      {"model", "statistic", "num_layers", "num_kv_heads", "head_dim", "tokens",
+       "channels": [layer][kv_head] → channel indices, most important first,
+       "scores":   [layer][kv_head][channel] → the statistic of that channel}
+
+- **head profile** (`kind` "head_classes", RedKnot): written by `sparsetune.calibration.heads`.
+  JSON: {"model", "method", "num_layers", "num_kv_heads", "sink", "window", "chunks",
+  "chunk_tokens", "prefix_shift", "edge_mass", "scores": [layer][kv_head] → float}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.models.registry import models_dir
+
+CALIBRATION = "calibration"
+HEAD_CLASSES = "head_classes"
+
+Calibration = list[list[list[int]]]  # [layer][kv_head] → channel indices, most important first
+
+
+def artifact_path(model: str, random_weights: bool = False, kind: str = "calibration") -> Path:
+    """`<cache>/<kind>/<model>.json` (kind: "calibration", or "head_classes" for RedKnot's head
+    profile), next to the models cache (`SPARSETUNE_MODELS` moves both). A local model directory's
+    path becomes one file name; a random-weight profile gets its own file, so it never stands in
+    for the real weights'."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "--", model.strip("/\\"))
+    return models_dir().parent / kind / f"{stem}{'-random-weights' if random_weights else ''}.json"
+
+
+def read_model_file(path: str | Path, what: str, fix: str, instead: str) -> tuple[Path, dict]:
+    """A per-model JSON file written offline (a calibration, a head profile) as a dict; a missing or
+    unreadable one is an error naming `fix` (the command that writes it) and `instead` (a flag)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SparsetuneError(f"{what} {path} does not exist; {fix} or pass {instead}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SparsetuneError(f"{what} {path} is not readable JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise SparsetuneError(f"{what} {path} is not a JSON object; {fix}")
+    return path, data
+
+
+def write_calibration(
+    path: Path, model: str, channels: Calibration, scores: list | None, tokens: int, statistic: str
+) -> Path:
+    """Write a calibration file (the format `load_calibration` reads)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "model": model, "statistic": statistic, "num_layers": len(channels), "num_kv_heads": len(channels[0]),
+        "head_dim": len(channels[0][0]), "tokens": tokens, "channels": channels, "scores": scores,
+    }))
+    return path
+
+
+def load_calibration(
+    path: str | Path, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None
+) -> Calibration:
+    """The channel order of a calibration file, checked against the model's shapes."""
+    fix = f"re-run `sparsetune flows calibrate --model {model or 'MODEL'}`"
+    path, data = read_model_file(path, "calibration file", fix, "--param calibration=FILE")
+    want = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    bad = [f"{k} {data.get(k)} (the model has {v})" for k, v in want.items() if data.get(k) != v]
+    if bad:
+        raise SparsetuneError(f"calibration file {path} does not fit the model: {', '.join(bad)}; {fix}")
+    channels, every = data.get("channels"), list(range(head_dim))
+    if not (
+        isinstance(channels, list) and len(channels) == num_layers
+        and all(isinstance(heads, list) and len(heads) == num_kv_heads for heads in channels)
+        and all(isinstance(c, list) and all(isinstance(i, int) for i in c) and sorted(c) == every
+                for heads in channels for c in heads)
+    ):
+        raise SparsetuneError(f"calibration file {path}: `channels` must hold a permutation of the {head_dim} "
+                              f"channel indices per layer and KV head; {fix}")
+    return channels
+
+
+def resolve_calibration(
+    spec: str, flow: str, model: str, random_weights: bool, num_layers: int, num_kv_heads: int, head_dim: int
+) -> Calibration:
+    """The channel order the calibrated flow `flow` runs with on `model`: the file `spec`, or for
+    "auto" the model's default file (which must exist: calibration is an explicit, offline step)."""
+    if spec != "auto":
+        return load_calibration(spec, num_layers, num_kv_heads, head_dim, model)
+    path = artifact_path(model, random_weights, CALIBRATION)
+    if not path.is_file():
+        cmd = f"sparsetune flows calibrate --model {model}" + (" --random-weights" if random_weights else "")
+        raise SparsetuneError(f"{flow} needs channel calibration for {model}: run `{cmd}` "
+                              f"(or pass --param calibration=FILE)")
+    return load_calibration(path, num_layers, num_kv_heads, head_dim, model)
+
+
+def synthetic_calibration(num_layers: int, num_kv_heads: int, head_dim: int, seed: int = 0) -> Calibration:
+    """A seeded random channel order, for checking a calibrated flow without a model."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randperm(head_dim, generator=g).tolist() for _ in range(num_kv_heads)] for _ in range(num_layers)]
+
+
+SCORES = ("scores", "edge_mass", "prefix_shift")  # what a flow may rank heads by ("scores": RedKnot's max)
+
+
+def load_head_scores(path: str | Path, num_layers: int, num_kv_heads: int, model: str | None = None,
+                     key: str = "scores") -> torch.Tensor:
+    """The `[layers, kv_heads]` scores (`key`: one of SCORES) of a head profile file, checked against
+    the model's shapes."""
+    fix = f"re-run `sparsetune flows profile-heads --model {model or 'MODEL'}`"
+    path, data = read_model_file(path, "head profile", fix, "--reuse-param head_classes=FILE")
+    scores = data.get(key)
+    if not (isinstance(scores, list) and len(scores) == num_layers
+            and all(isinstance(row, list) and len(row) == num_kv_heads and all(isinstance(x, (int, float)) for x in row)
+                    for row in scores)):
+        raise SparsetuneError(f"head profile {path} does not fit the model ({num_layers} layers x {num_kv_heads} "
+                              f"KV heads of numeric `{key}`); {fix}")
+    return torch.tensor(scores, dtype=torch.float64)
+
+
+def resolve_head_scores(spec: str, model: str, random_weights: bool, num_layers: int, num_kv_heads: int,
+                        key: str = "scores") -> torch.Tensor:
+    """The head scores a flow runs with: its file, or for "auto" the model's default profile."""
+    if spec != "auto":
+        return load_head_scores(spec, num_layers, num_kv_heads, model, key)
+    path = artifact_path(model, random_weights, HEAD_CLASSES)
+    if not path.is_file():
+        cmd = f"sparsetune flows profile-heads --model {model}" + (" --random-weights" if random_weights else "")
+        raise SparsetuneError(f"redknot needs head classes for {model}: run `{cmd}` (or pass --reuse-param head_classes=FILE)")
+    return load_head_scores(path, num_layers, num_kv_heads, model, key)

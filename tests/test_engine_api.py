@@ -1,0 +1,103 @@
+"""The engine's request API: abort, per-request events, eager mode, admitting a prefilled request.
+Each is checked against plain `generate` on the same engine (the reference for what tokens come out)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsetune.engine.sequence import SamplingParams, Status
+
+PROMPTS = ["Name a fruit that is yellow.", "Hello!", "What is two plus three?"]
+
+
+def _reference(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def _run(llm, seqs):
+    while llm.scheduler.has_work():
+        llm.step()
+    return [s.completion_ids for s in seqs]
+
+
+def test_engine_imports_no_flow_or_reuse():
+    code = ("import sys, sparsetune.engine.engine\n"
+            "bad = [m for m in sys.modules if m.startswith(('sparsetune.flow', 'sparsetune.reuse', 'sparsetune.llm',"
+            " 'sparsetune.registry', 'sparsetune.evaluation'))]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_abort_waiting_and_running_requests_frees_blocks_and_keeps_the_others(smollm):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = _reference(smollm, PROMPTS, params)
+    free = smollm.block_manager.num_free
+    ids = [smollm.encode_prompt(p) for p in PROMPTS]
+    seqs = [smollm.add_request(i, params) for i in ids]
+    smollm.step()  # the prefill of all three
+    for _ in range(3):
+        smollm.step()
+    smollm.abort(seqs[1])  # mid-decode
+    late = smollm.add_request(ids[1], params)
+    smollm.abort(late)  # still waiting
+    out = _run(smollm, seqs)
+    assert out[0] == ref[0] and out[2] == ref[2]
+    assert seqs[1].finish_reason == "abort" and late.finish_reason == "abort"
+    assert seqs[1].status == Status.FINISHED and len(seqs[1].completion_ids) == 4
+    assert late.events.scheduled is None and late.events.finished is not None
+    assert smollm.block_manager.num_free == free
+    smollm.abort(seqs[0])  # a finished request is left as it is
+    assert seqs[0].finish_reason == "length"
+
+
+def test_request_events_are_ordered_and_count_every_token(smollm):
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    seqs = [smollm.add_request(smollm.encode_prompt(p), params, arrival=0.0) for p in PROMPTS]
+    _run(smollm, seqs)
+    for s in seqs:
+        ev = s.events
+        assert ev.arrival == 0.0 < ev.scheduled <= ev.first_token <= ev.finished
+        assert ev.tokens[0] == ev.first_token and ev.tokens[-1] == ev.finished
+        assert len(ev.tokens) == s.num_completion_tokens == 5
+        assert ev.tokens == sorted(ev.tokens)
+
+
+def test_eager_mode_restores_the_switch(smollm):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = _reference(smollm, PROMPTS[:1], params)
+    assert not smollm.eager
+    with smollm.eager_mode():
+        assert smollm.eager and not smollm.uses_graphs
+        assert _reference(smollm, PROMPTS[:1], params) == ref
+    assert not smollm.eager
+
+
+def _copy_blocks(llm, src: list[int], dst: list[int]) -> None:
+    s, d = torch.tensor(src), torch.tensor(dst)
+    for layer in range(llm.kv.num_layers):
+        llm.kv.k[layer][d] = llm.kv.k[layer][s]
+        llm.kv.v[layer][d] = llm.kv.v[layer][s]
+
+
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_admit_prefilled_continues_like_a_normal_request(smollm, with_logits):
+    """KV written outside the step loop (here: copied from a request the engine prefilled itself)
+    decodes to the same tokens as the request run normally."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ids = smollm.encode_prompt(PROMPTS[0])
+    ref = _reference(smollm, [ids], params)[0]
+    free = smollm.block_manager.num_free
+    donor = smollm.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    smollm.step()  # prefill: the donor's blocks hold the prompt's KV
+    seq = smollm.reserve(ids, params)
+    _copy_blocks(smollm, donor.block_table, seq.block_table)
+    smollm.abort(donor)
+    logits = smollm.prompt_logits(ids)[-1] if with_logits else None
+    smollm.admit_prefilled(seq, logits)
+    assert seq.status == Status.RUNNING and seq.events.scheduled is not None
+    assert _run(smollm, [seq])[0] == ref
+    assert smollm.block_manager.num_free == free
