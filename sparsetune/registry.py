@@ -1,12 +1,16 @@
-"""Find flows: built-ins in the repo's `flows/` directory, or a user file given by path."""
+"""Find flows: built-ins in the repo's `flows/` directory, or a user file given by path.
+
+A flow file is checked and executed once per content: classes are cached by (resolved path,
+SHA-256 of the bytes), so switching flows or parameters in a long-lived process (an eval's passes,
+a search worker's trials) reuses the class, and an edited file is loaded again."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import sys
 from pathlib import Path
-
 from typing import TypeVar
 
 from sparsetune.errors import SparsetuneError
@@ -28,7 +32,7 @@ def flows_dir() -> Path:
     env = os.environ.get("SPARSETUNE_FLOWS")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[2] / "flows"
+    repo = Path(__file__).resolve().parents[1] / "flows"
     return repo if repo.is_dir() else Path(sys.prefix) / "share" / "sparsetune" / "flows"
 
 
@@ -47,8 +51,11 @@ def load_file(path: Path, *, all_problems: bool = False) -> type[Configurable]:
         source = path.read_bytes()
     except OSError as e:
         raise SparsetuneError(f"cannot read flow file {path}: {e.strerror}") from None
+    key = (str(path.resolve()), hashlib.sha256(source).hexdigest())
+    if key in _LOADED:
+        return _LOADED[key]
     check_file(path, all_problems=all_problems, source=source)
-    mod_name = f"sparsetune_flow_{path.stem}_{abs(hash(str(path.resolve())))}"
+    mod_name = f"sparsetune_flow_{path.stem}_{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
         raise SparsetuneError(f"cannot import {path}")
@@ -71,7 +78,11 @@ def load_file(path: Path, *, all_problems: bool = False) -> type[Configurable]:
     if not cls.name:
         raise SparsetuneError(f"{path}: the flow class {cls.__name__} needs a `name`")
     cls.path = path  # type: ignore[attr-defined]
+    _LOADED[key] = cls
     return cls
+
+
+_LOADED: dict[tuple[str, str], type[Configurable]] = {}  # (resolved path, sha256) → the flow class
 
 
 def builtin_flows() -> dict[str, Path]:

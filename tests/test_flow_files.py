@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow import registry
+from sparsetune import registry
 from sparsetune.registry import builtin_flows, get_flow_class, load_file
 from sparsetune.flow.source_check import file_problems
 
@@ -332,3 +332,31 @@ def test_syntax_error_names_the_line(tmp_path):
     path = write(tmp_path / "broken.py", "from sparsetune.flow import DecodeFlow\n\nclass (:\n")
     with pytest.raises(SparsetuneError, match=rf"{path}:3: syntax error"):
         load_file(path)
+
+
+def test_a_flow_file_is_loaded_once_per_content(tmp_path, monkeypatch):
+    """Classes are cached by (path, content hash): the same bytes are not checked or run again; an
+    edited file is."""
+    body = '''
+        from sparsetune.flow import DecodeFlow, Param
+        from sparsetune.flow import ops as F
+
+
+        class Mine(DecodeFlow):
+            name = "mine"
+            budget = Param(64, low=1)
+
+            def cache(self, k, v):
+                return {"kmax": F.max(k, dim=1)}
+
+            def index(self, q, fields):
+                return F.topk(F.sum(F.gemm(q, F.transpose(fields["kmax"])), dim=1))
+    '''
+    path = write(tmp_path / "mine.py", body)
+    first = load_file(path)
+    runs = []
+    monkeypatch.setattr("sparsetune.flow.source_check.check_file", lambda *a, **k: runs.append(a))
+    assert load_file(path) is first and get_flow_class(str(path)) is first and not runs
+    write(tmp_path / "mine.py", body.replace("64", "32"))
+    edited = load_file(path)
+    assert edited is not first and edited.from_strings({}).params()["budget"] == 32
