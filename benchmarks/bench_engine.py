@@ -26,7 +26,7 @@ from common import measure_copy_bandwidth, measure_matmul_flops, wall  # noqa: E
 
 from sparsetune.llm import LLM  # noqa: E402
 from sparsetune.engine.sequence import SamplingParams, Sequence  # noqa: E402
-from sparsetune.profile import profile_call, profile_decode  # noqa: E402
+from sparsetune.perf.step_profile import profile_call, profile_decode  # noqa: E402
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -115,7 +115,7 @@ def by_category(prof: dict) -> list[tuple[str, float]]:
 
 
 def profile_prefill(llm: LLM, tokens: int) -> list[tuple[str, float]]:
-    """GPU kernel time by category (sparsetune.profile) of one eager prefill of random tokens."""
+    """GPU kernel time by category (sparsetune.perf.step_profile) of one eager prefill of random tokens."""
     from sparsetune.engine.scheduler import Batch
 
     s = Sequence(torch.randint(0, llm.model_config.vocab_size, (tokens,)).tolist(), SamplingParams())
@@ -201,7 +201,7 @@ def main() -> None:
             print(f"decode {flow} {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
                   f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
         if args.profile:
-            # Real prefill of random prompts, then one eager decode step (sparsetune.profile).
+            # Real prefill of random prompts, then one eager decode step (sparsetune.perf.step_profile).
             b, c = parse_cases(args.profile)[0]
             full = profile_decode(llm, b, c)
             prof = {"case": args.profile, "flow": flow, "ms_by_category": by_category(full), "profile": full}

@@ -28,7 +28,7 @@ from sparsetune.evaluation.config import DEFAULT_SPEED_TOKENS, EvalConfig, check
 from sparsetune.evaluation.fidelity import FidelityTally
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
-from sparsetune.evaluation.speed import check_fits, measure_speed
+from sparsetune.perf.speed import check_fits, measure_speed
 from sparsetune.registry import decode_flow_for
 from sparsetune.models.registry import DEFAULT_MODEL
 from sparsetune.records import env_info, new_run_dir, write_json
