@@ -1,13 +1,17 @@
-"""The timing harness (`sparsetune.perf.timing`) against the host clock read directly."""
+"""`sparsetune.perf`'s shared pieces: the timing harness against the host clock read directly, and
+the one fit check in each caller's words."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sparsetune.errors import SparsetuneError
+from sparsetune.perf.fit import EVAL, PROFILE, check_fits, check_positions
 from sparsetune.perf.timing import percentile, time_call, time_calls
 
 NAP = 0.02  # seconds each timed call sleeps
@@ -52,3 +56,48 @@ def test_cuda_events_time_gpu_work():
     a = torch.randn(2048, 2048, device="cuda")
     times = time_calls(lambda: a @ a, "cuda", repeats=3, warmup=1, events=True)
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def engine(max_model_len: int = 1000, positions: int = 2048, blocks: int = 100, block_size: int = 16):
+    """What the fit check reads of an `Engine`."""
+    return SimpleNamespace(max_model_len=max_model_len, resolved=SimpleNamespace(name="tiny"),
+                           model_config=SimpleNamespace(max_position_embeddings=positions),
+                           config=SimpleNamespace(block_size=block_size),
+                           block_manager=SimpleNamespace(num_blocks=blocks))
+
+
+def refusal(*args) -> str:
+    with pytest.raises(SparsetuneError) as e:
+        check_fits(*args)
+    return str(e.value)
+
+
+def test_fit_check_refuses_in_evals_words():
+    """Byte for byte the messages of eval's former `speed.check_fits` (tests pin their fixes)."""
+    assert refusal(engine(), 1, 990, 20) == ("--context plus generation is 1010 tokens but the engine holds 1000 "
+                                             "per request; lower --context or --max-new-tokens")
+    assert refusal(engine(positions=1000), 1, 990, 20).startswith("--context plus generation is 1010 tokens")
+    assert refusal(engine(blocks=100), 3, 600, 8) == ("3 requests of 608 tokens need 114 KV blocks but the pool "
+                                                      "has 100; lower --batch or raise --kv-memory")
+
+
+def test_fit_check_refuses_in_the_profilers_words():
+    assert refusal(engine(positions=1024, max_model_len=1024), 1, 1010, 20, PROFILE) == (
+        "--context 1010 is too long for tiny: it holds 1024 positions and the profile decodes 20 more tokens; "
+        "use --context 1004 or less")
+    assert refusal(engine(), 1, 990, 20, PROFILE) == (
+        "--context 990 plus 20 decode tokens exceeds the engine's context (1000 tokens); "
+        "raise --kv-memory or lower --context")
+    assert refusal(engine(blocks=100), 3, 600, 8, PROFILE) == (
+        "--batch 3 x --context 600 needs 114 KV blocks but the pool has 100; "
+        "raise --kv-memory or lower --batch/--context")
+    with pytest.raises(SparsetuneError, match="too long for tiny"):
+        check_positions("tiny", 1024, 1010, 20, PROFILE)  # before an engine exists
+
+
+def test_fit_check_boundary_is_the_engines():
+    """A request of P + M tokens runs to its end when P + M <= max_model_len, in ceil((P + M) / 16) blocks."""
+    check_fits(engine(max_model_len=1000, blocks=63), 1, 990, 10, EVAL)  # 1000 tokens, 63 blocks: fits
+    check_fits(engine(blocks=126), 2, 990, 10, PROFILE)
+    with pytest.raises(SparsetuneError, match="KV blocks"):
+        check_fits(engine(blocks=125), 2, 990, 10)
