@@ -28,7 +28,7 @@ def flows_dir() -> Path:
     env = os.environ.get("SPARSETUNE_FLOWS")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[2] / "flows"
+    repo = Path(__file__).resolve().parents[1] / "flows"
     return repo if repo.is_dir() else Path(sys.prefix) / "share" / "sparsetune" / "flows"
 
 
