@@ -126,7 +126,7 @@ def _prefill_fields(llm: LLM, dec: list[tuple[int, int]]) -> None:
     for layer, backend in enumerate(llm.backends):
         if getattr(backend, "flow", None) is not None:
             for chunk in blocks.split(4096):
-                backend._run_cache(layer, llm.kv, chunk, chunk)
+                backend.rebuild_fields(layer, llm.kv, chunk, chunk.numel() * llm.kv.block_size)  # all full blocks
     torch.cuda.synchronize()
 
 
