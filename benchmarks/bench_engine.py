@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import measure_copy_bandwidth, measure_matmul_flops, wall  # noqa: E402
+from common import measure_copy_bandwidth, measure_matmul_flops  # noqa: E402
 
 from sparsetune.llm import LLM  # noqa: E402
-from sparsetune.engine.sequence import SamplingParams, Sequence  # noqa: E402
-from sparsetune.profile import profile_call, profile_decode  # noqa: E402
+from sparsetune.engine.sequence import SamplingParams  # noqa: E402
+from sparsetune.perf.step_profile import profile_call, profile_decode  # noqa: E402
+from sparsetune.perf.timing import time_call, time_calls  # noqa: E402
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -88,20 +89,10 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
         seqs.append(s)
     for _ in range(3):
         llm.step()
-    per_step = wall(lambda: [llm.step() for _ in range(steps)]) / steps
+    per_step = time_call(lambda: [llm.step() for _ in range(steps)], llm.device) / steps
     # The graph replay alone (no host work), for the split of where time goes.
     g = llm.runner.graphs.get(batch)
-    replay = None
-    if g is not None:
-        times = []
-        for _ in range(steps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        replay = statistics.median(times)
+    replay = None if g is None else statistics.median(time_calls(g.replay, llm.device, steps, events=True))
     for s in seqs:
         llm.abort(s)
     ctx_avg = int(ctx + 3 + steps / 2)
@@ -115,17 +106,17 @@ def by_category(prof: dict) -> list[tuple[str, float]]:
 
 
 def profile_prefill(llm: LLM, tokens: int) -> list[tuple[str, float]]:
-    """GPU kernel time by category (sparsetune.profile) of one eager prefill of random tokens."""
-    from sparsetune.engine.scheduler import Batch
+    """GPU kernel time by category (sparsetune.perf.step_profile) of one prefill of random tokens
+    through the engine (a one-token request: its chunked prefill and first token; prefill runs
+    eagerly), after a warm-up prefill of other random tokens."""
+    vocab = llm.model_config.vocab_size
 
-    s = Sequence(torch.randint(0, llm.model_config.vocab_size, (tokens,)).tolist(), SamplingParams())
-    llm.block_manager.grow(s, tokens)
-    step = Batch(True, [s], [tokens])
-    try:
-        llm.runner.run(step)  # warm-up
-        return by_category(profile_call(lambda: llm.runner.run(step), llm.device))
-    finally:
-        llm.block_manager.release(s)
+    def prefill() -> None:
+        llm.generate([torch.randint(0, vocab, (tokens,)).tolist()], SamplingParams(max_tokens=1, ignore_eos=True),
+                     chat=False)
+
+    prefill()  # warm-up
+    return by_category(profile_call(prefill, llm.device))
 
 
 @torch.inference_mode()
@@ -135,7 +126,7 @@ def _prefill_fields(llm: LLM, dec: list[tuple[int, int]]) -> None:
     for layer, backend in enumerate(llm.backends):
         if getattr(backend, "flow", None) is not None:
             for chunk in blocks.split(4096):
-                backend._run_cache(layer, llm.kv, chunk, chunk)
+                backend.rebuild_fields(layer, llm.kv, chunk, chunk.numel() * llm.kv.block_size)  # all full blocks
     torch.cuda.synchronize()
 
 
@@ -201,7 +192,7 @@ def main() -> None:
             print(f"decode {flow} {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
                   f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
         if args.profile:
-            # Real prefill of random prompts, then one eager decode step (sparsetune.profile).
+            # Real prefill of random prompts, then one eager decode step (sparsetune.perf.step_profile).
             b, c = parse_cases(args.profile)[0]
             full = profile_decode(llm, b, c)
             prof = {"case": args.profile, "flow": flow, "ms_by_category": by_category(full), "profile": full}
@@ -227,7 +218,7 @@ def main() -> None:
         llm.generate(warm, SamplingParams(max_tokens=1), chat=False)
     for b, n in pre:
         prompts = [torch.randint(0, vocab, (n,)).tolist() for _ in range(b)]
-        t = wall(lambda: llm.generate(prompts, SamplingParams(max_tokens=1), chat=False))
+        t = time_call(lambda: llm.generate(prompts, SamplingParams(max_tokens=1), chat=False), llm.device)
         fl = prefill_flops(llm, n) * b
         r = {"batch": b, "prompt_tokens": n, "seconds": t, "tokens_per_second": b * n / t,
              "flops": fl, "floor_seconds": fl / flops, "achieved_tflops": fl / t / 1e12}

@@ -86,6 +86,7 @@ from sparsetune.kernels.paged_decode import (  # noqa: E402
     sparse_paged_decode_attention,
     sparse_paged_decode_attention_ref,
 )
+from sparsetune.perf.timing import sync, time_calls  # noqa: E402
 
 DEVICE = "cuda"
 # Qwen3-8B attention / MLP shapes.
@@ -126,18 +127,13 @@ def cfg_name(cfg: Config) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def _release_memory() -> None:
     """Free cached device memory safely: wait for ALL streams first (a kernel
     still running on a side stream may read the tensors just dropped), collect
     garbage so no CUDA graph object outlives the tensors it references (a graph
     keeps its private memory pool and raw pointers into its inputs), and only
     then hand the cache back to the driver."""
-    _sync()
+    sync(DEVICE)
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -146,10 +142,7 @@ def _release_memory() -> None:
 def bench_us(fn: Callable[[], Any], use_graph: bool = True, rep_ms: int = 60) -> float:
     """common.bench_us, or one wall-clock call in --cpu-smoke mode."""
     if CPU_SMOKE:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t0)
+        return 1e6 * time_calls(fn, DEVICE, 1, warmup=1)[0]
     return common_bench_us(fn, use_graph, rep_ms)
 
 
@@ -173,7 +166,7 @@ def make_paged_kv(batch: int, ctx: int, gen: torch.Generator, slack_blocks: int 
     block_tables = perm.view(batch, max_blocks).to(torch.int32).contiguous()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
     q = torch.empty((batch, HQ, HEAD_DIM), dtype=DTYPE, device=DEVICE).normal_(generator=gen)
-    _sync()  # initialised before any other stream uses them
+    sync(DEVICE)  # initialised before any other stream uses them
     return q, k_cache, v_cache, block_tables, seq_lens
 
 
@@ -183,7 +176,7 @@ def random_selection(batch: int, ctx: int, k_sel: int, gen: torch.Generator):
     keys = torch.rand((batch, HKV, n_blk), device=DEVICE, generator=gen)
     sel = keys.argsort(dim=-1)[..., :k_sel].to(torch.int32).contiguous()
     counts = torch.full((batch, HKV), k_sel, dtype=torch.int32, device=DEVICE)
-    _sync()
+    sync(DEVICE)
     return sel, counts
 
 
@@ -341,7 +334,7 @@ def bench_sparse_point(
     n_tok = k_sel * BLOCK_SIZE
     bt_dense = bt[:, :k_sel]
     lens_dense = torch.full_like(seq_lens, n_tok)
-    _sync()
+    sync(DEVICE)
     us = bench_us(lambda: paged_decode_attention(q, k, v, bt_dense, lens_dense, scale, out=out))
     gbs = kv_bytes / (us * 1e-6) / 1e9
     res["dense_same_bytes"] = {"ctx": n_tok, "us": us, "gbs": gbs, "frac_copy_bw": gbs / copy_gbs}

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from sparsetune.engine.rope import inv_frequencies  # noqa: E402
 from sparsetune.kernels.rope_realign import realign_kv, realign_kv_ref  # noqa: E402
+from sparsetune.perf.timing import time_calls  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,18 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def time_ms(fn: Callable[[], None], warmup: int, iters: int) -> float:
     """Median of per-call CUDA-event times."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return 1e3 * statistics.median(time_calls(fn, "cuda", iters, warmup, events=True))
 
 
 def segment_slots(table: torch.Tensor, start: int, n: int, block_size: int) -> torch.Tensor:

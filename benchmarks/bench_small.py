@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.models.registry import get_spec, gguf_available
+from sparsetune.perf.timing import time_call
 
 
 def main() -> None:
@@ -39,9 +39,7 @@ def main() -> None:
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         llm.stats.decode_tokens = 0
         llm.stats.decode_seconds = 0.0
-        t0 = time.perf_counter()
-        llm.generate(prompts, params)
-        total = time.perf_counter() - t0
+        total = time_call(lambda: llm.generate(prompts, params), llm.device)
         tps = llm.stats.decode_tokens / llm.stats.decode_seconds
         rows.append({"batch": b, "decode_tokens_per_second": tps, "step_ms": 1e3 * b / tps, "wall_seconds": total})
         print(f"smollm2-135m {llm.device} {str(llm.dtype)[6:]} batch {b}: {tps:.1f} decode tok/s "

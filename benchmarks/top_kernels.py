@@ -1,6 +1,9 @@
 """List the heaviest GPU kernels of one eager decode step of a flow (for indexer work).
 
     python benchmarks/top_kernels.py --flow quest --batch 16 --context 32768 --param budget=2048
+
+The requests come in through the engine's API as if prefilled (`reserve` + `admit_prefilled` over a
+pool of random KV); the profiled call is one `LLM.step()` (runner, sampling, scheduling).
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sparsetune.llm import LLM
-from sparsetune.engine.scheduler import Batch
-from sparsetune.engine.sequence import SamplingParams, Sequence
+from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.params import parse_param_args
+from sparsetune.perf.timing import sync
 
 
 @torch.inference_mode()
@@ -32,19 +35,22 @@ def main() -> None:
     for layer in range(llm.kv.num_layers):
         llm.kv.k[layer].normal_()
         llm.kv.v[layer].normal_()
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
     seqs = []
-    for _ in range(a.batch):
-        s = Sequence(torch.randint(0, 1000, (a.context,)).tolist(), SamplingParams())
-        llm.block_manager.grow(s, a.context)
-        s.num_computed = a.context - 1
+    for _ in range(a.batch):  # the pool holds (random) KV for every earlier position
+        s = llm.reserve(torch.randint(0, 1000, (a.context,)).tolist(), params)
+        llm.admit_prefilled(s)  # its first decode step computes the last prompt token
         seqs.append(s)
-    step = Batch(False, seqs, [1] * a.batch)
-    for _ in range(2):
-        llm.runner.run(step)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.runner.run(step)
-        torch.cuda.synchronize()
+    try:
+        for _ in range(2):
+            llm.step()
+        sync(llm.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.step()
+            sync(llm.device)
+    finally:
+        for s in seqs:
+            llm.abort(s)
     rows = sorted(
         ((ev.key, ev.device_time_total / 1e3, ev.count) for ev in prof.key_averages() if ev.device_time_total > 0),
         key=lambda r: -r[1],

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from sparsetune.cli.profile import profile as profile_command
 from sparsetune.engine import stages
 from sparsetune.errors import SparsetuneError
-from sparsetune.profile import CATEGORIES, profile_decode
+from sparsetune.perf.step_profile import CATEGORIES, profile_decode
 
 BATCH, CONTEXT = 2, 128
 

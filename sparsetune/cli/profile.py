@@ -43,7 +43,7 @@ def profile(
                                  "dtype": None if dtype == "auto" else dtype}).check()  # before torch loads
     apply_threads(threads)
     from sparsetune import records
-    from sparsetune.profile import plot, profile as run
+    from sparsetune.perf.step_profile import plot, profile as run
 
     with err.status(f"profiling {flow} on {model}: batch {batch}, context {context} ..."):
         result = run(model=model, flow=flow, flow_params=flow_params, batch=batch, context=context,
@@ -67,7 +67,7 @@ def table(result: dict):
     """The rich table: category, ms, % of the summed time, the largest ops/kernels in it."""
     from rich.table import Table
 
-    from sparsetune.profile import LABELS
+    from sparsetune.perf.step_profile import LABELS
 
     r = result
     params = ", ".join(f"{k}={v}" for k, v in r["flow_params"].items())

@@ -28,7 +28,8 @@ from sparsetune.evaluation.config import DEFAULT_SPEED_TOKENS, EvalConfig, check
 from sparsetune.evaluation.fidelity import FidelityTally
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
-from sparsetune.evaluation.speed import check_fits, measure_speed
+from sparsetune.perf.fit import check_fits
+from sparsetune.perf.speed import measure_speed
 from sparsetune.registry import decode_flow_for
 from sparsetune.models.registry import DEFAULT_MODEL
 from sparsetune.records import env_info, new_run_dir, write_json
@@ -122,7 +123,7 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
             else:
                 params.append(SamplingParams(max_tokens=cfg.max_new_tokens or s.max_new_tokens, keep_logits=keep_logits))
         for ids, p in zip(prompts, params):
-            check_fits(llm, 1, len(ids) + p.max_tokens)
+            check_fits(llm, 1, len(ids), p.max_tokens)
         for layout in layouts:  # stage 1: cache-building requests store each segment on its own
             if layout is not None:
                 llm.cache_segments(layout)
@@ -285,7 +286,7 @@ def _check_samples_fit(llm: LLM, samples: list[Sample], cfg: EvalConfig) -> None
     for s in samples:
         ids = prompt_layout(llm.tokenizer, s).token_ids if s.segments else prompt_ids(llm.tokenizer, s, 0, [])
         try:
-            check_fits(llm, 1, len(ids) + (cfg.max_new_tokens or s.max_new_tokens))
+            check_fits(llm, 1, len(ids), cfg.max_new_tokens or s.max_new_tokens)
         except SparsetuneError as e:
             where = f"{s.task} sample {s.index}" + (f" (line {s.meta['line']})" if "line" in s.meta else "")
             raise SparsetuneError(f"{where}: {e}") from None
@@ -384,7 +385,7 @@ def evaluate(
                 task_totals[built[0].task] = task_size(name, cfg.samples)
         _check_samples_fit(llm, all_samples, cfg)
     if speed_on:
-        check_fits(llm, cfg.batch, cfg.context + (cfg.max_new_tokens or DEFAULT_SPEED_TOKENS))
+        check_fits(llm, cfg.batch, cfg.context, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS)
 
     flow_name = llm.flow.name if llm.flow is not None else "dense"
     flow_params = llm.flow.params() if llm.flow is not None else {}

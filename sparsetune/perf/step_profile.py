@@ -26,7 +26,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +36,8 @@ from torch.autograd import DeviceType
 
 from sparsetune.engine.stages import PREFIX, stage_ranges
 from sparsetune.errors import SparsetuneError
+from sparsetune.perf.fit import PROFILE, check_fits, check_positions
+from sparsetune.perf.timing import sync, time_call, time_calls
 
 # Display order; keys of `result["categories"]`.
 CATEGORIES = ("attention", "indexer", "topk", "cache_update", "gemm", "norm", "rope", "activation", "sampling", "other")
@@ -189,11 +190,6 @@ def breakdown(prof, cuda: bool) -> dict[str, Any]:
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextmanager
 def _without_kineto_notes():
     """The profiler's native library writes `USDT:` start/stop notes straight to file descriptor 2;
@@ -224,15 +220,12 @@ def profile_call(fn: Callable[[], Any], device: torch.device | str, trace_path: 
     device = torch.device(device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _sync(device)
+    sync(device)
     with warnings.catch_warnings():  # torch's note about scheduled cycles: this profile has none
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
         with _without_kineto_notes(), stage_ranges(), profile(activities=activities) as prof:
             with record_function(_ROOT):
-                t0 = time.perf_counter()
-                fn()
-                _sync(device)
-                wall = time.perf_counter() - t0
+                wall = time_call(fn, device)
         if trace_path is not None:
             Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(trace_path))
@@ -279,7 +272,7 @@ def profile_decode(
         raise SparsetuneError(f"--batch {batch} exceeds the engine's max_num_seqs ({llm.config.max_num_seqs}); "
                               "build the engine with max_num_seqs >= batch")
     new = decode_tokens_needed(steps, warmup)
-    check_fits(llm, batch, context, new)
+    check_fits(llm, batch, context, new, PROFILE)
 
     vocab = llm.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -289,13 +282,10 @@ def profile_decode(
     try:
         while any(s.status == Status.WAITING for s in seqs):  # real prefill, chunked as the engine does
             llm.step()
-        for _ in range(warmup):
-            llm.step()
-        engine = [_timed_step(llm) for _ in range(steps)]
+        engine = time_calls(llm.step, llm.device, steps, warmup)
         with llm.eager_mode():  # profiled kernels, not a graph replay
-            if graphs:
-                llm.step()  # eager warm-up (a compiled flow stage may compile for this batch shape)
-                eager = [_timed_step(llm) for _ in range(steps)]
+            if graphs:  # an eager warm-up first (a compiled flow stage may compile for this batch shape)
+                eager = time_calls(llm.step, llm.device, steps, warmup=1)
             else:
                 eager = engine
             with stage_ranges():
@@ -343,34 +333,6 @@ def profile_decode(
     }
 
 
-def check_fits(llm, batch: int, context: int, new_tokens: int) -> None:
-    """`batch` sequences of `context` + `new_tokens` tokens fit the model's context and the KV pool."""
-    need = context + new_tokens
-    limit = llm.model_config.max_position_embeddings
-    if need > limit:
-        raise SparsetuneError(
-            f"--context {context} is too long for {llm.resolved.name}: it holds {limit} positions and the "
-            f"profile decodes {new_tokens} more tokens; use --context {limit - new_tokens} or less")
-    if need > llm.max_model_len:
-        raise SparsetuneError(
-            f"--context {context} plus {new_tokens} decode tokens exceeds the engine's context ({llm.max_model_len} "
-            "tokens); raise --kv-memory or lower --context")
-    bs = llm.config.block_size
-    blocks = batch * -(-need // bs)
-    if blocks > llm.block_manager.num_free:
-        raise SparsetuneError(
-            f"--batch {batch} x --context {context} needs {blocks} KV blocks but the pool has "
-            f"{llm.block_manager.num_free} free; raise --kv-memory or lower --batch/--context")
-
-
-def _timed_step(llm) -> float:
-    _sync(llm.device)
-    t0 = time.perf_counter()
-    llm.step()
-    _sync(llm.device)
-    return time.perf_counter() - t0
-
-
 def profile(
     model: str = "smollm2-135m", flow: str = "dense", flow_params: dict[str, str] | None = None, batch: int = 1,
     context: int = 2048, steps: int = 5, trace_path: str | Path | None = None, **engine_options: Any,
@@ -384,11 +346,8 @@ def profile(
     _check_case(batch, context, steps)
     new = decode_tokens_needed(steps, WARMUP)
     spec = REGISTRY.get(model.lower())
-    if spec is not None and context + new > spec.config.max_position_embeddings:  # fail before loading
-        limit = spec.config.max_position_embeddings
-        raise SparsetuneError(
-            f"--context {context} is too long for {spec.name}: it holds {limit} positions and the profile "
-            f"decodes {new} more tokens; use --context {limit - new} or less")
+    if spec is not None:  # fail before loading
+        check_positions(spec.name, spec.config.max_position_embeddings, context, new, PROFILE)
     options = {"max_num_seqs": batch, "max_model_len": context + new, **engine_options}
     if options.get("cuda_graph_batch_sizes") is None:
         options["cuda_graph_batch_sizes"] = (batch,)  # one graph: the profiled batch size

@@ -2,8 +2,9 @@
 
 All `batch` requests (random token ids of `context` tokens each) are submitted at once and run
 to `gen_tokens` new tokens with EOS ignored, so every configuration does the same work. Each
-engine step is timed on the host around `LLM.step()`, which waits for the sampled tokens, so GPU
-work is included. A short warm-up run first pays for kernel compilation and graph capture.
+engine step is timed by `perf.timing.time_call` (host wall time, device synchronised, so GPU work
+is included); a request's TTFT is its first token's event (`seq.events.first_token`) from the start
+of the run. A short warm-up run first pays for kernel compilation and graph capture.
 """
 
 from __future__ import annotations
@@ -18,24 +19,8 @@ import torch
 from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
-def check_fits(llm: LLM, batch: int, tokens: int) -> None:
-    """Fail early (rather than preempt and time recomputation) when the pool cannot hold the batch."""
-    if tokens + 1 > llm.max_model_len:
-        raise SparsetuneError(f"--context plus generation is {tokens} tokens but the engine holds "
-                              f"{llm.max_model_len} per request; lower --context or --max-new-tokens")
-    per_seq = -(-tokens // llm.config.block_size)
-    if batch * per_seq > llm.block_manager.num_blocks:
-        raise SparsetuneError(
-            f"{batch} requests of {tokens} tokens need {batch * per_seq} KV blocks but the pool has "
-            f"{llm.block_manager.num_blocks}; lower --batch or raise --kv-memory"
-        )
+from sparsetune.perf.fit import check_fits
+from sparsetune.perf.timing import percentile, time_call
 
 
 def _run(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int) -> dict[str, Any]:
@@ -43,27 +28,20 @@ def _run(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int) -> dict
     vocab = llm.model_config.vocab_size
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
     seqs = [llm.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
-    first: dict[int, float] = {}
     decode_steps: list[float] = []
     decode_tokens = 0
     prefill_s = 0.0
     t0 = time.perf_counter()
     while llm.scheduler.has_work():
         before = llm.stats.decode_tokens
-        ts = time.perf_counter()
-        llm.step()
-        dt = time.perf_counter() - ts
+        dt = time_call(llm.step, llm.device)
         if llm.stats.decode_tokens > before:
             decode_steps.append(dt)
             decode_tokens += llm.stats.decode_tokens - before
         else:
             prefill_s += dt
-        now = time.perf_counter() - t0
-        for s in seqs:
-            if s.seq_id not in first and s.num_completion_tokens >= 1:
-                first[s.seq_id] = now
     total = time.perf_counter() - t0
-    ttft = sorted(first.values())
+    ttft = sorted(s.events.first_token - t0 for s in seqs)  # from the submitted batch's start
     decode_s = sum(decode_steps)
     return {
         "ttft_s": {"p50": round(statistics.median(ttft), 5), "max": round(ttft[-1], 5)},
@@ -71,7 +49,7 @@ def _run(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int) -> dict
         "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else None,
         "tpot_ms": None if not decode_steps else {
             "p50": round(1e3 * statistics.median(decode_steps), 4),
-            "p95": round(1e3 * _percentile(decode_steps, 0.95), 4),
+            "p95": round(1e3 * percentile(decode_steps, 0.95), 4),
         },
         "decode_steps": len(decode_steps),
         "total_s": round(total, 4),
@@ -82,7 +60,7 @@ def measure_speed(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int
     """TTFT, decode tokens/s, TPOT p50/p95 and peak memory for `batch` × `context` prompts."""
     if batch < 1 or context < 1 or gen_tokens < 2:
         raise SparsetuneError("speed needs --batch >= 1, --context >= 1 and --max-new-tokens >= 2")
-    check_fits(llm, batch, context + gen_tokens)
+    check_fits(llm, batch, context, gen_tokens)
     preempted = llm.scheduler.num_preemptions
     _run(llm, batch, min(context, 256), 4, seed + 1)  # warm-up: compilation, graph capture, allocator
     cuda = llm.device.type == "cuda"
