@@ -91,7 +91,7 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
         llm.step()
     per_step = time_call(lambda: [llm.step() for _ in range(steps)], llm.device) / steps
     # The graph replay alone (no host work), for the split of where time goes.
-    g = llm.runner.graphs.get(batch)
+    g = llm.decode_graph(batch)
     replay = None if g is None else statistics.median(time_calls(g.replay, llm.device, steps, events=True))
     for s in seqs:
         llm.abort(s)
@@ -159,7 +159,7 @@ def main() -> None:
     )
     pool_bytes = llm.kv.k.numel() * llm.kv.k.element_size() * 2
     print(f"model {args.model}: {sum(p.numel() for p in llm.model.parameters()) / 1e9:.2f}B params, "
-          f"KV pool {pool_bytes / 1e9:.1f} GB, graphs for {sorted(llm.runner.graphs)}", flush=True)
+          f"KV pool {pool_bytes / 1e9:.1f} GB, graphs for {llm.graph_batch_sizes}", flush=True)
     for layer in range(llm.kv.num_layers):  # real-looking KV: never time on zeros
         llm.kv.k[layer].normal_()
         llm.kv.v[layer].normal_()

@@ -158,6 +158,17 @@ class Engine:
         finally:
             self.eager = before
 
+    def decode_graph(self, batch_size: int) -> torch.cuda.CUDAGraph | None:
+        """The captured decode graph that serves `batch_size` requests (None: no graph for it), for
+        timing a replay alone (benchmarks)."""
+        size = next((s for s in sorted(self.runner.graphs) if s >= batch_size), None)
+        return None if size is None else self.runner.graphs[size]
+
+    @property
+    def graph_batch_sizes(self) -> list[int]:
+        """The batch sizes with a captured decode graph."""
+        return sorted(self.runner.graphs)
+
     @property
     def uses_graphs(self) -> bool:
         """Decode steps replay captured graphs (captured and not eager)."""

@@ -1,8 +1,8 @@
 """Named stage ranges for `sparsetune profile`: off (a shared no-op) unless a profile is running.
 
 The engine marks its stages with `with stage("norm"): ...`. While `ENABLED` is False (always,
-outside `sparsetune.profile`), `stage` returns one shared `nullcontext`: no profiler call, nothing
-recorded, nothing inside a CUDA graph. `sparsetune.profile` switches it on around eager steps
+outside `sparsetune.perf.step_profile`), `stage` returns one shared `nullcontext`: no profiler call, nothing
+recorded, nothing inside a CUDA graph. The step profiler switches it on around eager steps
 only; then each range is a `torch.profiler.record_function` named `sparsetune::<stage>`, and
 every op (CPU time) or kernel (GPU time) is attributed to its innermost stage range.
 Ranges are never opened while a CUDA stream is capturing, and never inside torch.compile'd
