@@ -1,4 +1,5 @@
-"""The typed eval config and results (no model, no torch needed): a task file parsed once."""
+"""The typed eval config and results (no model, no torch needed): results.json through `EvalResult`
+unchanged, older files readable, a task file parsed once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,54 @@ import pytest
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation import custom
 from sparsetune.evaluation.config import EvalConfig, check_config
+from sparsetune.evaluation.results import SCHEMA, EvalResult
+
+FIDELITY = {"cosine": 0.998731, "top1": 0.9375, "top10": 0.95625, "positions": 16}
+SPEED_RUN = {"ttft_s": {"p50": 0.12345, "max": 0.2}, "prefill_tokens_per_s": 4096.5, "decode_tokens_per_s": 120.25,
+             "tpot_ms": {"p50": 8.1, "p95": 9.25}, "decode_steps": 3, "total_s": 0.51, "peak_memory_bytes": 123456,
+             "peak_memory_kind": "process peak RSS (whole process, all phases)", "kv_pool_bytes": 4096, "batch": 2,
+             "context": 256, "gen_tokens": 4, "preemptions": 0}
+# A results.json as `evaluate` writes it today: every key, in its order.
+RESULTS = {
+    "schema": "sparsetune.eval/1", "run_dir": "runs/20250101-000000-quest-cacheblend-smollm2-135m", "flow": "quest",
+    "model": "smollm2-135m", "params": {"budget": 64, "dense_layers": [0, 1], "budget_ratio": None}, "mode": "all",
+    "context": 512, "samples_per_task": 2, "limit": None, "seed": 0, "device": "cuda:0", "dtype": "bfloat16",
+    "note": None,
+    "reuse": {"flow": "cacheblend", "params": {"ratio": 0.2}, "requests": 2, "reuse_ratio": 0.91, "recompute_ratio": 0.2,
+              "compute_fraction": 0.27, "ttft_p50_s": 0.0123},
+    "accuracy": 0.75, "dense_accuracy": 1.0, "relative_accuracy": 0.75,
+    "tasks": {"niah_single": {"accuracy": 0.75, "n": 2, "total": 4, "dense_accuracy": 1.0, "fidelity": FIDELITY}},
+    "fidelity": FIDELITY, "samples_done": 2, "samples_total": 2,
+    "speed": {"flow": SPEED_RUN, "dense": SPEED_RUN, "decode_speedup": 1.0},
+    "preemptions": 0, "complete": True, "started": "2025-01-01T00:00:00+0000", "finished": "2025-01-01T00:01:00+0000",
+    "seconds": 60.0,
+}
+
+
+def test_results_json_round_trips_unchanged(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(RESULTS, indent=2) + "\n")
+    res = EvalResult.read(path)
+    assert res.schema_version == SCHEMA and res.tasks["niah_single"].fidelity.top1 == 0.9375
+    assert res.speed.flow.decode_tokens_per_s == 120.25 and res.reuse.mlp_fraction is None
+    res.write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == path.read_text()  # same keys, order and layout
+    assert EvalResult.read(tmp_path).dump() == RESULTS  # a run directory reads too
+
+
+def test_optional_blocks_stay_absent_and_unknown_keys_are_kept():
+    speed_only = {k: v for k, v in RESULTS.items() if k not in ("reuse", "samples_done", "samples_total")}
+    speed_only |= {"accuracy": None, "dense_accuracy": None, "relative_accuracy": None, "tasks": {}, "fidelity": None,
+                   "speed": {"flow": {**SPEED_RUN, "timing": "events"}, "dense": None, "decode_speedup": None}}
+    res = EvalResult.model_validate({**speed_only, "from_a_newer_version": {"x": 1}})
+    assert res.reuse is None and res.samples_done is None
+    assert res.dump() == {**speed_only, "from_a_newer_version": {"x": 1}}
+
+
+def test_a_broken_results_file_is_one_clear_error(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"schema": SCHEMA, "flow": "quest"}))
+    with pytest.raises(SparsetuneError, match="not a readable results.json"):
+        EvalResult.read(tmp_path)
 
 
 def test_a_task_file_is_parsed_once(tmp_path, monkeypatch):
