@@ -46,18 +46,19 @@ class GenerateResult:
 
 def generate(
     prompt: str | list,
-    model: str = "smollm2-135m",
+    config: EngineConfig | None = None,
+    *,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
     chat: bool = True,
     llm: LLM | None = None,
     on_token: Callable[[int], None] | None = None,
-    **engine_options: Any,
 ) -> GenerateResult:
-    """Generate a completion for one prompt on the embedded engine. `prompt`: text, or a list of parts
-    (strings and `{"text", "reuse", "namespace", "pin"}` segments) that the engine's reuse flow
-    (`reuse=` engine option) prefills; segments missing from its cache are computed and stored first."""
+    """Generate a completion for one prompt on an engine built from `config` (default: the default
+    model on CPU or one GPU), or on `llm`. `prompt`: text, or a list of parts (strings and
+    `{"text", "reuse", "namespace", "pin"}` segments) that the engine's reuse flow (`config.reuse`)
+    prefills; segments missing from its cache are computed and stored first."""
     if max_new_tokens < 1:
         raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     if temperature < 0:
@@ -69,7 +70,7 @@ def generate(
     elif not isinstance(prompt, str) or not prompt.strip():
         raise SparsetuneError("the prompt is empty; pass some text with --prompt")
     if llm is None:
-        config = EngineConfig(model=model, **engine_options)  # an unknown option is a TypeError
+        config = config or EngineConfig()
         config.check()  # before torch loads
     from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
