@@ -1,5 +1,5 @@
 """The typed eval config and results (no model, no torch needed): results.json through `EvalResult`
-unchanged, older files readable, a task file parsed once."""
+unchanged, older files readable, config.json read back for --resume, a task file parsed once."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from sparsetune.engine.config import EngineConfig
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation import custom
-from sparsetune.evaluation.config import EvalConfig, check_config
+from sparsetune.evaluation.config import CONFIG_SCHEMA, EvalConfig, check_config, load_resume_config
 from sparsetune.evaluation.results import SCHEMA, EvalResult
 
 FIDELITY = {"cosine": 0.998731, "top1": 0.9375, "top10": 0.95625, "positions": 16}
@@ -58,6 +59,39 @@ def test_a_broken_results_file_is_one_clear_error(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"schema": SCHEMA, "flow": "quest"}))
     with pytest.raises(SparsetuneError, match="not a readable results.json"):
         EvalResult.read(tmp_path)
+
+
+def test_keyword_options_split_into_engine_and_eval_fields():
+    cfg = EvalConfig.of(flow="quest", params={"budget_ratio": 0.125}, model="smollm2-135m", tasks=["vt"], context=512,
+                        device="cpu", seed=3, batch=2)
+    assert cfg.engine == EngineConfig(model="smollm2-135m", device="cpu", flow="quest",
+                                      flow_params={"budget_ratio": 0.125}, seed=3)
+    assert cfg.tasks == ("vt",) and cfg.context == 512 and cfg.batch == 2
+    with pytest.raises(TypeError, match="unknown eval option 'budget'"):
+        EvalConfig.of(budget=3)
+    with pytest.raises(SparsetuneError, match="--context must be at least 16"):
+        EvalConfig.of(context=8)
+
+
+def _run_dir(tmp_path, block):
+    (tmp_path / "config.json").write_text(json.dumps({"schema": CONFIG_SCHEMA, "eval": block}))
+    return tmp_path
+
+
+def test_config_json_reads_back_for_resume(tmp_path):
+    cfg = EvalConfig.of(flow="quest", params={"budget": 64, "dense_layers": [0, 1]}, tasks=["vt"], kv_memory=2**30,
+                        cuda_graph_batch_sizes=(1, 2))
+    assert load_resume_config(_run_dir(tmp_path, cfg.model_dump(mode="json"))) == cfg
+
+
+def test_config_json_of_schema_1_reads(tmp_path):
+    """Run directories made before the engine options moved under `engine`: a flat eval block."""
+    old = {"flow": "quest", "model": "smollm2-135m", "tasks": None, "context": 1024, "samples": 4, "seed": 0,
+           "params": {"budget": "64"}, "batch": 8, "max_new_tokens": None, "mode": "auto", "fidelity": True,
+           "device": "auto", "dtype": "auto", "random_weights": False, "kv_memory": None, "flow_executor": None,
+           "cuda_graph": True, "reuse": None, "reuse_params": {}, "limit": 2}
+    cfg = load_resume_config(_run_dir(tmp_path, old))
+    assert cfg.engine.flow == "quest" and cfg.engine.flow_params == {"budget": "64"} and cfg.limit == 2
 
 
 def test_a_task_file_is_parsed_once(tmp_path, monkeypatch):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from sparsetune.cli import options as opt
 from sparsetune.cli.options import apply_threads, progress
-from sparsetune.cli.output import emit_json, err, parse_size
+from sparsetune.cli.output import emit_json, err
+
+if TYPE_CHECKING:
+    from sparsetune.evaluation.results import EvalResult
 
 
 def eval_command(
@@ -44,17 +47,16 @@ def eval_command(
         _list_tasks(json_out)
         return
     from sparsetune.evaluation.config import EvalConfig, check_config, load_resume_config
-    from sparsetune.flow.params import parse_param_args
 
-    kwargs: dict[str, Any] = dict(
-        flow=flow, model=model, tasks=list(task) if task else None, context=context, samples=samples, seed=seed,
-        params=parse_param_args(param), batch=batch, max_new_tokens=max_new_tokens, mode=mode,
-        fidelity=not no_fidelity, device=device, dtype=dtype, random_weights=random_weights,
-        kv_memory=parse_size(kv_memory, "--kv-memory"), flow_executor=flow_executor, cuda_graph=not no_cuda_graph,
-        reuse=reuse, reuse_params=parse_param_args(reuse_param), limit=limit,
-    )
-    # Arguments are checked before torch loads (evaluate checks them again, for Python callers).
-    check_config(load_resume_config(resume) if resume is not None else EvalConfig(**kwargs))
+    engine = opt.engine_config(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
+                               dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
+                               flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed)
+    if resume is not None:  # its config wins
+        cfg = load_resume_config(resume)
+    else:
+        cfg = EvalConfig(engine=engine, tasks=task, context=context, samples=samples, batch=batch,
+                         max_new_tokens=max_new_tokens, mode=mode, fidelity=not no_fidelity, limit=limit)
+    check_config(cfg)  # before torch loads (evaluate checks it again, for Python callers)
     apply_threads(threads)
     from sparsetune.evaluation.runner import evaluate
 
@@ -62,14 +64,14 @@ def eval_command(
     with progress("eval", "samples") as update:
         update(0, 0, f"loading {model} and building tasks")
 
-        def on_start(run_dir: Path, res: dict[str, Any]) -> None:
+        def on_start(run_dir: Path, res: EvalResult) -> None:
             where["run_dir"] = run_dir
             err.print(f"[dim]run directory: {run_dir}[/]")
-            if res.get("note"):
-                err.print(f"[yellow]note: {res['note']}[/]")
+            if res.note:
+                err.print(f"[yellow]note: {res.note}[/]")
 
         try:
-            results = evaluate(**kwargs, out=out, resume=resume, on_progress=update, on_start=on_start)
+            results = evaluate(cfg, out=out, resume=resume, on_progress=update, on_start=on_start).dump()
         except KeyboardInterrupt:
             if "run_dir" in where:
                 err.print(f"[yellow]interrupted: the partial run is on disk (results.json: complete=false); "
