@@ -15,8 +15,9 @@ import json
 import math
 import time
 
+import sparsetune
 from sparsetune.llm import LLM
-from sparsetune.evaluation.runner import eval_kv_memory, evaluate
+from sparsetune.evaluation.runner import eval_kv_memory
 
 
 def budget_params(flow: str, ratio: float, context: int, extra: dict[str, str]) -> dict[str, str]:
@@ -53,14 +54,16 @@ def main() -> None:
                   flow_executor=args.executor, block_size=int(extra.get("block_size", 16)), kv_memory=eval_kv_memory(args.model, args.batch, ctx, 512, args.device, args.dtype))
         t0 = time.time()
         if not args.skip_dense:
-            dense = evaluate("dense", args.model, tasks, ctx, args.samples, batch=args.batch, out=args.out, llm=llm)
+            dense = sparsetune.eval("dense", model=args.model, tasks=tasks, context=ctx, samples=args.samples,
+                                    batch=args.batch, out=args.out, llm=llm)
             rows.append({"context": ctx, "flow": "dense", "ratio": 1.0, "result": dense})
             print(f"ctx {ctx} dense: {dense['accuracy']} ({time.time() - t0:.0f}s)", flush=True)
         for flow in args.flows.split(","):
             for ratio in args.ratios.split(","):
                 t0 = time.time()
-                res = evaluate(flow, args.model, tasks, ctx, args.samples, params=budget_params(flow, float(ratio), ctx, extra),
-                               batch=args.batch, out=args.out, llm=llm)
+                res = sparsetune.eval(flow, model=args.model, tasks=tasks, context=ctx, samples=args.samples,
+                                      params=budget_params(flow, float(ratio), ctx, extra), batch=args.batch,
+                                      out=args.out, llm=llm)
                 rows.append({"context": ctx, "flow": flow, "ratio": float(ratio), "result": res})
                 print(f"ctx {ctx} {flow} {ratio}: acc {res['accuracy']} dense {res['dense_accuracy']} "
                       f"rel {res['relative_accuracy']} fid {res['fidelity']} ({time.time() - t0:.0f}s)", flush=True)

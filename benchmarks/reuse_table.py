@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 
+import sparsetune
 from sparsetune.llm import LLM
 from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.evaluation.reuse_tasks import REUSE_TASKS
-from sparsetune.evaluation.runner import eval_kv_memory, evaluate
+from sparsetune.evaluation.runner import eval_kv_memory
 
 FLOWS = "full_recompute,sparsex,a3,cacheblend,epic,pie,naive_reuse"
 
@@ -53,8 +54,8 @@ def main() -> None:
                   kv_memory=eval_kv_memory(args.model, 2 * args.batch, ctx, 64, args.device, args.dtype))
         for flow in args.flows.split(","):
             params = {**budget(flow, args.ratio, ctx, args.task), **extra.get(flow, {})}
-            res = evaluate(None, args.model, [args.task], ctx, args.samples, batch=args.batch, out=args.out,
-                           reuse=flow, reuse_params=params, llm=llm)
+            res = sparsetune.eval(model=args.model, tasks=[args.task], context=ctx, samples=args.samples,
+                                  batch=args.batch, out=args.out, reuse=flow, reuse_params=params, llm=llm)
             rows.append({"context": ctx, "flow": flow, "params": params, "result": res})
             print(f"ctx {ctx} {flow} {params}: acc {res['accuracy']} ref {res['dense_accuracy']} "
                   f"reuse {res['reuse']} fid {res['fidelity']}", flush=True)

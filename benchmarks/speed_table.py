@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
+import sparsetune
 from sparsetune.llm import LLM
-from sparsetune.evaluation.runner import eval_kv_memory, evaluate
+from sparsetune.evaluation.runner import eval_kv_memory
 from sparsetune.registry import get_flow_class
 
 
@@ -36,8 +37,9 @@ def main() -> None:
     for flow in args.flows.split(","):
         # StreamingLLM refuses a budget (its window is `local_blocks`): it keeps its default window.
         skip = get_flow_class(flow).inapplicable
-        res = evaluate(flow, args.model, context=args.context, batch=args.batch, max_new_tokens=args.gen,
-                       params={k: v for k, v in params.items() if k not in skip}, mode="speed", random_weights=True, out=args.out, llm=llm)
+        res = sparsetune.eval(flow, model=args.model, context=args.context, batch=args.batch, max_new_tokens=args.gen,
+                              params={k: v for k, v in params.items() if k not in skip}, mode="speed",
+                              random_weights=True, out=args.out, llm=llm)
         rows.append(res)
         print(flow, json.dumps(res["speed"]), flush=True)
     if args.json_out:

@@ -4,29 +4,25 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "generate", "eval", "list_models", "LLM", "EngineConfig", "SamplingParams"]
+# Lazy: `import sparsetune` stays cheap (no torch import) for the CLI's --help.
+# sparsetune.eval(flow=..., model=..., tasks=...) → results.json as a dict; EvalResult.read(run_dir) reads one back.
+_LAZY = {
+    "generate": "sparsetune.api",
+    "eval": "sparsetune.api",
+    "list_models": "sparsetune.api",
+    "LLM": "sparsetune.llm",
+    "EngineConfig": "sparsetune.engine.config",
+    "SamplingParams": "sparsetune.engine.sequence",
+    "EvalConfig": "sparsetune.evaluation.config",
+    "EvalResult": "sparsetune.evaluation.results",
+}
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str):
-    # Lazy: `import sparsetune` stays cheap (no torch import) for the CLI's --help.
-    if name in ("generate", "list_models"):
-        from sparsetune import api
+    if name not in _LAZY:
+        raise AttributeError(name)
+    from importlib import import_module
 
-        return getattr(api, name)
-    if name == "eval":  # sparsetune.eval(flow=..., model=..., tasks=...) → results.json as a dict
-        from sparsetune.evaluation.runner import evaluate
-
-        return evaluate
-    if name == "LLM":
-        from sparsetune.llm import LLM
-
-        return LLM
-    if name == "EngineConfig":
-        from sparsetune.engine.config import EngineConfig
-
-        return EngineConfig
-    if name == "SamplingParams":
-        from sparsetune.engine.sequence import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(name)
+    return getattr(import_module(_LAZY[name]), name)

@@ -1,4 +1,4 @@
-"""The Python API; the CLI is a thin layer over these functions.
+"""The Python API (`generate`, `eval`, `list_models`); the CLI is a thin layer over these functions.
 
 Arguments are checked before torch and the engine are imported, so a mistake fails at once.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from sparsetune.engine.config import EngineConfig
@@ -46,18 +47,19 @@ class GenerateResult:
 
 def generate(
     prompt: str | list,
-    model: str = "smollm2-135m",
+    config: EngineConfig | None = None,
+    *,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
     chat: bool = True,
     llm: LLM | None = None,
     on_token: Callable[[int], None] | None = None,
-    **engine_options: Any,
 ) -> GenerateResult:
-    """Generate a completion for one prompt on the embedded engine. `prompt`: text, or a list of parts
-    (strings and `{"text", "reuse", "namespace", "pin"}` segments) that the engine's reuse flow
-    (`reuse=` engine option) prefills; segments missing from its cache are computed and stored first."""
+    """Generate a completion for one prompt on an engine built from `config` (default: the default
+    model on CPU or one GPU), or on `llm`. `prompt`: text, or a list of parts (strings and
+    `{"text", "reuse", "namespace", "pin"}` segments) that the engine's reuse flow (`config.reuse`)
+    prefills; segments missing from its cache are computed and stored first."""
     if max_new_tokens < 1:
         raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
     if temperature < 0:
@@ -69,7 +71,7 @@ def generate(
     elif not isinstance(prompt, str) or not prompt.strip():
         raise SparsetuneError("the prompt is empty; pass some text with --prompt")
     if llm is None:
-        config = EngineConfig(model=model, **engine_options)  # an unknown option is a TypeError
+        config = config or EngineConfig()
         config.check()  # before torch loads
     from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
@@ -103,6 +105,21 @@ def generate(
         decode_tokens_per_second=None if tps is None else round(tps, 2),
         reuse=None if out.reuse is None else {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **out.reuse},
     )
+
+
+def eval(flow: str | None = None, *, out: str | Path | None = None, resume: str | Path | None = None,
+         llm: LLM | None = None, on_progress: Callable[[float, int, str], None] | None = None,
+         on_start: Callable[[Path, dict[str, Any]], None] | None = None, **options: Any) -> dict[str, Any]:
+    """`sparsetune.eval`: `evaluation.runner.evaluate` with the config as keyword arguments (`EvalConfig.of`:
+    `model`, `tasks`, `context`, `params`, ... any `EvalConfig` or `EngineConfig` field); returns the
+    results.json object. `resume`: a run directory to finish (its config wins)."""
+    from sparsetune.evaluation.config import EvalConfig, load_resume_config
+    from sparsetune.evaluation.runner import evaluate
+
+    config = load_resume_config(Path(resume)) if resume is not None else EvalConfig.of(flow=flow, **options)
+    started = None if on_start is None else lambda run_dir, res: on_start(run_dir, res.dump())
+    result = evaluate(config, out=out, resume=resume, llm=llm, on_progress=on_progress, on_start=started)
+    return result.dump()
 
 
 def list_models() -> list[dict[str, Any]]:

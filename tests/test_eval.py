@@ -13,7 +13,8 @@ import torch
 
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
-from sparsetune.evaluation.runner import evaluate, read_records, summarize
+from sparsetune.api import eval as evaluate
+from sparsetune.evaluation.runner import read_records, summarize
 from tests.test_cli import assert_clean_error, run
 
 TOP_KEYS = {"flow", "model", "params", "accuracy", "tasks", "fidelity", "speed", "complete"}

@@ -251,10 +251,10 @@ def test_reuse_sample_holds_its_answer_in_one_reusable_segment(smollm, task):
 def test_eval_rag_with_a_reuse_flow(smollm, tmp_path):
     import json
 
-    from sparsetune.evaluation.runner import evaluate
+    from sparsetune.api import eval as evaluate
 
-    res = evaluate("dense", "smollm2-135m", ["rag"], 768, 2, batch=2, out=tmp_path, reuse="cacheblend",
-                   reuse_params={"ratio": "0.2"}, llm=smollm)
+    res = evaluate("dense", model="smollm2-135m", tasks=["rag"], context=768, samples=2, batch=2, out=tmp_path,
+                   reuse="cacheblend", reuse_params={"ratio": "0.2"}, llm=smollm)
     smollm.set_reuse(None)
     ru = res["reuse"]
     assert ru["flow"] == "cacheblend" and ru["params"]["ratio"] == 0.2 and ru["requests"] == 2

@@ -3,57 +3,60 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sparsetune.cli.options import apply_threads, progress, threads_option
-from sparsetune.cli.output import emit_json, err, parse_size
+from sparsetune.cli import options as opt
+from sparsetune.cli.options import apply_threads, progress
+from sparsetune.cli.output import emit_json, err
+
+if TYPE_CHECKING:
+    from sparsetune.evaluation.results import EvalResult
 
 
 def eval_command(
-    flow: str = typer.Option(None, "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file (default: dense, or the reuse flow's own)."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
+    flow: str = opt.flow_option(help="Decode flow: a built-in name (sparsetune flows list) or a .py file (default: dense, or the reuse flow's own)."),
+    model: str = opt.model_option(),
     task: list[str] = typer.Option(None, "--task", "-t", help="Task name or a .jsonl file (repeatable; default: the standard suite)."),
     context: int = typer.Option(1024, "--context", "-c", help="Target prompt length in tokens (generated tasks; speed prompts)."),
     samples: int = typer.Option(4, "--samples", help="Samples per generated task (a .jsonl file runs every line)."),
     limit: int = typer.Option(None, "--limit", help="At most N samples per task, generated or from a file."),
-    seed: int = typer.Option(0, help="Seed for task generation, speed prompts and random weights."),
-    param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
-    reuse: str = typer.Option(None, "--reuse", help="KV-reuse flow for tasks with segments (e.g. --task rag): sparsex, cacheblend, ..."),
-    reuse_param: list[str] = typer.Option(None, "--reuse-param", help="Reuse-flow hyperparameter key=value (repeatable)."),
+    seed: int = opt.seed_option("Seed for task generation, speed prompts and random weights."),
+    param: list[str] = opt.param_option(),
+    reuse: str = opt.reuse_option("KV-reuse flow for tasks with segments (e.g. --task rag): sparsex, cacheblend, ..."),
+    reuse_param: list[str] = opt.reuse_param_option(),
     batch: int = typer.Option(8, "--batch", "-b", help="Requests run together (accuracy) / the speed batch."),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Generation length (default: each task's own; speed: 128)."),
     mode: str = typer.Option("auto", "--mode", help="accuracy, speed, all, or auto (all on GPU, accuracy on CPU, speed with --random-weights)."),
     no_fidelity: bool = typer.Option(False, "--no-fidelity", help="Skip the dense pass (no fidelity, no dense accuracy)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto, float32, float16 or bfloat16 (the small model needs float32/float16 for accuracy)."),
-    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed only)."),
-    kv_memory: str = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 8GiB."),
-    flow_executor: str = typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU)."),
-    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU."),
-    out: Path = typer.Option(Path("runs"), "--out", "-o", help="Directory for run records."),
+    device: str = opt.device_option(),
+    dtype: str = opt.dtype_option("auto, float32, float16 or bfloat16 (the small model needs float32/float16 for accuracy)."),
+    random_weights: bool = opt.random_weights_option("Seeded random weights (speed only)."),
+    kv_memory: str = opt.kv_memory_option("KV pool size, e.g. 8GiB."),
+    flow_executor: str = opt.flow_executor_option(),
+    no_cuda_graph: bool = opt.no_cuda_graph_option(),
+    out: Path = opt.out_option("Directory for run records.", "-o"),
     resume: Path = typer.Option(None, "--resume", help="Continue an interrupted run directory (its config wins)."),
     list_tasks: bool = typer.Option(False, "--list-tasks", help="Describe the built-in tasks and exit."),
-    threads: int = threads_option(),
-    json_out: bool = typer.Option(False, "--json", help="Print results.json to stdout."),
+    threads: int = opt.threads_option(),
+    json_out: bool = opt.json_option("Print results.json to stdout."),
 ) -> None:
     """Measure a flow's accuracy, fidelity to dense and speed."""
     if list_tasks:
         _list_tasks(json_out)
         return
     from sparsetune.evaluation.config import EvalConfig, check_config, load_resume_config
-    from sparsetune.flow.params import parse_param_args
 
-    kwargs: dict[str, Any] = dict(
-        flow=flow, model=model, tasks=list(task) if task else None, context=context, samples=samples, seed=seed,
-        params=parse_param_args(param), batch=batch, max_new_tokens=max_new_tokens, mode=mode,
-        fidelity=not no_fidelity, device=device, dtype=dtype, random_weights=random_weights,
-        kv_memory=parse_size(kv_memory, "--kv-memory"), flow_executor=flow_executor, cuda_graph=not no_cuda_graph,
-        reuse=reuse, reuse_params=parse_param_args(reuse_param), limit=limit,
-    )
-    # Arguments are checked before torch loads (evaluate checks them again, for Python callers).
-    check_config(load_resume_config(resume) if resume is not None else EvalConfig(**kwargs))
+    engine = opt.engine_config(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
+                               dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
+                               flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed)
+    if resume is not None:  # its config wins
+        cfg = load_resume_config(resume)
+    else:
+        cfg = EvalConfig(engine=engine, tasks=task, context=context, samples=samples, batch=batch,
+                         max_new_tokens=max_new_tokens, mode=mode, fidelity=not no_fidelity, limit=limit)
+    check_config(cfg)  # before torch loads (evaluate checks it again, for Python callers)
     apply_threads(threads)
     from sparsetune.evaluation.runner import evaluate
 
@@ -61,14 +64,14 @@ def eval_command(
     with progress("eval", "samples") as update:
         update(0, 0, f"loading {model} and building tasks")
 
-        def on_start(run_dir: Path, res: dict[str, Any]) -> None:
+        def on_start(run_dir: Path, res: EvalResult) -> None:
             where["run_dir"] = run_dir
             err.print(f"[dim]run directory: {run_dir}[/]")
-            if res.get("note"):
-                err.print(f"[yellow]note: {res['note']}[/]")
+            if res.note:
+                err.print(f"[yellow]note: {res.note}[/]")
 
         try:
-            results = evaluate(**kwargs, out=out, resume=resume, on_progress=update, on_start=on_start)
+            results = evaluate(cfg, out=out, resume=resume, on_progress=update, on_start=on_start).dump()
         except KeyboardInterrupt:
             if "run_dir" in where:
                 err.print(f"[yellow]interrupted: the partial run is on disk (results.json: complete=false); "

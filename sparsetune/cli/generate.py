@@ -7,8 +7,9 @@ from pathlib import Path
 
 import typer
 
-from sparsetune.cli.options import apply_threads, threads_option
-from sparsetune.cli.output import emit_json, err, parse_size
+from sparsetune.cli import options as opt
+from sparsetune.cli.options import apply_threads
+from sparsetune.cli.output import emit_json, err
 
 
 def _read_parts(path: Path) -> list:
@@ -36,32 +37,31 @@ def generate(
                                '{"text": ..., "reuse": true, "namespace": ...} segments (needs --reuse). Segments '
                                "are cached for this process only: each run computes them once, then reuses them; "
                                "keep them across prompts with the Python API's LLM."),
-    reuse: str = typer.Option(None, "--reuse", help="KV-reuse flow for the segments of --parts: sparsex, cacheblend, ..."),
-    reuse_param: list[str] = typer.Option(None, "--reuse-param", help="Reuse-flow hyperparameter key=value (repeatable)."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
+    reuse: str = opt.reuse_option("KV-reuse flow for the segments of --parts: sparsex, cacheblend, ..."),
+    reuse_param: list[str] = opt.reuse_param_option(),
+    model: str = opt.model_option(),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
-    seed: int = typer.Option(0, help="Seed for sampling and random weights."),
+    seed: int = opt.seed_option("Seed for sampling and random weights."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Feed the prompt raw, without the chat template."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto, float32, float16 or bfloat16."),
-    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed-only)."),
-    kv_memory: str = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 4GiB (default: 90% of free GPU memory, 2GiB on CPU)."),
+    device: str = opt.device_option(),
+    dtype: str = opt.dtype_option(),
+    random_weights: bool = opt.random_weights_option(),
+    kv_memory: str = opt.kv_memory_option("KV pool size, e.g. 4GiB (default: 90% of free GPU memory, 2GiB on CPU)."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Cap the context length."),
-    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU."),
+    no_cuda_graph: bool = opt.no_cuda_graph_option(),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help="Share computed blocks of common prompt prefixes."),
-    flow: str = typer.Option(None, "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file."),
-    param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
-    flow_executor: str = typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU)."),
-    threads: int = threads_option(),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON object to stdout."),
+    flow: str = opt.flow_option(),
+    param: list[str] = opt.param_option(),
+    flow_executor: str = opt.flow_executor_option(),
+    threads: int = opt.threads_option(),
+    json_out: bool = opt.json_option("Print a JSON object to stdout."),
 ) -> None:
     """Generate a completion for one prompt."""
     from sparsetune.api import generate as run
     from sparsetune.errors import SparsetuneError
-    from sparsetune.flow.params import parse_param_args
 
     if (prompt is None) == (parts is None):
         raise SparsetuneError("pass exactly one of --prompt TEXT and --parts FILE")
@@ -70,19 +70,15 @@ def generate(
     if parts is None and (reuse is not None or reuse_param):
         raise SparsetuneError("--reuse applies to the segments of a --parts FILE prompt; a --prompt has none")
     user = prompt if parts is None else _read_parts(parts)
-    options = dict(
-        device=device, dtype=dtype, random_weights=random_weights, kv_memory=parse_size(kv_memory, "--kv-memory"),
-        block_size=block_size, max_model_len=max_model_len, cuda_graph=not no_cuda_graph, seed=seed, max_num_seqs=8,
-        prefix_caching=prefix_caching,
-        flow=flow, flow_params=parse_param_args(param), flow_executor=flow_executor,
-        reuse=reuse, reuse_params=parse_param_args(reuse_param),
-    )
+    engine = opt.engine_config(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
+                               dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
+                               flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed,
+                               block_size=block_size, max_model_len=max_model_len, prefix_caching=prefix_caching,
+                               max_num_seqs=8)
     apply_threads(threads)
     with err.status(f"loading {model} and generating ..."):
-        result = run(
-            user, model=model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            chat=not no_chat, **options,
-        )
+        result = run(user, engine, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                     chat=not no_chat)
     if json_out:
         emit_json(result.to_dict())
     else:

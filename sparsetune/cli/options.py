@@ -1,4 +1,9 @@
-"""Options and feedback shared by the commands: CPU threads and progress."""
+"""Options and feedback shared by the commands: the engine options (declared here once, turned into
+an `EngineConfig` by `engine_config`), output options, CPU threads and progress.
+
+A command declares an option by calling its function here (`model: str = model_option()`); where its
+help says something of its own, it passes `help=`.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,97 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import typer
 
-from sparsetune.cli.output import err
+from sparsetune.cli.output import err, parse_size
 from sparsetune.errors import SparsetuneError
+from sparsetune.records import DEFAULT_RUNS_DIR
+
+if TYPE_CHECKING:
+    from sparsetune.engine.config import EngineConfig
 
 THREADS_HELP = ("CPU threads for torch (default: OMP_NUM_THREADS, else torch's choice: every core). On a busy "
                 "machine fewer threads can be much faster.")
+FLOW_HELP = "Decode flow: a built-in name (sparsetune flows list) or a .py file."
+
+
+# ---- the engine options ---------------------------------------------------------------------------
+
+def model_option():
+    return typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory.")
+
+
+def flow_option(default: str | None = None, help: str = FLOW_HELP):
+    return typer.Option(default, "--flow", "-f", help=help)
+
+
+def param_option():
+    return typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable).")
+
+
+def reuse_option(help: str):
+    return typer.Option(None, "--reuse", help=help)
+
+
+def reuse_param_option():
+    return typer.Option(None, "--reuse-param", help="Reuse-flow hyperparameter key=value (repeatable).")
+
+
+def device_option():
+    return typer.Option("auto", help="auto, cpu, cuda or cuda:N.")
+
+
+def dtype_option(help: str = "auto, float32, float16 or bfloat16."):
+    return typer.Option("auto", help=help)
+
+
+def random_weights_option(help: str = "Seeded random weights (speed-only)."):
+    return typer.Option(False, "--random-weights", help=help)
+
+
+def kv_memory_option(help: str):
+    return typer.Option(None, "--kv-memory", help=help)
+
+
+def flow_executor_option():
+    return typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU).")
+
+
+def no_cuda_graph_option():
+    return typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU.")
+
+
+def seed_option(help: str):
+    return typer.Option(0, help=help)
+
+
+def engine_config(model: str, *, flow: str | None = None, param: list[str] | None = None, reuse: str | None = None,
+                  reuse_param: list[str] | None = None, device: str = "auto", dtype: str = "auto",
+                  random_weights: bool = False, kv_memory: str | None = None, flow_executor: str | None = None,
+                  no_cuda_graph: bool = False, seed: int = 0, **fields: Any) -> EngineConfig:
+    """The engine options a command was given, as an `EngineConfig` (key=value lists and the size
+    parsed; "auto" is None); `fields`: other `EngineConfig` fields the command sets."""
+    from sparsetune.engine.config import EngineConfig
+    from sparsetune.flow.params import parse_param_args
+
+    return EngineConfig(
+        model=model, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
+        random_weights=random_weights, flow=flow, flow_params=parse_param_args(param), reuse=reuse,
+        reuse_params=parse_param_args(reuse_param), kv_memory=parse_size(kv_memory, "--kv-memory"),
+        flow_executor=flow_executor, cuda_graph=not no_cuda_graph, seed=seed, **fields,
+    )
+
+
+# ---- output and CPU -------------------------------------------------------------------------------
+
+def json_option(help: str):
+    return typer.Option(False, "--json", help=help)
+
+
+def out_option(help: str, *aliases: str):
+    return typer.Option(DEFAULT_RUNS_DIR, "--out", *aliases, help=help)
 
 
 def threads_option():

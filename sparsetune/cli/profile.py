@@ -6,48 +6,44 @@ from pathlib import Path
 
 import typer
 
-from sparsetune.cli.options import apply_threads, threads_option
-from sparsetune.cli.output import emit_json, err, parse_size
+from sparsetune.cli import options as opt
+from sparsetune.cli.options import apply_threads
+from sparsetune.cli.output import emit_json, err
 
 
 def profile(
-    flow: str = typer.Option("dense", "--flow", "-f", help="Decode flow: a built-in name (sparsetune flows list) or a .py file."),
-    param: list[str] = typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable)."),
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Registered name or a local HF-format directory."),
+    flow: str = opt.flow_option("dense"),
+    param: list[str] = opt.param_option(),
+    model: str = opt.model_option(),
     batch: int = typer.Option(1, "--batch", "-b", help="Sequences decoding together."),
     context: int = typer.Option(2048, "--context", "-c", help="Prompt tokens per sequence (random ids, prefilled for real)."),
     steps: int = typer.Option(5, "--steps", help="Decode steps timed for the wall time (median)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto, float32, float16 or bfloat16."),
-    random_weights: bool = typer.Option(False, "--random-weights", help="Seeded random weights (speed-only)."),
-    kv_memory: str = typer.Option(
-        None, "--kv-memory", help="KV pool size, e.g. 4GiB (default: 90% of free GPU memory; on CPU what the case needs, at most 2GiB)."
-    ),
-    flow_executor: str = typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU)."),
-    seed: int = typer.Option(0, help="Seed for the prompts and random weights."),
+    device: str = opt.device_option(),
+    dtype: str = opt.dtype_option(),
+    random_weights: bool = opt.random_weights_option(),
+    kv_memory: str = opt.kv_memory_option(
+        "KV pool size, e.g. 4GiB (default: 90% of free GPU memory; on CPU what the case needs, at most 2GiB)."),
+    flow_executor: str = opt.flow_executor_option(),
+    seed: int = opt.seed_option("Seed for the prompts and random weights."),
     trace: Path = typer.Option(None, "--trace", help="Also write the profiled step's Chrome trace (JSON) here."),
-    out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the run directory."),
-    threads: int = threads_option(),
-    json_out: bool = typer.Option(False, "--json", help="Print results.json to stdout (the table goes to stderr)."),
+    out: Path = opt.out_option("Parent directory of the run directory."),
+    threads: int = opt.threads_option(),
+    json_out: bool = opt.json_option("Print results.json to stdout (the table goes to stderr)."),
 ) -> None:
     """Break one decode step into attention, flow stages, GEMMs, norms, sampling, ... (GPU kernel
     time; CPU time on CPU, attributed by stage)."""
-    from sparsetune.flow.params import parse_param_args
-
-    options = dict(device=device, dtype=dtype, random_weights=random_weights, flow_executor=flow_executor, seed=seed,
-                   kv_memory=parse_size(kv_memory, "--kv-memory"))
-    flow_params = parse_param_args(param)
-    from sparsetune.engine.config import EngineConfig
-
-    EngineConfig(model=model, **{**options, "device": None if device == "auto" else device,
-                                 "dtype": None if dtype == "auto" else dtype}).check()  # before torch loads
+    engine = opt.engine_config(model, flow=flow, param=param, device=device, dtype=dtype, random_weights=random_weights,
+                               kv_memory=kv_memory, flow_executor=flow_executor, seed=seed)
+    engine.check()  # before torch loads
     apply_threads(threads)
     from sparsetune import records
     from sparsetune.perf.step_profile import plot, profile as run
 
     with err.status(f"profiling {flow} on {model}: batch {batch}, context {context} ..."):
-        result = run(model=model, flow=flow, flow_params=flow_params, batch=batch, context=context,
-                     steps=steps, trace_path=trace, **options)
+        result = run(model=engine.model, flow=engine.flow, flow_params=engine.flow_params, batch=batch, context=context,
+                     steps=steps, trace_path=trace, device=engine.device, dtype=engine.dtype,
+                     random_weights=engine.random_weights, flow_executor=engine.flow_executor, seed=engine.seed,
+                     kv_memory=engine.kv_memory)
     run_dir = records.new_run_dir(out, "profile", flow, model)
     result["run_dir"] = str(run_dir)
     records.write_json(run_dir / "results.json", result)

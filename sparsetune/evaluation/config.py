@@ -1,73 +1,108 @@
 """What determines an evaluation run (`EvalConfig`), and the checks it passes before anything runs.
 
-`check_config` imports no torch and loads no model: the CLI calls it before the heavy imports, so
-a bad argument fails in a fraction of a second, and `evaluate` calls it before it builds an engine or
-creates a run directory, so a refused run leaves nothing on disk.
+`EvalConfig` checks its values when it is built; `check_config` checks what needs files (task
+files, the model's config) but no torch and no weights: the CLI calls it before the heavy imports,
+so a bad argument fails in a fraction of a second, and `evaluate` calls it before it builds an
+engine or creates a run directory, so a refused run leaves nothing on disk.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator, model_validator
+
+from sparsetune.engine.config import EngineConfig
 from sparsetune.errors import SparsetuneError
-from sparsetune.models.registry import DEFAULT_MODEL
 
 MODES = ("auto", "accuracy", "speed", "all")
 DEFAULT_SPEED_TOKENS = 128
+# config.json's version; sparsetune.eval/1 had the engine options inline in "eval" (read by `EvalConfig.of`).
+CONFIG_SCHEMA = "sparsetune.eval.config/2"
+_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
 
 
-@dataclass
-class EvalConfig:
-    """Everything that determines a run; written to config.json and read back by `resume`."""
+def _engine(value: Any) -> Any:
+    """An `EngineConfig` from its JSON object (unknown keys dropped); an instance as it is."""
+    if not isinstance(value, dict):
+        return value
+    value = {k: v for k, v in value.items() if k in _ENGINE_FIELDS}
+    if value.get("cuda_graph_batch_sizes") is not None:
+        value["cuda_graph_batch_sizes"] = tuple(value["cuda_graph_batch_sizes"])
+    return EngineConfig(**value)
 
-    flow: str = "dense"
-    model: str = DEFAULT_MODEL
-    tasks: list[str] | None = None  # None: the default suite
+
+# Not revalidated field by field: flow parameters may be typed values (Python) or --param strings.
+Engine = Annotated[EngineConfig, BeforeValidator(_engine), PlainSerializer(asdict)]
+
+
+class EvalConfig(BaseModel):
+    """Everything that determines a run; written to config.json and read back by `resume`.
+
+    `engine`: model, device, dtype, weights, the decode flow (None: dense, or the reuse flow's own;
+    "dense" stays dense) and the reuse flow with their parameters, executor, CUDA graphs, KV memory
+    (None: sized to the work) and the seed (tasks, speed prompts, random weights). The run sets its
+    batch limits from `batch` (`evaluation.runner.run_engine_config`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: Engine = EngineConfig()
+    tasks: tuple[str, ...] | None = None  # None: the default suite
     context: int = 1024
     samples: int = 4  # per generated task
-    seed: int = 0
-    params: dict[str, Any] = field(default_factory=dict)  # --param strings (or typed values from Python)
     batch: int = 8
     max_new_tokens: int | None = None  # None: each task's own length (speed: 128)
     mode: str = "auto"
     fidelity: bool = True
-    device: str = "auto"
-    dtype: str = "auto"
-    random_weights: bool = False
-    kv_memory: int | None = None
-    flow_executor: str | None = None
-    cuda_graph: bool = True
-    reuse: str | None = None  # KV-reuse flow for tasks with segments (rag)
-    reuse_params: dict[str, Any] = field(default_factory=dict)
     limit: int | None = None  # at most this many samples per task (generated and files); None: all
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _no_tasks_is_default(cls, tasks: Any) -> Any:
+        return tasks or None
+
+    @model_validator(mode="after")
+    def _check_values(self) -> EvalConfig:
+        for name, value, low in (("--context", self.context, 16), ("--samples", self.samples, 1), ("--batch", self.batch, 1),
+                                 ("--max-new-tokens", self.max_new_tokens, 1), ("--limit", self.limit, 1)):
+            if value is not None and value < low:
+                raise SparsetuneError(f"{name} must be at least {low} (got {value})")
+        if self.mode not in MODES:
+            raise SparsetuneError(f"--mode {self.mode!r}: use one of {', '.join(MODES)}")
+        if self.engine.random_weights and self.mode in ("accuracy", "all"):
+            raise SparsetuneError("accuracy needs real weights: drop --random-weights, or pass --mode speed")
+        return self
+
+    @classmethod
+    def of(cls, **options: Any) -> EvalConfig:
+        """From flat keyword options, as `sparsetune.eval` takes them: the eval's own fields and
+        `EngineConfig`'s, with `params` for the decode flow's `flow_params`."""
+        if "params" in options:
+            options["flow_params"] = dict(options.pop("params") or {})
+        unknown = [k for k in options if k not in _ENGINE_FIELDS and (k not in cls.model_fields or k == "engine")]
+        if unknown:
+            raise TypeError(f"unknown eval option {unknown[0]!r}")
+        engine = EngineConfig(**{k: v for k, v in options.items() if k in _ENGINE_FIELDS})
+        return cls(engine=engine, **{k: v for k, v in options.items() if k not in _ENGINE_FIELDS})
+
+    def speed_only(self) -> bool:
+        """No accuracy passes: speed mode, or auto with random weights."""
+        return self.mode == "speed" or self.mode == "auto" and self.engine.random_weights
 
 
 def check_config(cfg: EvalConfig) -> None:
-    """Every check that needs neither torch nor the model's weights: sizes, names, task files, the
-    model's existence and context length."""
-    from sparsetune.engine.config import EngineConfig
+    """Every check that needs neither torch nor the model's weights: names, task files, the
+    engine options, the model's existence and context length."""
     from sparsetune.evaluation.tasks import task_lengths
 
-    for name, value, low in (("--context", cfg.context, 16), ("--samples", cfg.samples, 1), ("--batch", cfg.batch, 1),
-                             ("--max-new-tokens", cfg.max_new_tokens, 1), ("--limit", cfg.limit, 1)):
-        if value is not None and value < low:
-            raise SparsetuneError(f"{name} must be at least {low} (got {value})")
-    if cfg.mode not in MODES:
-        raise SparsetuneError(f"--mode {cfg.mode!r}: use one of {', '.join(MODES)}")
-    if cfg.random_weights and cfg.mode in ("accuracy", "all"):
-        raise SparsetuneError("accuracy needs real weights: drop --random-weights, or pass --mode speed")
     lengths = task_lengths(cfg.tasks, cfg.context)  # unknown tasks and bad files fail here
-    name, mcfg = EngineConfig(model=cfg.model, device=None if cfg.device == "auto" else cfg.device,
-                              dtype=None if cfg.dtype == "auto" else cfg.dtype, kv_memory=cfg.kv_memory,
-                              max_num_seqs=cfg.batch, flow_executor=cfg.flow_executor,
-                              random_weights=cfg.random_weights).check()  # the model exists: its name, architecture
+    name, mcfg = cfg.engine.check()  # the options' rules; the model exists: its name, architecture
     max_len = mcfg.max_position_embeddings
-    speed_only = cfg.mode == "speed" or cfg.mode == "auto" and cfg.random_weights
-    needs = [] if speed_only else [(prompt, cfg.max_new_tokens or gen, what) for what, prompt, gen in lengths]
-    if cfg.mode in ("speed", "all") or speed_only:  # auto: the device decides; the runner checks it before it starts
+    needs = [] if cfg.speed_only() else [(prompt, cfg.max_new_tokens or gen, what) for what, prompt, gen in lengths]
+    if cfg.mode in ("speed", "all") or cfg.speed_only():  # auto: the device decides; the runner checks it before it starts
         needs.append((cfg.context, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS, "the speed prompts"))
     for prompt, gen, what in needs:
         if prompt + gen > max_len:
@@ -85,7 +120,7 @@ def load_resume_config(run_dir: Path) -> EvalConfig:
         raise SparsetuneError(f"--resume {run_dir}: no config.json there; pass a run directory made by sparsetune eval")
     try:
         raw = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        block = raw.get("eval", {})
+        return EvalConfig.model_validate(block) if "engine" in block else EvalConfig.of(**block)
+    except (OSError, ValueError, TypeError) as e:  # JSON, the schema (a pydantic ValidationError), unknown keys
         raise SparsetuneError(f"--resume {run_dir}: config.json is unreadable ({e})") from None
-    known = EvalConfig.__dataclass_fields__
-    return EvalConfig(**{k: v for k, v in raw.get("eval", {}).items() if k in known})

@@ -22,6 +22,7 @@ large file from the message alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,30 @@ class _LineError(Exception):
     """A problem with one line; `load_jsonl` adds the file and line number."""
 
 
+# Parsed files by (path, content hash): one eval checks, sizes and builds a file's tasks from one parse.
+_PARSED: dict[tuple[str, str], tuple[Sample, ...]] = {}
+_PARSED_MAX = 8
+
+
 def load_jsonl(path: str | Path) -> list[Sample]:
-    """The samples of a custom task file, validated line by line."""
+    """The samples of a custom task file, validated line by line (parsed once per content)."""
     path = Path(path)
     if not path.is_file():
         raise SparsetuneError(
             f"{path}: no such file; pass an existing .jsonl file or a built-in task (sparsetune eval --list-tasks)"
         )
+    data = path.read_bytes()
+    key = (str(path), hashlib.sha256(data).hexdigest())
+    if key not in _PARSED:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[key] = tuple(_parse(path, data))
+    return list(_PARSED[key])
+
+
+def _parse(path: Path, data: bytes) -> list[Sample]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # newlines as read_text reads them
     except UnicodeDecodeError as e:
         raise SparsetuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     samples: list[Sample] = []

@@ -15,26 +15,26 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from sparsetune.llm import LLM
+from sparsetune.engine.config import EngineConfig
 from sparsetune.engine.sequence import SamplingParams, Status
 from sparsetune.errors import SparsetuneError
-from sparsetune.evaluation.config import DEFAULT_SPEED_TOKENS, EvalConfig, check_config, load_resume_config
+from sparsetune.evaluation.config import (CONFIG_SCHEMA, DEFAULT_SPEED_TOKENS, EvalConfig, check_config,
+                                          load_resume_config)
 from sparsetune.evaluation.fidelity import FidelityTally
+from sparsetune.evaluation.results import SCHEMA, EvalResult
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
 from sparsetune.perf.fit import check_fits
 from sparsetune.perf.speed import measure_speed
 from sparsetune.registry import decode_flow_for
-from sparsetune.models.registry import DEFAULT_MODEL
 from sparsetune.records import env_info, new_run_dir, write_json
-
-SCHEMA = "sparsetune.eval/1"
 
 # on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.
 ProgressFn = Callable[[float, int, str], None]  # done may be fractional mid-chunk
@@ -42,7 +42,7 @@ ProgressFn = Callable[[float, int, str], None]  # done may be fractional mid-chu
 
 def _resolve_mode(cfg: EvalConfig, device: torch.device) -> str:
     if cfg.mode == "auto":
-        return "speed" if cfg.random_weights else ("all" if device.type == "cuda" else "accuracy")
+        return "speed" if cfg.engine.random_weights else ("all" if device.type == "cuda" else "accuracy")
     return cfg.mode
 
 
@@ -61,21 +61,24 @@ def eval_kv_memory(model: str, batch: int, context: int, gen_tokens: int = 512, 
     return tokens * resolved.config.kv_bytes_per_token(elem)
 
 
-def _build_engine(cfg: EvalConfig) -> LLM:
+def run_engine_config(cfg: EvalConfig) -> EngineConfig:
+    """The engine a run builds: the config's, with `batch` as its request limit and CUDA-graph batch
+    sizes, and a KV pool sized to the work unless `kv_memory` is given."""
+    e = cfg.engine
     sizes = tuple(sorted({1 << i for i in range(cfg.batch.bit_length())} | {cfg.batch}))
-    kv_memory = cfg.kv_memory
+    kv_memory = e.kv_memory
     if kv_memory is None:
-        kv_memory = eval_kv_memory(cfg.model, cfg.batch, cfg.context, max(512, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS),
-                                   None if cfg.device == "auto" else cfg.device,
-                                   None if cfg.dtype == "auto" else cfg.dtype, cfg.random_weights)
-    return LLM(
-        model=cfg.model, device=None if cfg.device == "auto" else cfg.device,
-        dtype=None if cfg.dtype == "auto" else cfg.dtype, random_weights=cfg.random_weights,
-        kv_memory=kv_memory, max_num_seqs=max(cfg.batch, 1), seed=cfg.seed,
-        flow=cfg.flow, flow_params=dict(cfg.params),  # "dense" stays explicit: no reuse flow's decode flow
-        flow_executor=cfg.flow_executor, cuda_graph=cfg.cuda_graph, cuda_graph_batch_sizes=sizes,
-        reuse=cfg.reuse, reuse_params=dict(cfg.reuse_params),
-    )
+        kv_memory = eval_kv_memory(e.model, cfg.batch, cfg.context, max(512, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS),
+                                   e.device, e.dtype, e.random_weights)
+    return replace(e, kv_memory=kv_memory, max_num_seqs=cfg.batch, cuda_graph_batch_sizes=sizes)
+
+
+def _resolve_flow(cfg: EvalConfig) -> EvalConfig:
+    """No decode flow given: dense, or the reuse flow's own decode flow (loopserve); an explicit
+    "dense" stays (no reuse flow's decode flow)."""
+    e = cfg.engine
+    flow, params = decode_flow_for(e.flow, e.flow_params, e.reuse, e.reuse_params)
+    return cfg.model_copy(update={"engine": replace(e, flow=flow or "dense", flow_params=dict(params))})
 
 
 def _flow_source_hash(llm: LLM) -> str | None:
@@ -185,7 +188,7 @@ def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed:
         try:
             dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity, tick=tick)
         finally:
-            llm.set_flow(cfg.flow, cfg.params)
+            llm.set_flow(cfg.engine.flow, cfg.engine.flow_params)
             llm.set_reuse(reuse_flow)
     main = dense if plain and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False, tick=tick)
     forced = (_run_pass(llm, chunk, cfg, True, forced=dense, tick=tick)
@@ -310,66 +313,41 @@ def _budget_note(llm: LLM, context: int) -> str | None:
 
 
 def evaluate(
-    flow: str | None = None,
-    model: str = DEFAULT_MODEL,
-    tasks: list[str] | None = None,
-    context: int = 1024,
-    samples: int = 4,
-    seed: int = 0,
-    params: dict[str, Any] | None = None,
-    batch: int = 8,
-    max_new_tokens: int | None = None,
-    mode: str = "auto",
-    fidelity: bool = True,
-    device: str = "auto",
-    dtype: str = "auto",
-    random_weights: bool = False,
-    kv_memory: int | None = None,
-    flow_executor: str | None = None,
-    cuda_graph: bool = True,
-    reuse: str | None = None,
-    reuse_params: dict[str, Any] | None = None,
+    config: EvalConfig,
+    *,
     out: str | Path | None = None,
     resume: str | Path | None = None,
-    on_progress: ProgressFn | None = None,
-    on_start: Callable[[Path, dict[str, Any]], None] | None = None,
     llm: LLM | None = None,
-    limit: int | None = None,
-) -> dict[str, Any]:
-    """Evaluate `flow` on `model`; returns the `results.json` object (also written to the run dir).
+    on_progress: ProgressFn | None = None,
+    on_start: Callable[[Path, EvalResult], None] | None = None,
+) -> EvalResult:
+    """Evaluate `config`; returns its `results.json` record (also written to the run directory under `out`).
 
-    `samples`: per generated task; a custom JSONL file runs every line. `limit`: at most this many
-    samples per task (either kind). `params`/`reuse_params`: `--param` strings or typed values.
-    `resume`: a run directory of an interrupted run; its config wins and finished samples are kept.
-    `llm`: an idle engine of `model` to reuse (sweeps): its flow is switched to `flow`; engine
-    options (device, dtype, batch limits, KV memory) are then the engine's own.
-    Every argument is checked before an engine is built or a run directory is created.
+    `resume`: the run directory of an interrupted run, with `config` its own (`load_resume_config`);
+    finished samples are kept. `llm`: an idle engine of the config's model to reuse (sweeps): its
+    flows are switched to the config's; engine options (device, dtype, batch limits, KV memory) are
+    then the engine's own. Everything is checked before an engine is built or a run directory is created.
     """
-    if resume is not None:
-        run_dir = Path(resume)
-        cfg = load_resume_config(run_dir)
-    else:
-        cfg = EvalConfig(flow or "dense", model, list(tasks) if tasks else None, context, samples, seed, dict(params or {}),
-                         batch, max_new_tokens, mode, fidelity, device, dtype, random_weights, kv_memory,
-                         flow_executor, cuda_graph, reuse, dict(reuse_params or {}), limit)
-        run_dir = None
-    check_config(cfg)
+    check_config(config)
     if resume is None:
-        # No --flow: dense, or the reuse flow's own decode flow (loopserve); an explicit "dense" stays.
-        flow_spec, flow_params = decode_flow_for(flow, cfg.params, reuse, cfg.reuse_params)
-        cfg.flow, cfg.params = flow_spec or "dense", dict(flow_params)
+        cfg, run_dir = _resolve_flow(config), None
+    else:
+        cfg, run_dir = config, Path(resume)
+        if cfg != load_resume_config(run_dir):
+            raise SparsetuneError(f"--resume {run_dir}: the config differs from the run's config.json")
     from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples, task_size
 
-    task_names = cfg.tasks or list(DEFAULT_SUITE)
+    task_names = list(cfg.tasks or DEFAULT_SUITE)
+    e = cfg.engine
     if llm is None:
-        llm = _build_engine(cfg)
+        llm = LLM(run_engine_config(cfg))
     else:
-        if llm.resolved.name != cfg.model and cfg.model != llm.config.model:
-            raise SparsetuneError(f"the engine passed runs {llm.resolved.name}, not {cfg.model}")
+        if llm.resolved.name != e.model and e.model != llm.config.model:
+            raise SparsetuneError(f"the engine passed runs {llm.resolved.name}, not {e.model}")
         if cfg.batch > llm.config.max_num_seqs:
             raise SparsetuneError(f"--batch {cfg.batch} exceeds the engine's max_num_seqs {llm.config.max_num_seqs}")
-        llm.set_flow(None if cfg.flow == "dense" else cfg.flow, cfg.params)
-        llm.set_reuse(cfg.reuse, cfg.reuse_params)
+        llm.set_flow(None if e.flow == "dense" else e.flow, e.flow_params)
+        llm.set_reuse(e.reuse, e.reuse_params)
     resolved_mode = _resolve_mode(cfg, llm.device)
     accuracy_on = resolved_mode in ("accuracy", "all")
     speed_on = resolved_mode in ("speed", "all")
@@ -379,7 +357,7 @@ def evaluate(
     task_totals: dict[str, int] = {}
     if accuracy_on:
         for name in task_names:
-            built = build_samples(name, llm.tokenizer, cfg.context, cfg.samples, cfg.seed, cfg.limit)
+            built = build_samples(name, llm.tokenizer, cfg.context, cfg.samples, e.seed, cfg.limit)
             all_samples.extend(built)
             if built:
                 task_totals[built[0].task] = task_size(name, cfg.samples)
@@ -395,30 +373,30 @@ def evaluate(
         label = [flow_name] if llm.reuse_flow is None or flow_name != "dense" else []
         label += [llm.reuse_flow.name] if llm.reuse_flow is not None else []
         run_dir = new_run_dir(out, *label, llm.resolved.name)
-        config = {
-            "schema": SCHEMA, "eval": asdict(cfg), "mode": resolved_mode, "tasks": task_names,
-            "flow": {"name": flow_name, "spec": cfg.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm)},
+        config_json = {
+            "schema": CONFIG_SCHEMA, "eval": cfg.model_dump(mode="json"), "mode": resolved_mode, "tasks": task_names,
+            "flow": {"name": flow_name, "spec": e.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm)},
             "reuse": None if llm.reuse_flow is None else {"name": llm.reuse_flow.name, "params": llm.reuse_flow.params()},
             "model": {"name": llm.resolved.name, "random_weights": llm.resolved.random_weights,
                       "config": asdict(llm.model_config) if hasattr(llm.model_config, "__dataclass_fields__") else None},
             "engine": {k: v for k, v in asdict(llm.config).items() if k not in ("extra",)},
             "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
         }
-        write_json(run_dir / "config.json", config)
+        write_json(run_dir / "config.json", config_json)
         write_json(run_dir / "env.json", env_info(llm.device))
 
     records = read_records(run_dir)
     done = {(r["task"], r["index"]) for r in records}
     todo = [s for s in all_samples if (s.task, s.index) not in done]
-    prior = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
-    state: dict[str, Any] = {"speed": prior.get("speed"), "started": prior.get("started") or _now(), "t0": time.time(),
-                             "seconds_before": prior.get("seconds") or 0.0}
+    prior = EvalResult.read(run_dir) if (run_dir / "results.json").is_file() else None
+    state: dict[str, Any] = {"speed": prior.speed if prior else None, "started": prior.started if prior else _now(),
+                             "t0": time.time(), "seconds_before": prior.seconds if prior else 0.0}
 
-    def results(complete: bool) -> dict[str, Any]:
+    def results(complete: bool) -> EvalResult:
         res: dict[str, Any] = {
             "schema": SCHEMA, "run_dir": str(run_dir), "flow": flow_name, "model": llm.resolved.name,
             "params": flow_params, "mode": resolved_mode, "context": cfg.context, "samples_per_task": cfg.samples,
-            "limit": cfg.limit, "seed": cfg.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+            "limit": cfg.limit, "seed": e.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
             "note": note,
         }
         if llm.reuse_flow is not None:
@@ -432,7 +410,7 @@ def evaluate(
         res |= {"speed": state["speed"], "preemptions": llm.scheduler.num_preemptions, "complete": complete,
                 "started": state["started"], "finished": _now() if complete else None,
                 "seconds": round(state["seconds_before"] + time.time() - state["t0"], 2)}
-        return res
+        return EvalResult.model_validate(res)
 
     if on_start is not None:
         on_start(run_dir, results(False))
@@ -457,7 +435,7 @@ def evaluate(
                     f.write(json.dumps(r, default=str) + "\n")
                 f.flush()
                 records.extend(new)
-                write_json(run_dir / "results.json", results(False))
+                results(False).write(run_dir / "results.json")
                 if on_progress:
                     on_progress(len(records), total, "samples")
         if speed_on and state["speed"] is None:
@@ -465,21 +443,21 @@ def evaluate(
             if on_progress:
                 on_progress(total, total, "speed")
     except BaseException:
-        write_json(run_dir / "results.json", results(False))
+        results(False).write(run_dir / "results.json")
         raise
     final = results(True)
-    write_json(run_dir / "results.json", final)
+    final.write(run_dir / "results.json")
     return final
 
 
 def _speed(llm: LLM, cfg: EvalConfig, flow_is_dense: bool) -> dict[str, Any]:
     gen = cfg.max_new_tokens or DEFAULT_SPEED_TOKENS
-    flow_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.seed)
+    flow_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.engine.seed)
     dense_speed = None
     if not flow_is_dense:
         llm.set_flow(None)
-        dense_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.seed)
-        llm.set_flow(cfg.flow, cfg.params)
+        dense_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.engine.seed)
+        llm.set_flow(cfg.engine.flow, cfg.engine.flow_params)
     speedup = None
     if dense_speed and flow_speed["decode_tokens_per_s"] and dense_speed["decode_tokens_per_s"]:
         speedup = round(flow_speed["decode_tokens_per_s"] / dense_speed["decode_tokens_per_s"], 4)
