@@ -142,7 +142,8 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv))
     want_score, want_counts, _, _ = ref._score_tensors(*args)
     indexer = gen._indexer_kernel(kv, GROUP)
-    score, counts = indexer(q, bt, meta.seq_lens, ref.fields[0], None, ref.constants(0, kv), HKV, kv.null_block)
+    score, counts = indexer(q, bt, meta.seq_lens, ref.fields[0], None, ref.constants(0, kv), HKV, kv.null_block,
+                            flow.budget_rule)
     assert torch.equal(counts, want_counts)
     assert torch.equal(torch.isinf(score), torch.isinf(want_score))
     torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
@@ -195,3 +196,22 @@ def test_generated_cache_stage_at_decode(name, tmp_path):
         torch.testing.assert_close(got[:-1], want[:-1], rtol=1e-5, atol=1e-5)  # the null block is scratch
         written = want[:-1].flatten(1).abs().sum(1) > 0
         assert int(written.sum()) == 2  # exactly the two completed blocks
+
+
+@pytest.mark.parametrize("extra", [{}, {"budget": "20", "sink_blocks": "0", "local_blocks": "1"}, {"budget_ratio": "0.1"},
+                                   {"budget_ratio": "0.7", "sink_blocks": "3"}, {"budget_ratio": "0.3333333333333333"}])
+def test_generated_counts_follow_budget_rule(extra):
+    """The generated indexer's block counts, and the reference's, are `flow.budget_blocks(nb)` for
+    every nb up to 64 (the ratio in float64: with float32's 0.1, ceil(0.1 * 10) would be 2)."""
+    bs, hkv, width = 2, 1, 64
+    flow = build_flow("quest", {"block_size": str(bs), **extra})
+    lens = torch.arange(1, width + 1) * bs - 1  # nb = 1 .. 64
+    table = torch.zeros(width, width, dtype=torch.int32)  # every block reads block 0: counts only
+    stores = {n: torch.randn(2, hkv, 1, HEAD_DIM, dtype=torch.float64) for n in ("kmax", "kmin")}
+    q = torch.randn(width, hkv * GROUP, HEAD_DIM, dtype=torch.float64)
+    want = torch.tensor([flow.budget_blocks(int(n)) for n in range(1, width + 1)], dtype=torch.int32)
+    ref = _attn(flow)._score_tensors(q, table, lens.int(), stores, None, hkv, bs, 1, {})[1]
+    indexer = codegen.build_indexer(flow, GROUP, HEAD_DIM, codegen.field_dims(flow, HEAD_DIM))
+    got = indexer(q.to(DEVICE), table.to(DEVICE), lens.int().to(DEVICE), {n: t.to(DEVICE) for n, t in stores.items()},
+                  None, {}, hkv, 1, flow.budget_rule)[1].cpu()
+    assert torch.equal(ref, want) and torch.equal(got, want)

@@ -258,7 +258,7 @@ class FlowAttention(DenseAttention):
             indexer = self._indexer_kernel(kv, q.shape[1] // kv.num_kv_heads) if generated else None
             if generated and not self._forced_only:  # scoring (generated, else compiled torch), radix select
                 if indexer is not None:
-                    score, counts = indexer(*args[:5], args[8], kv.num_kv_heads, kv.null_block)
+                    score, counts = indexer(*args[:5], args[8], kv.num_kv_heads, kv.null_block, self.flow.budget_rule)
                     saved, table = {}, meta.block_tables
                 else:
                     score, counts, saved, table = self._score_fn(*args)
@@ -344,18 +344,15 @@ class FlowAttention(DenseAttention):
         if sel.score is None:
             return None, torch.minimum(nb, torch.full_like(nb, forced_n)).to(torch.int32), {}, table
         score = sel.score.data.reshape(rows, width).float()
-        forced = (idx < flow.sink_blocks) | (idx >= nb[:, None] - flow.local_blocks)
+        rule = flow.budget_rule
+        forced = (idx < rule.sink) | (idx >= nb[:, None] - rule.local)
         lowest = torch.finfo(torch.float32).min
         score = score.nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
         score = score.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-        if flow.budget_ratio is not None:
-            want = torch.ceil(nb.double() * flow.budget_ratio).long().clamp(min=forced_n)
-        else:
-            want = torch.full_like(nb, flow.budget_blocks(1 << 30))
         saved = {
             name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
         }
-        return score, torch.minimum(want, nb).to(torch.int32), saved, table
+        return score, rule.counts(nb).to(torch.int32), saved, table
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
