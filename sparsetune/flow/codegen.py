@@ -1,6 +1,6 @@
 """Generate Triton kernels from a flow's stages: the compiled executor's fast path.
 
-A stage is traced once on small dummy tensors (every `F.*` call is recorded, `ops._GRAPH`). If
+A stage is traced once on small dummy tensors (every `F.*` call is recorded, `trace.tracing`). If
 every op is *block-local* (its output for block s depends only on block s: elementwise ops,
 comparisons, `where`, `gemm`, reductions over the inner axes, `transpose`, `mask_slice`,
 `fill`), the stage is rewritten as straight-line Triton code:
@@ -39,7 +39,8 @@ import torch
 
 from sparsetune.flow import ops as F
 from sparsetune.flow.base import BudgetRule, DecodeFlow
-from sparsetune.flow.ops import FT, Fields
+from sparsetune.flow.ops import FT
+from sparsetune.flow.trace import GraphNode, dummy_inputs, field_dims, saves_state, tracing  # noqa: F401 (re-exported)
 
 _NEUTRAL = {"sum": "0.0", "mean": "0.0", "l2norm": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
 _BINARY = {"add": "({x} + {y})", "sub": "({x} - {y})", "mul": "({x} * {y})", "div": "({x} / {y})",
@@ -146,14 +147,14 @@ class _Emitter:
         idx[axis] = ":"
         return f"(tl.arange(0, {_p2(n)}) < {n})[{', '.join(idx)}]"
 
-    def emit(self, nodes: list[F.GraphNode]) -> None:
+    def emit(self, nodes: list[GraphNode]) -> None:
         for node in nodes:
             fn = getattr(F, node.op)
             bound = inspect.signature(fn.__wrapped__).bind(*node.args, **node.kwargs)
             bound.apply_defaults()
             self._emit_one(node, bound.arguments)
 
-    def _emit_one(self, node: F.GraphNode, a: dict) -> None:
+    def _emit_one(self, node: GraphNode, a: dict) -> None:
         out = f"v{len(self.body)}"
         res = _Val(out, False, node.out.shape[1], node.out.shape[2])
         op = node.op
@@ -240,19 +241,6 @@ class _Emitter:
         self.body.append(f"    {out} = {code}")
 
 
-def _record(call) -> tuple[object, list[F.GraphNode]]:
-    nodes: list[F.GraphNode] = []
-    F._GRAPH.append(nodes)
-    try:
-        return call(), nodes
-    finally:
-        F._GRAPH.pop()
-
-
-def _dummy_consts(const_dims: dict[str, tuple[int, int]], g: torch.Generator) -> dict[str, FT]:
-    return {n: FT(torch.randn(1, 1, *rc, generator=g)) for n, rc in const_dims.items()}
-
-
 def _source(name: str, signature: list[str], lines: list[str], doc: str, runtime: tuple[str, ...] = ()) -> str:
     """A module holding one kernel; `runtime`: scalar parameters left unspecialized (one binary for every value)."""
     keep = f"(do_not_specialize={[p.split(':')[0] for p in runtime]!r})" if runtime else ""
@@ -296,20 +284,6 @@ class IndexerKernel:
         return out, counts
 
 
-def _dummy_index_inputs(
-    flow: DecodeFlow, group: int, head_dim: int, field_dims: dict[str, tuple[int, int]],
-    const_dims: dict[str, tuple[int, int]] | None,
-) -> tuple[FT, Fields, dict[str, FT]]:
-    """Seeded random indexer inputs over 5 blocks: q, the fields (raw keys as "k" when the flow
-    reads them) and the constants."""
-    g, nblk = torch.Generator().manual_seed(0), 5
-    q = FT(torch.randn(1, 1, group, head_dim, generator=g))
-    fields = Fields({n: FT(torch.randn(1, nblk, *rc, generator=g)) for n, rc in field_dims.items()})
-    if flow.uses_keys:
-        dict.__setitem__(fields, "k", FT(torch.randn(1, nblk, flow.block_size, head_dim, generator=g)))
-    return q, fields, _dummy_consts(const_dims or {}, g)
-
-
 def indexer_source(
     flow: DecodeFlow, group: int, head_dim: int, field_dims: dict[str, tuple[int, int]],
     const_dims: dict[str, tuple[int, int]] | None = None,
@@ -317,13 +291,17 @@ def indexer_source(
     """Triton source of the flow's indexer; raises NotBlockLocal. Returns (source, fields and
     consts in argument order, whether it reads raw keys, BLOCK_S)."""
     bs = flow.block_size
-    q, fields, const = _dummy_index_inputs(flow, group, head_dim, field_dims, const_dims)
+    x = dummy_inputs(flow, head_dim, const_dims=const_dims)
+    q, fields = x.index(field_dims, group)
+    const = x.const
     inputs = {id(q): ("q_in", False)}
     inputs.update({id(dict.__getitem__(fields, n)): (f"f_{n}", True) for n in field_dims})
     if flow.uses_keys:
         inputs[id(dict.__getitem__(fields, "k"))] = ("k_in", True)
     inputs.update({id(t): (f"c_{n}", False) for n, t in const.items()})
-    sel, nodes = _record(lambda: flow.run_index(q, fields, const))
+    with tracing() as t:
+        sel = flow.run_index(q, fields, const)
+    nodes = t.nodes
     if fields.saved:
         raise NotBlockLocal("it saves state (F.save)")
     if sel.score is None:
@@ -430,14 +408,14 @@ def cache_source(
 ) -> tuple[str, list[str], list[str]]:
     """Triton source of the flow's cache stage; raises NotBlockLocal. Returns (source, fields in
     argument order, consts in argument order)."""
-    g = torch.Generator().manual_seed(0)
     bs = flow.block_size
-    k = FT(torch.randn(1, 1, bs, head_dim, generator=g))
-    v = FT(torch.randn(1, 1, bs, head_dim, generator=g))
-    const = _dummy_consts(const_dims or {}, g)
+    x = dummy_inputs(flow, head_dim, const_dims=const_dims)
+    k, v, const = x.k, x.v, x.const
     inputs = {id(k): ("k_in", False), id(v): ("v_in", False)}
     inputs.update({id(t): (f"c_{n}", False) for n, t in const.items()})
-    out, nodes = _record(lambda: flow.run_cache(k, v, const))
+    with tracing() as t:
+        out = flow.run_cache(k, v, const)
+    nodes = t.nodes
     em = _Emitter(inputs)
     em.emit(nodes)
     sig = ["k_ptr", "k_s0", "k_s1", "k_s2", "v_ptr", "v_s0", "v_s1", "v_s2", "src", "dst", "HKV", "bt", "stride_bt",
@@ -501,20 +479,6 @@ def _load_kernel(src: str, fn_name: str) -> object:
         spec.loader.exec_module(module)
         _LOADED[key] = getattr(module, fn_name)
     return _LOADED[key]
-
-
-def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
-    """The inner shape `(r, c)` of each field the cache stage writes (from one dummy block)."""
-    kv = FT(torch.zeros(1, 1, flow.block_size, head_dim))
-    const = _dummy_consts(const_dims or {}, torch.Generator().manual_seed(0))
-    return {n: tuple(t.shape[1:]) for n, t in flow.run_cache(kv, kv, const).items()}  # type: ignore[misc]
-
-
-def saves_state(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> bool:
-    """Whether the indexer saves state with F.save (run once on dummy inputs)."""
-    q, fields, const = _dummy_index_inputs(flow, 2, head_dim, field_dims(flow, head_dim, const_dims), const_dims)
-    flow.run_index(q, fields, const)
-    return bool(fields.saved)
 
 
 def why_not(flow: DecodeFlow, group: int = 4, head_dim: int = 64,

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import builtins
 import functools
-import inspect
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from sparsetune.flow.trace import GraphNode, active, caller_line
 
 NEG = float("-inf")
 
@@ -67,46 +67,6 @@ class Selection:
     score: FT | None
 
 
-@dataclass
-class OpRecord:
-    op: str
-    line: int | None
-    out_shape: tuple[int, ...]
-    flops: int  # per row
-
-
-@dataclass
-class Trace:
-    """Records every op a program runs (for `flows check` and the cost model)."""
-
-    records: list[OpRecord] = field(default_factory=list)
-    saved: set[str] = field(default_factory=set)
-    loaded: set[str] = field(default_factory=set)
-
-
-@dataclass
-class GraphNode:
-    """One op call, as the kernel generator (`sparsetune.flow.codegen`) reads a program."""
-
-    op: str
-    args: tuple
-    kwargs: dict
-    out: FT
-
-
-_TRACE: list[Trace] = []
-_GRAPH: list[list[GraphNode]] = []  # while non-empty, every op call is appended to the last list
-_FLOW_DIR = str(Path(__file__).parent)
-
-
-def _caller_line() -> tuple[str, int] | None:
-    """The first frame outside this package: the flow program's own line."""
-    for fr in inspect.stack()[2:]:
-        if not fr.filename.startswith(_FLOW_DIR):
-            return fr.filename, fr.lineno
-    return None
-
-
 def _op(flops: Callable[..., int] | None = None):
     def deco(fn):
         @functools.wraps(fn)
@@ -120,12 +80,10 @@ def _op(flops: Callable[..., int] | None = None):
                 raise
             except (RuntimeError, ValueError, IndexError, TypeError) as e:
                 raise FlowError(_where() + f"F.{fn.__name__}{_shapes(args)}: {e}") from None
-            if _GRAPH and isinstance(out, FT):
-                _GRAPH[-1].append(GraphNode(fn.__name__, args, kwargs, out))
-            if _TRACE and isinstance(out, FT):
-                loc = _caller_line()
-                per_row = flops(*args, **kwargs) if flops else math.prod(out.shape)
-                _TRACE[-1].records.append(OpRecord(fn.__name__, loc[1] if loc else None, out.shape, int(per_row)))
+            tracer = active()
+            if tracer is not None and isinstance(out, FT):
+                tracer.nodes.append(GraphNode(fn.__name__, args, kwargs, out))
+                tracer.cost(fn.__name__, out.shape, flops(*args, **kwargs) if flops else math.prod(out.shape))
             return out
 
         wrapper.is_flow_op = True  # type: ignore[attr-defined]
@@ -135,7 +93,7 @@ def _op(flops: Callable[..., int] | None = None):
 
 
 def _where() -> str:
-    loc = _caller_line()
+    loc = caller_line()
     return f"{loc[0]}:{loc[1]}: " if loc else ""
 
 
@@ -395,9 +353,9 @@ def topk(score: FT) -> Selection:
         raise FlowError(_where() + "F.topk needs a flow tensor score")
     if score.shape[1:] != (1, 1):
         raise FlowError(_where() + f"F.topk needs a score of shape [S, 1, 1], got {list(score.shape)}; reduce the inner axes first")
-    if _TRACE:
-        loc = _caller_line()
-        _TRACE[-1].records.append(OpRecord("topk", loc[1] if loc else None, score.shape, score.shape[0]))
+    tracer = active()
+    if tracer is not None:
+        tracer.cost("topk", score.shape, score.shape[0])
     return Selection(score)
 
 
