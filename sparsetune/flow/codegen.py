@@ -29,25 +29,20 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import math
 import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-from sparsetune.flow import ops as F
 from sparsetune.flow.base import BudgetRule, DecodeFlow
 from sparsetune.flow.ops import FT
 from sparsetune.flow.trace import GraphNode, dummy_inputs, field_dims, saves_state, tracing  # noqa: F401 (re-exported)
 
-_NEUTRAL = {"sum": "0.0", "mean": "0.0", "l2norm": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
-_BINARY = {"add": "({x} + {y})", "sub": "({x} - {y})", "mul": "({x} * {y})", "div": "({x} / {y})",
-           "maximum": "tl.maximum({x}, {y})", "minimum": "tl.minimum({x}, {y})",
-           "gt": "({x} > {y})", "ge": "({x} >= {y})", "lt": "({x} < {y})", "le": "({x} <= {y})"}
-_UNARY = {"abs": "tl.abs({x})", "exp": "tl.exp({x})", "log": "tl.log({x})", "relu": "tl.maximum({x}, 0.0)",
-          "sigmoid": "tl.sigmoid({x})", "silu": "({x} * tl.sigmoid({x}))"}
 _ELEMS_PER_PROGRAM = 16384  # the largest intermediate of one program, in fp32 elements (4 warps)
 _F32_MAX = "3.4028234663852886e38"
 # The indexer's parameters that change no shape: the budget rule (`BudgetRule`, in its field order).
@@ -68,6 +63,8 @@ def _p2(n: int) -> int:
 
 @dataclass
 class _Val:
+    """A tile of generated code: `[S or 1, a, b]`, padded to powers of two."""
+
     name: str
     s: bool  # varies over blocks
     a: int
@@ -97,11 +94,6 @@ def _const_loads(em: "_Emitter", const_dims: dict[str, tuple[int, int]]) -> tupl
     return used, params, loads
 
 
-def _ref(x: _Val | str) -> str:
-    """An operand in generated code: a tile's variable or a float literal."""
-    return x.name if isinstance(x, _Val) else x
-
-
 def _tile_load(var: str, ptr: str, base: str, r: int, c: int, s2: str, s3: str, over_s: bool, extra: str = "") -> str:
     """`var = ` a `[S or 1, r, c]` fp32 tile at `ptr + base + i*s2 + j*s3` (`base` is a vector
     over the tile's blocks when `over_s`), padding read as 0."""
@@ -114,7 +106,8 @@ def _tile_load(var: str, ptr: str, base: str, r: int, c: int, s2: str, s3: str, 
 
 @dataclass
 class _Emitter:
-    """Turns recorded op nodes into Triton statements over named input tiles."""
+    """Turns recorded op nodes into Triton statements over named input tiles: each op's own
+    emission (`ops.Op.emit`), given its tensor arguments as tiles and this emitter's helpers."""
 
     inputs: dict[int, tuple[str, bool]]  # id(FT) -> (variable, varies over blocks)
     vals: dict[int, _Val] = field(default_factory=dict)
@@ -122,123 +115,65 @@ class _Emitter:
     used: set[str] = field(default_factory=set)
     biggest: int = 1  # the largest per-block intermediate over blocks, in elements (sets BLOCK_S)
 
-    def value(self, x) -> _Val | str:
-        if isinstance(x, FT):
-            if id(x) not in self.vals:
-                if id(x) not in self.inputs:
-                    raise NotBlockLocal("a tensor comes from outside the flow op set")
-                var, over_s = self.inputs[id(x)]
-                self.used.add(var)
-                self.vals[id(x)] = _Val(var, over_s, x.shape[1], x.shape[2])
-            return self.vals[id(x)]
+    p2 = staticmethod(_p2)
+
+    def tensor(self, x: FT) -> _Val:
+        """The tile of a flow tensor: a stage input or an earlier op's output."""
+        if id(x) not in self.vals:
+            if id(x) not in self.inputs:
+                raise NotBlockLocal("a tensor comes from outside the flow op set")
+            var, over_s = self.inputs[id(x)]
+            self.used.add(var)
+            self.vals[id(x)] = _Val(var, over_s, x.shape[1], x.shape[2])
+        return self.vals[id(x)]
+
+    def ref(self, x: _Val | float) -> str:
+        """An operand: a tile's variable or a number's literal."""
+        if isinstance(x, _Val):
+            return x.name
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise NotBlockLocal(f"unsupported operand {x!r}")
-        return repr(float(x))
-
-    def tensor(self, x) -> _Val:
-        v = self.value(x)
-        if not isinstance(v, _Val):
-            raise NotBlockLocal(f"expected a flow tensor, got {x!r}")
-        return v
+        return self.lit(x)
 
     @staticmethod
-    def _axis_mask(axis: int, n: int) -> str:
+    def lit(x: float) -> str:
+        x = float(x)
+        return repr(x) if math.isfinite(x) else f'float("{x}")'
+
+    @staticmethod
+    def axis_mask(axis: int, n: int) -> str:
+        """Which indices along tile axis `axis` (1 or 2) are real, of `n`."""
         idx = ["None", "None", "None"]
         idx[axis] = ":"
         return f"(tl.arange(0, {_p2(n)}) < {n})[{', '.join(idx)}]"
 
+    def stmt(self, line: str) -> None:
+        """A statement placed before the op's own assignment."""
+        self.body.append(f"    {line}")
+
+    def grow(self, elems: int) -> None:
+        """An intermediate of `elems` elements per block (BLOCK_S shrinks to fit)."""
+        self.biggest = max(self.biggest, elems)
+
+    @staticmethod
+    def refuse(why: str) -> NoReturn:
+        raise NotBlockLocal(why)
+
     def emit(self, nodes: list[GraphNode]) -> None:
         for node in nodes:
-            fn = getattr(F, node.op)
-            bound = inspect.signature(fn.__wrapped__).bind(*node.args, **node.kwargs)
+            op = node.op
+            if op.emit is None:
+                raise NotBlockLocal(f"F.{op.name} is not block-local: {op.not_local}")
+            bound = inspect.signature(op.fn).bind(*node.args, **node.kwargs)
             bound.apply_defaults()
-            self._emit_one(node, bound.arguments)
-
-    def _emit_one(self, node: GraphNode, a: dict) -> None:
-        out = f"v{len(self.body)}"
-        res = _Val(out, False, node.out.shape[1], node.out.shape[2])
-        op = node.op
-        if op in _BINARY:
-            x, y = self.value(a["x"]), self.value(a["y"])
-            res.s = any(isinstance(t, _Val) and t.s for t in (x, y))
-            res.is_bool = op in ("gt", "ge", "lt", "le")
-            code = _BINARY[op].format(x=_ref(x), y=_ref(y))
-        elif op in _UNARY:
-            x = self.tensor(a["x"])
-            res.s = x.s
-            code = _UNARY[op].format(x=x.name)
-        elif op == "scale":
-            x = self.tensor(a["x"])
-            res.s = x.s
-            code = f"({x.name} * {float(a['alpha'])!r} + {float(a['beta'])!r})"
-        elif op == "where":
-            c, x, y = self.tensor(a["cond"]), self.value(a["x"]), self.value(a["y"])
-            res.s = any(isinstance(t, _Val) and t.s for t in (c, x, y))
-            code = f"tl.where({c.name}, {_ref(x)}, {_ref(y)})"
-        elif op in _NEUTRAL:
-            x, dim = self.tensor(a["x"]), a["dim"]
-            if dim == 0:
-                raise NotBlockLocal(f"F.{op}(dim=0) reduces across blocks")
-            n = (x.a, x.b)[dim - 1]
-            src = f"({x.name} * {x.name})" if op == "l2norm" else x.name
-            if _p2(n) != n:
-                src = f"tl.where({self._axis_mask(dim, n)}, {src}, {_NEUTRAL[op]})"
-            red = {"max": "tl.max", "min": "tl.min"}.get(op, "tl.sum")
-            code = f"tl.expand_dims({red}({src}, axis={dim}), {dim})"
-            code = {"mean": f"({code} / {n})", "l2norm": f"tl.sqrt({code})"}.get(op, code)
-            res.s = x.s
-        elif op == "gemm":
-            x, y = self.tensor(a["x"]), self.tensor(a["y"])
-            k = x.b
-            kmask = f"(tl.arange(0, {_p2(k)}) < {k})"
-            if x.a == 1 or y.a == 1:
-                # A matrix-vector product (e.g. one centroid against the query group): stay 3-D,
-                # [S, m or n, k] -> sum over k; 4-D tiles cost Triton layout conversions.
-                prod = f"({x.name} * {y.name})"
-                if _p2(k) != k:
-                    prod = f"tl.where({kmask}[None, None, :], {prod}, 0.0)"
-                code = f"tl.expand_dims(tl.sum({prod}, axis=2), {1 if x.a == 1 else 2})"
-            else:
-                # A matrix product: a static loop over the rows of the operand with fewer of them,
-                # each a 3-D multiply-reduce placed into its output column (or row). 4-D tiles
-                # [S, m, n, k] would be simpler and spill registers.
-                res.s = x.s or y.s
-                self.body.append(f"    {out} = tl.zeros({res.shape()}, tl.float32)")
-                loop, other, axis = (y, x, 2) if y.a <= x.a else (x, y, 1)
-                sel = f"(tl.arange(0, {_p2(loop.a)}) == i)"
-                put = f"{sel}[None, None, :]" if axis == 2 else f"{sel}[None, :, None]"
-                prod = f"({other.name} * tl.sum(tl.where({sel}[None, :, None], {loop.name}, 0.0), axis=1)[:, None, :])"
-                if _p2(k) != k:
-                    prod = f"tl.where({kmask}[None, None, :], {prod}, 0.0)"
-                part = f"tl.expand_dims(tl.sum({prod}, axis=2), {axis})"
-                self.body += [f"    for i in tl.static_range({loop.a}):",
-                              f"        {out} += tl.where({put}, {part}, 0.0)"]
-                code = out
-            res.s = x.s or y.s
-            if res.s:  # the product tile, [S, max(m, n), k]
-                self.biggest = max(self.biggest, _p2(max(x.a, y.a)) * _p2(k))
-        elif op == "transpose":
-            x = self.tensor(a["x"])
-            res.s, res.is_bool = x.s, x.is_bool
-            code = f"tl.permute({x.name}, (0, 2, 1))"
-        elif op == "mask_slice":
-            x, dim = self.tensor(a["x"]), a["dim"]
-            idx = ["None", "None", "None"]
-            idx[dim] = ":"
-            ar = f"tl.arange(0, {_p2((x.a, x.b)[dim - 1])})"
-            inside = f"({ar} >= {int(a['start'])}) & ({ar} < {int(a['end'])})"
-            res.s = x.s
-            code = (f"(tl.where({inside}, {float(a['inside'])!r}, {float(a['outside'])!r})[{', '.join(idx)}]"
-                    f" + tl.zeros({res.shape()}, tl.float32))")
-        elif op == "fill":
-            res.s = self.tensor(a["x"]).s
-            code = f"tl.full({res.shape()}, {float(a['value'])!r}, tl.float32)"
-        else:
-            raise NotBlockLocal(f"F.{op} is not block-local")
-        if res.s:  # block-constant values (the query's own math) do not grow with BLOCK_S
-            self.biggest = max(self.biggest, _p2(res.a) * _p2(res.b))
-        self.vals[id(node.out)] = res
-        self.body.append(f"    {out} = {code}")
+            args = {k: self.tensor(v) if isinstance(v, FT) else v for k, v in bound.arguments.items()}
+            s = any(isinstance(v, _Val) and v.s for v in args.values())
+            out = _Val(f"v{len(self.body)}", s, *node.out.shape[1:], node.out.data.dtype == torch.bool)
+            code = op.emit(self, out, **args)
+            if out.s:  # block-constant values (the query's own math) do not grow with BLOCK_S
+                self.grow(_p2(out.a) * _p2(out.b))
+            self.vals[id(node.out)] = out
+            self.body.append(f"    {out.name} = {code}")
 
 
 def _source(name: str, signature: list[str], lines: list[str], doc: str, runtime: tuple[str, ...] = ()) -> str:
