@@ -44,7 +44,9 @@ class BudgetRule(NamedTuple):
     ratio: float  # 0.0: a fixed budget, all in `floor`
     floor: int  # never fewer blocks (the always-kept ones included)
 
-    # Statements of the generated indexer: `want` from `nb` and the kernel arguments RATIO, FLOOR.
+    # The generated indexer's parameters, in field order (launched with `*rule`), and its statements
+    # setting `want` from `nb`.
+    TRITON_PARAMS = ("SINK", "LOCAL", "RATIO: tl.float64", "FLOOR")
     TRITON = ("p = nb.to(tl.float64) * RATIO", "want = p.to(tl.int32)",
               "want = want + (want.to(tl.float64) < p).to(tl.int32)", "want = tl.minimum(tl.maximum(want, FLOOR), nb)")
 

@@ -125,9 +125,9 @@ def check_flow(name_or_path: str, raw_params: dict[str, str] | None = None, head
 
 def compiled_paths(flow: DecodeFlow, head_dim: int, group: int, has_fields: bool) -> dict[str, str]:
     """How the compiled executor runs each stage on GPU: a generated kernel, or why not."""
-    from sparsetune.flow import codegen
+    from sparsetune.flow.compile import why_not
 
-    why = codegen.why_not(flow, group, head_dim, flow.const_dims(head_dim))
+    why = why_not(flow, group, head_dim)
     paths = {s: "generated Triton kernel" if r is None else f"torch.compile ({r})" for s, r in why.items()}
     if not has_fields:
         paths["cache"] = "none (no fields)"

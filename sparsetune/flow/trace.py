@@ -19,7 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from sparsetune.flow.base import DecodeFlow
-    from sparsetune.flow.ops import FT, Fields
+    from sparsetune.flow.ops import FT, Fields, Op
 
 _FLOW_DIR = str(Path(__file__).parent)
 
@@ -36,7 +36,7 @@ class OpRecord:
 class GraphNode:
     """One op call, as the kernel generator reads a stage."""
 
-    op: str
+    op: Op
     args: tuple
     kwargs: dict
     out: FT
@@ -103,7 +103,7 @@ class DummyInputs:
     def index(self, field_dims: dict[str, tuple[int, int]], group: int, num_blocks: int = 5) -> tuple[FT, Fields]:
         """The indexer's query `[rows, 1, group, head_dim]` and fields `[rows, num_blocks, r, c]` (raw
         keys as "k" when the flow reads them); rows after the first end two blocks early (padding)."""
-        from sparsetune.flow.ops import FT, Fields
+        from sparsetune.flow.ops import FT, Fields, Op
 
         rows, g = self.k.data.shape[0], self.gen
         lens = torch.tensor([num_blocks] + [max(1, num_blocks - 2)] * (rows - 1))
