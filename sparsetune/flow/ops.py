@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from sparsetune.flow.trace import GraphNode, active, caller_line
+from sparsetune.flow.trace import active, caller_line
 
 NEG = float("-inf")
 
@@ -104,8 +104,7 @@ class Op:
             raise FlowError(_where() + f"F.{self.name}{_shapes(args)}: {e}") from None
         tracer = active()
         if tracer is not None:
-            tracer.nodes.append(GraphNode(self, args, kwargs, out))
-            tracer.cost(self.name, out.shape, self.flops(*args, **kwargs) if self.flops else math.prod(out.shape))
+            tracer.record(self, args, kwargs, out, self.flops(*args, **kwargs) if self.flops else math.prod(out.shape))
         return out
 
 

@@ -26,6 +26,8 @@ _FLOW_DIR = str(Path(__file__).parent)
 
 @dataclass
 class OpRecord:
+    """One op call's cost, at the flow line that made it (what `flows check` reports)."""
+
     op: str
     line: int | None
     out_shape: tuple[int, ...]
@@ -49,7 +51,13 @@ class Tracer:
     nodes: list[GraphNode] = field(default_factory=list)
     records: list[OpRecord] = field(default_factory=list)
 
+    def record(self, op: Op, args: tuple, kwargs: dict, out: FT, flops: int) -> None:
+        """One op call: its graph node and its cost."""
+        self.nodes.append(GraphNode(op, args, kwargs, out))
+        self.cost(op.name, out.shape, flops)
+
     def cost(self, op: str, out_shape: tuple[int, ...], flops: int) -> None:
+        """A cost record, at the flow line that called the op."""
         loc = caller_line()
         self.records.append(OpRecord(op, loc[1] if loc else None, out_shape, int(flops)))
 
@@ -103,7 +111,7 @@ class DummyInputs:
     def index(self, field_dims: dict[str, tuple[int, int]], group: int, num_blocks: int = 5) -> tuple[FT, Fields]:
         """The indexer's query `[rows, 1, group, head_dim]` and fields `[rows, num_blocks, r, c]` (raw
         keys as "k" when the flow reads them); rows after the first end two blocks early (padding)."""
-        from sparsetune.flow.ops import FT, Fields, Op
+        from sparsetune.flow.ops import FT, Fields  # ops imports this module
 
         rows, g = self.k.data.shape[0], self.gen
         lens = torch.tensor([num_blocks] + [max(1, num_blocks - 2)] * (rows - 1))
@@ -118,7 +126,7 @@ class DummyInputs:
 def dummy_inputs(flow: DecodeFlow, head_dim: int, rows: int = 1,
                  const_dims: dict[str, tuple[int, int]] | None = None) -> DummyInputs:
     """The one builder of dummy stage inputs (constants shaped by `flow.const_dims` unless given)."""
-    from sparsetune.flow.ops import FT
+    from sparsetune.flow.ops import FT  # ops imports this module
 
     g = torch.Generator().manual_seed(0)
     const_dims = flow.const_dims(head_dim) if const_dims is None else const_dims

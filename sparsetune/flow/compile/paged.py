@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from sparsetune.flow.compile.emit import tile_load
+from sparsetune.flow.compile.emit import ptr_params, tile_load, with_strides
 
 
 class PagedBlocks(NamedTuple):
@@ -61,10 +61,10 @@ class PagedLayout:
         return [positions, positions, blocks.table, blocks.table.stride(0), seq_lens, blocks.null]
 
     def pool_params(self, var: str) -> list[str]:
-        return [f"{var}_ptr", f"{var}_s0", f"{var}_s1", f"{var}_s2"]
+        return ptr_params(var, 3)  # block, head and token strides
 
     def pool_args(self, pool: torch.Tensor) -> list[object]:
-        return [pool, *pool.stride()[:3]]
+        return with_strides(pool)[:4]
 
     def token_tile(self, var: str, pool: str, block_size: int, head_dim: int, over_s: bool, extra: str = "") -> list[str]:
         return [tile_load(var, f"{pool}_ptr", f"blk * {pool}_s0 + h * {pool}_s1", block_size, head_dim,
