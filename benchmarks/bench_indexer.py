@@ -30,9 +30,9 @@ import torch  # noqa: E402
 from common import bench_us, measure_copy_bandwidth  # noqa: E402
 
 from sparsetune.engine.kv_cache import KVCache  # noqa: E402
-from sparsetune.flow import codegen  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
-from sparsetune.flow.codegen import build_indexer  # noqa: E402
+from sparsetune.flow.compile import PagedBlocks, build_indexer  # noqa: E402
+from sparsetune.flow.compile import indexer as indexer_mod  # noqa: E402
 from sparsetune.registry import build_flow  # noqa: E402
 from sparsetune.flow.runtime import FlowAttention  # noqa: E402
 from sparsetune.kernels import select_topk as topk_mod  # noqa: E402
@@ -57,14 +57,14 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     attn._run_cache(0, kv, bt[:, :nb].flatten().long(), bt[:, :nb].flatten().long())
     stores = attn.fields[0]
     dims = {n: tuple(t.shape[2:]) for n, t in stores.items()}
-    ker = build_indexer(flow, HQ // HKV, D, dims, flow.const_dims(D))
+    ker = build_indexer(flow, HQ // HKV, D)
     k_max = min(nb + extra, flow.budget_blocks(nb + extra))
 
     def inductor():  # the compiled torch indexer + torch.topk (what runs for non-block-local flows)
         return attn._select_fn(q, bt, seq_lens, stores, None, HKV, BS, kv.null_block, const)[0]
 
     def scores():
-        return ker(q, bt, seq_lens, stores, None, const, HKV, kv.null_block)
+        return ker(q, PagedBlocks(bt, kv.null_block), seq_lens, stores, None, const, HKV, flow.budget_rule)
 
     sc, counts = scores()
 
@@ -106,9 +106,9 @@ def main() -> None:
     bw = measure_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
-    sweep = [int(x) for x in args.elems.split(",") if x] or [codegen._ELEMS_PER_PROGRAM]
+    sweep = [int(x) for x in args.elems.split(",") if x] or [indexer_mod.ELEMS_PER_PROGRAM]
     for name, elems in [(f, e) for f in args.flows.split(",") for e in sweep]:
-        codegen._ELEMS_PER_PROGRAM = elems
+        indexer_mod.ELEMS_PER_PROGRAM = elems
         for c in args.cases.split(","):
             b, n = (int(x) for x in c.split("x"))
             r = case(name, b, n, args.budget, bw, args.table_extra)

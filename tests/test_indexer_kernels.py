@@ -58,7 +58,8 @@ def test_select_topk_matches_brute_force(radix_bits, width, monkeypatch):
 
 # ---- the generated indexer and cache stage ------------------------------------------------------
 
-from sparsetune.flow import codegen  # noqa: E402
+from sparsetune.flow.compile import PagedBlocks, PagedLayout, build_indexer, why_not  # noqa: E402
+from sparsetune.flow.compile.emit import p2  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.registry import build_flow  # noqa: E402
 from sparsetune.flow.runtime import FlowAttention  # noqa: E402
@@ -132,7 +133,7 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
     kv, bt, meta, q = _case(block_size, lens, seed=block_size)
     flow = _flow(name, block_size, tmp_path, **extra)
-    assert codegen.why_not(flow, GROUP, HEAD_DIM, flow.const_dims(HEAD_DIM)) == {"cache": None, "index": None}
+    assert why_not(flow, GROUP, HEAD_DIM) == {"cache": None, "index": None}
     ref = _attn(flow)
     prefill_cache(ref, kv, bt, lens)
     gen = _attn(flow, "compiled", use_triton=True)
@@ -142,7 +143,8 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv))
     want_score, want_counts, _, _ = ref._score_tensors(*args)
     indexer = gen._indexer_kernel(kv, GROUP)
-    score, counts = indexer(q, bt, meta.seq_lens, ref.fields[0], None, ref.constants(0, kv), HKV, kv.null_block)
+    score, counts = indexer(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, ref.fields[0], None, ref.constants(0, kv),
+                            HKV, flow.budget_rule)
     assert torch.equal(counts, want_counts)
     assert torch.equal(torch.isinf(score), torch.isinf(want_score))
     torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
@@ -188,10 +190,142 @@ def test_generated_cache_stage_at_decode(name, tmp_path):
             done = (pos % block_size) == block_size - 1
             ref._run_cache(0, kv, phys, torch.where(done, phys, kv.null_block))
         else:
-            gen._cache_kernel(kv).decode(kv.k[0], kv.v[0], pos, bt, meta.seq_lens, kv.null_block, stores,
+            gen._cache_kernel(kv).decode(kv.k[0], kv.v[0], pos, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores,
                                          gen.constants(0, kv))
     for field, want in ref.fields[0].items():
         got = gen.fields[0][field]
         torch.testing.assert_close(got[:-1], want[:-1], rtol=1e-5, atol=1e-5)  # the null block is scratch
         written = want[:-1].flatten(1).abs().sum(1) > 0
         assert int(written.sum()) == 2  # exactly the two completed blocks
+
+
+@pytest.mark.parametrize("extra", [{}, {"budget": "20", "sink_blocks": "0", "local_blocks": "1"}, {"budget_ratio": "0.1"},
+                                   {"budget_ratio": "0.7", "sink_blocks": "3"}, {"budget_ratio": "0.3333333333333333"}])
+def test_generated_counts_follow_budget_rule(extra):
+    """The generated indexer's block counts, and the reference's, are `flow.budget_blocks(nb)` for
+    every nb up to 64 (the ratio in float64: with float32's 0.1, ceil(0.1 * 10) would be 2)."""
+    bs, hkv, width = 2, 1, 64
+    flow = build_flow("quest", {"block_size": str(bs), **extra})
+    lens = torch.arange(1, width + 1) * bs - 1  # nb = 1 .. 64
+    table = torch.zeros(width, width, dtype=torch.int32)  # every block reads block 0: counts only
+    stores = {n: torch.randn(2, hkv, 1, HEAD_DIM, dtype=torch.float64) for n in ("kmax", "kmin")}
+    q = torch.randn(width, hkv * GROUP, HEAD_DIM, dtype=torch.float64)
+    want = torch.tensor([flow.budget_blocks(int(n)) for n in range(1, width + 1)], dtype=torch.int32)
+    ref = _attn(flow)._score_tensors(q, table, lens.int(), stores, None, hkv, bs, 1, {})[1]
+    got = build_indexer(flow, GROUP, HEAD_DIM)(
+        q.to(DEVICE), PagedBlocks(table.to(DEVICE), 1), lens.int().to(DEVICE), {n: t.to(DEVICE) for n, t in stores.items()},
+        None, {}, hkv, flow.budget_rule)[1].cpu()
+    assert torch.equal(ref, want) and torch.equal(got, want)
+
+
+def test_one_indexer_serves_every_budget(tmp_path):
+    """Flows that differ only in budget, sink and local blocks share one generated indexer (one
+    object, one kernel: those are kernel arguments), and with each flow's rule it selects the
+    blocks the reference executor selects."""
+    block_size = 4
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = _case(block_size, lens, seed=7)
+    settings = [{"budget": "24"}, {"budget": "40", "sink_blocks": "3", "local_blocks": "1"},
+                {"budget_ratio": "0.3", "sink_blocks": "0", "local_blocks": "4"}]
+    flows = [_flow("quest", block_size, tmp_path, dense_layers="", **extra) for extra in settings]
+    shared = build_indexer(flows[0], GROUP, HEAD_DIM)
+    counts = []
+    for flow in flows:
+        ref, gen = _attn(flow), _attn(flow, "compiled", use_triton=True)
+        for attn in (ref, gen):
+            prefill_cache(attn, kv, bt, lens)
+        want, want_n = ref.select(0, q, kv, meta)
+        got, got_n = gen.select(0, q, kv, meta)
+        assert gen._indexer_kernel(kv, GROUP) is shared and "generated" in gen.paths["index"]
+        assert torch.equal(got_n, want_n)
+        for b in range(len(lens)):
+            for h in range(HKV):
+                n = int(want_n[b, h])
+                assert set(got[b, h, :n].tolist()) == set(want[b, h, :n].tolist()), (flow.params(), b, h)
+        counts.append(want_n.tolist())
+    assert len({str(c) for c in counts}) == len(settings)  # the settings really select differently
+    assert shared.kernel is build_indexer(flows[-1], GROUP, HEAD_DIM).kernel
+
+
+# A flow whose indexer reads the raw keys (`uses_keys`): the layout's token loads.
+KEYS_FLOW = textwrap.dedent('''
+    from sparsetune.flow import DecodeFlow
+    from sparsetune.flow import ops as F
+
+
+    class Keys(DecodeFlow):
+        name = "keys"
+        uses_keys = True
+
+        def cache(self, k, v):
+            return {"kmax": F.max(k, dim=1)}
+
+        def index(self, q, fields):
+            best = F.max(F.max(F.gemm(fields["k"], q), dim=1), dim=2)  # [S, 1, 1]
+            return F.topk(F.add(best, F.max(F.sum(F.mul(q, fields["kmax"]), dim=2), dim=1)))
+''')
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLayout(PagedLayout):
+    """The indexer half of a token-paged target, written against `KVLayout` alone: a token's slot
+    is `req_to_token[b, pos]` in K `[slots, Hkv, D]`; pages of `page` slots are the field rows."""
+
+    page: int = 4
+
+    def grid(self, blocks):
+        return blocks[0].shape[0], blocks[0].shape[1] // self.page
+
+    def index_params(self):
+        return ["rt", "stride_rt", "NULL"]
+
+    def index_rows(self, block_size):
+        return [f"blk = tl.load(rt + b * stride_rt + j * {block_size}, mask=live, other=NULL * {block_size}).to(tl.int64)"
+                f" // {block_size}"]
+
+    def index_args(self, blocks):
+        return [blocks[0], blocks[0].stride(0), blocks[1]]
+
+    def pool_params(self, var):
+        return [f"{var}_ptr", f"{var}_s0", f"{var}_s1"]
+
+    def pool_args(self, pool):
+        return [pool, pool.stride(0), pool.stride(1)]
+
+    def token_tile(self, var, pool, block_size, head_dim, over_s, extra=""):
+        assert over_s  # the indexer's blocks j
+        t, d = f"tl.arange(0, {p2(block_size)})", f"tl.arange(0, {p2(head_dim)})"
+        mask = f"({t} < {block_size})[None, :, None] & ({d} < {head_dim})[None, None, :]{extra}"
+        return [f"slot = tl.load(rt + b * stride_rt + j[:, None, None] * {block_size} + {t}[None, :, None], mask={mask},"
+                " other=0).to(tl.int64)",
+                f"{var} = tl.load({pool}_ptr + slot * {pool}_s0 + h * {pool}_s1 + {d}[None, None, :], mask={mask},"
+                " other=0.0).to(tl.float32)"]
+
+
+def test_kv_layouts_score_alike(tmp_path):
+    """The paged target's indexer for a key-reading flow equals the reference executor; a
+    token-paged target (`TokenLayout`) over the same KV, laid out as slots, scores the same."""
+    block_size = 4
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = _case(block_size, lens, seed=9)
+    path = tmp_path / "keys.py"
+    path.write_text(KEYS_FLOW)
+    flow = build_flow(str(path), {"block_size": str(block_size), "budget": str(6 * block_size)})
+    ref = _attn(flow)
+    prefill_cache(ref, kv, bt, lens)
+    stores, k_pool = ref.fields[0], kv.k[0]
+    want_score, want_counts, _, _ = ref._score_tensors(q, bt, meta.seq_lens, stores, k_pool, HKV, block_size,
+                                                       kv.null_block, {})
+    paged = build_indexer(flow, GROUP, HEAD_DIM)
+    score, counts = paged(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores, k_pool, {}, HKV, flow.budget_rule)
+    assert torch.equal(counts, want_counts) and torch.equal(torch.isinf(score), torch.isinf(want_score))
+    torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
+
+    token = build_indexer(flow, GROUP, HEAD_DIM, TokenLayout(block_size))
+    assert token is not paged and "stride_rt" in token.source and "stride_bt" not in token.source
+    slots = k_pool.permute(0, 2, 1, 3).reshape(-1, HKV, HEAD_DIM)  # slot = block * block_size + token
+    pos = torch.arange(bt.shape[1] * block_size, device=bt.device)
+    req_to_token = (bt[:, pos // block_size] * block_size + pos % block_size).to(torch.int32)
+    got, got_counts = token(q, (req_to_token, kv.null_block), meta.seq_lens, stores, slots, {}, HKV, flow.budget_rule)
+    assert torch.equal(got_counts, counts)
+    torch.testing.assert_close(got, score)

@@ -25,10 +25,37 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
+
+import torch
 
 from sparsetune.flow.ops import FT, Selection
 from sparsetune.flow.params import Configurable, Param
+
+
+class BudgetRule(NamedTuple):
+    """Which blocks a sequence of `nb` blocks attends: its first `sink` and last `local` blocks
+    always, and min(nb, max(ceil(ratio * nb), floor)) blocks in all, the product in float64.
+    `blocks` (Python), `counts` (torch) and `TRITON` (the generated indexer, where the four
+    numbers are kernel arguments) are the same rule."""
+
+    sink: int
+    local: int
+    ratio: float  # 0.0: a fixed budget, all in `floor`
+    floor: int  # never fewer blocks (the always-kept ones included)
+
+    # The generated indexer's parameters, in field order (launched with `*rule`), and its statements
+    # setting `want` from `nb`.
+    TRITON_PARAMS = ("SINK", "LOCAL", "RATIO: tl.float64", "FLOOR")
+    TRITON = ("p = nb.to(tl.float64) * RATIO", "want = p.to(tl.int32)",
+              "want = want + (want.to(tl.float64) < p).to(tl.int32)", "want = tl.minimum(tl.maximum(want, FLOOR), nb)")
+
+    def blocks(self, nb: int) -> int:
+        return min(nb, max(math.ceil(self.ratio * nb), self.floor))
+
+    def counts(self, nb: torch.Tensor) -> torch.Tensor:
+        """`blocks` of every entry of an integer tensor (graph-safe)."""
+        return torch.minimum(torch.ceil(nb.double() * self.ratio).long().clamp(min=self.floor), nb.long())
 
 
 class DecodeFlow(Configurable):
@@ -75,10 +102,14 @@ class DecodeFlow(Configurable):
 
     # ---- budget ---------------------------------------------------------------------------------
 
+    @property
+    def budget_rule(self) -> BudgetRule:
+        """The budget as a rule over a sequence's block count (`budget_ratio` overrides `budget`)."""
+        forced = self.sink_blocks + self.local_blocks
+        if self.budget_ratio is not None:
+            return BudgetRule(self.sink_blocks, self.local_blocks, float(self.budget_ratio), forced)
+        return BudgetRule(self.sink_blocks, self.local_blocks, 0.0, max(-(-self.budget // self.block_size), forced))
+
     def budget_blocks(self, num_blocks: int) -> int:
         """Blocks attended for a sequence of `num_blocks` blocks (never fewer than the forced ones)."""
-        if self.budget_ratio is not None:
-            want = math.ceil(self.budget_ratio * num_blocks)
-        else:
-            want = -(-self.budget // self.block_size)
-        return min(num_blocks, max(want, self.sink_blocks + self.local_blocks))
+        return self.budget_rule.blocks(num_blocks)

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow import ops as F
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.ops import FT, Fields, FlowError, Selection, Trace
+from sparsetune.flow.ops import FT, Fields, FlowError, Selection
+from sparsetune.flow.trace import OpRecord, dummy_inputs, tracing
 from sparsetune.flow.source_check import class_stage_problems
 
 
@@ -66,51 +66,26 @@ def _flow_line(cls: type[DecodeFlow], exc: BaseException) -> str:
     return f"{path}: "
 
 
-def _constants(flow: DecodeFlow, rows: int, head_dim: int) -> dict[str, FT]:
-    """The stages' `const` over `rows` KV heads; a calibrated flow gets a synthetic channel order."""
-    from sparsetune.models.artifacts import synthetic_calibration
-    from sparsetune.flow.runtime import channel_selector, const_rows
-
-    if not flow.calibrated:
-        return {}
-    [order] = synthetic_calibration(1, rows, head_dim)
-    return const_rows({"channels": channel_selector(order, flow.channels)}, 1)
-
-
 def _run_stages(
     flow: DecodeFlow, head_dim: int, group: int, num_blocks: int, rows: int = 2
-) -> tuple[dict, Trace, int, Fields]:
-    """Run both stages on dummy inputs, recording ops (and how many came from the cache stage)."""
-    g = torch.Generator().manual_seed(0)
-    bs = flow.block_size
-    k = FT(torch.randn(rows, 1, bs, head_dim, generator=g))
-    v = FT(torch.randn(rows, 1, bs, head_dim, generator=g))
-    const = _constants(flow, rows, head_dim)
-    trace = Trace()
-    F._TRACE.append(trace)
-    try:
-        out = flow.run_cache(k, v, const)
-        n_cache = len(trace.records)
-        if not isinstance(out, dict) or not all(isinstance(t, FT) for t in out.values()):
-            raise FlowError("cache() must return a dict of flow tensors, e.g. {'kmax': F.max(k, dim=1)}")
-        for name, t in out.items():
-            if t.shape[0] != 1:
-                raise FlowError(f"cache() field {name!r} has shape {list(t.shape)}; reduce over the block's tokens (dim 1) so it is [1, r, c]")
-        valid = torch.arange(num_blocks)[None, :] < torch.tensor([num_blocks, max(1, num_blocks - 2)])[:rows, None]
-        fields = Fields(
-            {n: FT(t.data.expand(rows, num_blocks, *t.shape[1:]).contiguous(), valid) for n, t in out.items()}
-        )
-        if flow.uses_keys:
-            dict.__setitem__(fields, "k", FT(torch.randn(rows, num_blocks, bs, head_dim, generator=g), valid))
-        q = FT(torch.randn(rows, 1, group, head_dim, generator=g))
-        sel = flow.run_index(q, fields, const)
-        if not isinstance(sel, Selection):
-            raise FlowError("index() must end in `return F.topk(score)` (or F.keep_only_forced())")
-        if sel.score is not None and sel.score.shape != (num_blocks, 1, 1):
-            raise FlowError(f"the score passed to F.topk has shape {list(sel.score.shape)}, expected [S, 1, 1]")
-    finally:
-        F._TRACE.pop()
-    return out, trace, n_cache, fields
+) -> tuple[dict, list[OpRecord], list[OpRecord], Fields]:
+    """Run both stages on dummy inputs; the cache stage's output, each stage's op records, the fields."""
+    x = dummy_inputs(flow, head_dim, rows)
+    with tracing() as cache_trace:
+        out = flow.run_cache(x.k, x.v, x.const)
+    if not isinstance(out, dict) or not all(isinstance(t, FT) for t in out.values()):
+        raise FlowError("cache() must return a dict of flow tensors, e.g. {'kmax': F.max(k, dim=1)}")
+    for name, t in out.items():
+        if t.shape[0] != 1:
+            raise FlowError(f"cache() field {name!r} has shape {list(t.shape)}; reduce over the block's tokens (dim 1) so it is [1, r, c]")
+    q, fields = x.index({n: t.shape[1:] for n, t in out.items()}, group, num_blocks)
+    with tracing() as index_trace:
+        sel = flow.run_index(q, fields, x.const)
+    if not isinstance(sel, Selection):
+        raise FlowError("index() must end in `return F.topk(score)` (or F.keep_only_forced())")
+    if sel.score is not None and sel.score.shape != (num_blocks, 1, 1):
+        raise FlowError(f"the score passed to F.topk has shape {list(sel.score.shape)}, expected [S, 1, 1]")
+    return out, cache_trace.records, index_trace.records, fields
 
 
 def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, head_dim: int = 64,
@@ -122,12 +97,10 @@ def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, 
     if cls.full_attention:
         return report
     try:
-        out, t_small, n_cache, fields = _run_stages(flow, head_dim, group, num_blocks=4)
-        _, t_big, _, _ = _run_stages(flow, head_dim, group, num_blocks=8)
+        out, cache_ops, index_small, fields = _run_stages(flow, head_dim, group, num_blocks=4)
+        _, _, index_big, _ = _run_stages(flow, head_dim, group, num_blocks=8)
     except FlowError as e:
         raise SparsetuneError(str(e)) from None
-    except SparsetuneError:  # e.g. a bad `channels` for the head_dim
-        raise
     except Exception as e:  # noqa: BLE001 - a flow program can fail in any way; report where
         raise SparsetuneError(f"{_flow_line(cls, e)}{type(e).__name__}: {e}") from None
     unread = set(out) - fields.read
@@ -136,11 +109,11 @@ def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, 
     report.fields = {n: list(t.shape[1:]) for n, t in out.items()}
     report.field_bytes_per_block = sum(2 * r * c for r, c in report.fields.values())
     # The indexer's FLOPs grow linearly with the blocks S: fit a + b*S from S = 4 and S = 8.
-    f4 = sum(r.flops for r in t_small.records[n_cache:])
-    f8 = sum(r.flops for r in t_big.records[n_cache:])
+    f4 = sum(r.flops for r in index_small)
+    f8 = sum(r.flops for r in index_big)
     report.indexer_flops_per_block = max(0, (f8 - f4) // 4)
     report.indexer_flops_fixed = max(0, f4 - 4 * report.indexer_flops_per_block)
-    report.ops = [r.op for r in t_small.records]
+    report.ops = [r.op for r in cache_ops + index_small]
     report.compiled = compiled_paths(flow, head_dim, group, bool(report.fields))
     report.full_budget_rel_err = full_budget_error(cls, raw_params or {}, head_dim, group)
     report.ok = report.full_budget_rel_err < 1e-5
@@ -153,9 +126,9 @@ def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, 
 
 def compiled_paths(flow: DecodeFlow, head_dim: int, group: int, has_fields: bool) -> dict[str, str]:
     """How the compiled executor runs each stage on GPU: a generated kernel, or why not."""
-    from sparsetune.flow import codegen
+    from sparsetune.flow.compile import why_not
 
-    why = codegen.why_not(flow, group, head_dim, flow.const_dims(head_dim))
+    why = why_not(flow, group, head_dim)
     paths = {s: "generated Triton kernel" if r is None else f"torch.compile ({r})" for s, r in why.items()}
     if not has_fields:
         paths["cache"] = "none (no fields)"

@@ -7,19 +7,22 @@ tensor as `[R, S, a, b]`, R = (requests x KV heads) rows, with S padded to the l
 sequence and a `[R, S]` validity mask: reductions and softmax over the block axis ignore
 padding, and top-k never selects it. So a program written for one sequence and one KV head
 runs unchanged over a whole batch.
+
+Each op is one `Op` record: its torch semantics on those row-batched tensors (the reference),
+its cost, and its Triton emission for the kernel generator (`flow.compile`), or why it has none.
 """
 
 from __future__ import annotations
 
 import builtins
 import functools
-import inspect
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+
+from sparsetune.flow.trace import active, caller_line
 
 NEG = float("-inf")
 
@@ -67,75 +70,51 @@ class Selection:
     score: FT | None
 
 
-@dataclass
-class OpRecord:
-    op: str
-    line: int | None
-    out_shape: tuple[int, ...]
-    flops: int  # per row
+@dataclass(eq=False)
+class Op:
+    """One flow op, defined once.
+
+    - `fn`: its torch semantics on row-batched flow tensors (what the reference executor runs);
+    - `flops`: its cost per row from the call's arguments (None: one per output element);
+    - `emit(e, out, **args)`: the Triton expression of its output tile `out`, the call's flow
+      tensors given as tiles and other arguments as passed (`e`, the emitter: operand literals,
+      tile helpers, statements placed before, `e.refuse(why)` where this call is not block-local);
+      None when the op never is, and `not_local` says why.
+    Calling it runs `fn`, names the flow line on a misuse, and records the call while tracing."""
+
+    name: str
+    fn: Callable[..., FT]
+    emit: Callable[..., str] | None = None
+    flops: Callable[..., int] | None = None
+    not_local: str = ""
+
+    def __post_init__(self) -> None:
+        functools.update_wrapper(self, self.fn)  # F.gemm's docstring and signature are gemm's
+        self.__name__ = self.__qualname__ = self.name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> FT:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                raise FlowError(_where() + f"F.{self.name} got a raw torch tensor; flows use flow tensors only")
+        try:
+            out = self.fn(*args, **kwargs)
+        except FlowError:
+            raise
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise FlowError(_where() + f"F.{self.name}{_shapes(args)}: {e}") from None
+        tracer = active()
+        if tracer is not None:
+            tracer.record(self, args, kwargs, out, self.flops(*args, **kwargs) if self.flops else math.prod(out.shape))
+        return out
 
 
-@dataclass
-class Trace:
-    """Records every op a program runs (for `flows check` and the cost model)."""
-
-    records: list[OpRecord] = field(default_factory=list)
-    saved: set[str] = field(default_factory=set)
-    loaded: set[str] = field(default_factory=set)
-
-
-@dataclass
-class GraphNode:
-    """One op call, as the kernel generator (`sparsetune.flow.codegen`) reads a program."""
-
-    op: str
-    args: tuple
-    kwargs: dict
-    out: FT
-
-
-_TRACE: list[Trace] = []
-_GRAPH: list[list[GraphNode]] = []  # while non-empty, every op call is appended to the last list
-_FLOW_DIR = str(Path(__file__).parent)
-
-
-def _caller_line() -> tuple[str, int] | None:
-    """The first frame outside this package: the flow program's own line."""
-    for fr in inspect.stack()[2:]:
-        if not fr.filename.startswith(_FLOW_DIR):
-            return fr.filename, fr.lineno
-    return None
-
-
-def _op(flops: Callable[..., int] | None = None):
-    def deco(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    raise FlowError(_where() + f"F.{fn.__name__} got a raw torch tensor; flows use flow tensors only")
-            try:
-                out = fn(*args, **kwargs)
-            except FlowError:
-                raise
-            except (RuntimeError, ValueError, IndexError, TypeError) as e:
-                raise FlowError(_where() + f"F.{fn.__name__}{_shapes(args)}: {e}") from None
-            if _GRAPH and isinstance(out, FT):
-                _GRAPH[-1].append(GraphNode(fn.__name__, args, kwargs, out))
-            if _TRACE and isinstance(out, FT):
-                loc = _caller_line()
-                per_row = flops(*args, **kwargs) if flops else math.prod(out.shape)
-                _TRACE[-1].records.append(OpRecord(fn.__name__, loc[1] if loc else None, out.shape, int(per_row)))
-            return out
-
-        wrapper.is_flow_op = True  # type: ignore[attr-defined]
-        return wrapper
-
-    return deco
+def _op(emit: Callable[..., str] | None = None, flops: Callable[..., int] | None = None, not_local: str = ""):
+    """Decorator: the function is the op's torch semantics (see `Op`)."""
+    return lambda fn: Op(fn.__name__, fn, emit, flops, not_local)
 
 
 def _where() -> str:
-    loc = _caller_line()
+    loc = caller_line()
     return f"{loc[0]}:{loc[1]}: " if loc else ""
 
 
@@ -170,59 +149,57 @@ def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x, y) -> F
     return FT(fn(x.data, y.data), _merge_mask(x, y))
 
 
-def _binary_op(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    @_op()
+def _binary_op(name: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], triton: str) -> Op:
+    """An elementwise op of two operands (`y` may be a number); `triton` formats `{x}`, `{y}`."""
+
     def op(x: FT, y: FT | float) -> FT:
         return _binary(fn, x, y)
 
-    op.__name__ = op.__qualname__ = name
-    op.__wrapped__.__name__ = name  # type: ignore[attr-defined]
-    return op
+    return Op(name, op, lambda e, out, x, y: triton.format(x=e.ref(x), y=e.ref(y)))
 
 
-add = _binary_op("add", torch.add)
-sub = _binary_op("sub", torch.sub)
-mul = _binary_op("mul", torch.mul)
-div = _binary_op("div", torch.div)
-maximum = _binary_op("maximum", torch.maximum)
-minimum = _binary_op("minimum", torch.minimum)
+add = _binary_op("add", torch.add, "({x} + {y})")
+sub = _binary_op("sub", torch.sub, "({x} - {y})")
+mul = _binary_op("mul", torch.mul, "({x} * {y})")
+div = _binary_op("div", torch.div, "({x} / {y})")
+maximum = _binary_op("maximum", torch.maximum, "tl.maximum({x}, {y})")
+minimum = _binary_op("minimum", torch.minimum, "tl.minimum({x}, {y})")
 
 
-@_op()
+@_op(lambda e, out, x, alpha, beta: f"({x.name} * {e.lit(alpha)} + {e.lit(beta)})")
 def scale(x: FT, alpha: float = 1.0, beta: float = 0.0) -> FT:
     """alpha * x + beta."""
     _check_rank3(x)
     return FT(x.data * alpha + beta, x.mask)
 
 
-def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
-    @_op()
+def _unary(name: str, fn: Callable[[torch.Tensor], torch.Tensor], triton: str) -> Op:
+    """An elementwise op of one tensor; `triton` formats `{x}`."""
+
     def op(x: FT) -> FT:
         _check_rank3(x)
         return FT(fn(x.data), x.mask)
 
-    op.__name__ = op.__qualname__ = name
-    op.__wrapped__.__name__ = name  # type: ignore[attr-defined]
-    return op
+    return Op(name, op, lambda e, out, x: triton.format(x=x.name))
 
 
-abs = _unary("abs", torch.abs)  # noqa: A001
-exp = _unary("exp", torch.exp)
-log = _unary("log", torch.log)
-relu = _unary("relu", torch.relu)
-sigmoid = _unary("sigmoid", torch.sigmoid)
-silu = _unary("silu", torch.nn.functional.silu)
+abs = _unary("abs", torch.abs, "tl.abs({x})")  # noqa: A001
+exp = _unary("exp", torch.exp, "tl.exp({x})")
+log = _unary("log", torch.log, "tl.log({x})")
+relu = _unary("relu", torch.relu, "tl.maximum({x}, 0.0)")
+sigmoid = _unary("sigmoid", torch.sigmoid, "tl.sigmoid({x})")
+silu = _unary("silu", torch.nn.functional.silu, "({x} * tl.sigmoid({x}))")
 
 
 # ---- comparisons: boolean flow tensors for `where` ----------------------------------------------
 
-gt = _binary_op("gt", torch.gt)
-ge = _binary_op("ge", torch.ge)
-lt = _binary_op("lt", torch.lt)
-le = _binary_op("le", torch.le)
+gt = _binary_op("gt", torch.gt, "({x} > {y})")
+ge = _binary_op("ge", torch.ge, "({x} >= {y})")
+lt = _binary_op("lt", torch.lt, "({x} < {y})")
+le = _binary_op("le", torch.le, "({x} <= {y})")
 
 
-@_op()
+@_op(lambda e, out, cond, x, y: f"tl.where({cond.name}, {e.ref(x)}, {e.ref(y)})")
 def where(cond: FT, x: FT | float, y: FT | float) -> FT:
     _check_rank3(cond)
     if cond.data.dtype != torch.bool:
@@ -241,7 +218,35 @@ def _gemm_flops(x: FT, y: FT) -> int:
     return 2 * s * x.shape[1] * y.shape[1] * x.shape[2]
 
 
-@_op(_gemm_flops)
+def _emit_gemm(e, out, x, y) -> str:
+    k = x.b
+    kmask = f"(tl.arange(0, {e.p2(k)}) < {k})"
+    if out.s:  # the product tile, [S, max(m, n), k]
+        e.grow(e.p2(builtins.max(x.a, y.a)) * e.p2(k))
+    if x.a == 1 or y.a == 1:
+        # A matrix-vector product (e.g. one centroid against the query group): stay 3-D,
+        # [S, m or n, k] -> sum over k; 4-D tiles cost Triton layout conversions.
+        prod = f"({x.name} * {y.name})"
+        if e.p2(k) != k:
+            prod = f"tl.where({kmask}[None, None, :], {prod}, 0.0)"
+        return f"tl.expand_dims(tl.sum({prod}, axis=2), {1 if x.a == 1 else 2})"
+    # A matrix product: a static loop over the rows of the operand with fewer of them, each a 3-D
+    # multiply-reduce placed into its output column (or row). 4-D tiles [S, m, n, k] would be
+    # simpler and spill registers.
+    e.stmt(f"{out.name} = tl.zeros({out.shape()}, tl.float32)")
+    loop, other, axis = (y, x, 2) if y.a <= x.a else (x, y, 1)
+    sel = f"(tl.arange(0, {e.p2(loop.a)}) == i)"
+    put = f"{sel}[None, None, :]" if axis == 2 else f"{sel}[None, :, None]"
+    prod = f"({other.name} * tl.sum(tl.where({sel}[None, :, None], {loop.name}, 0.0), axis=1)[:, None, :])"
+    if e.p2(k) != k:
+        prod = f"tl.where({kmask}[None, None, :], {prod}, 0.0)"
+    part = f"tl.expand_dims(tl.sum({prod}, axis=2), {axis})"
+    e.stmt(f"for i in tl.static_range({loop.a}):")
+    e.stmt(f"    {out.name} += tl.where({put}, {part}, 0.0)")
+    return out.name
+
+
+@_op(_emit_gemm, _gemm_flops)
 def gemm(x: FT, y: FT) -> FT:
     """`[S, m, k] x [S, n, k] -> [S, m, n]` (x @ yᵀ per block; S broadcasts)."""
     _check_rank3(x, y)
@@ -263,6 +268,11 @@ def gemm(x: FT, y: FT) -> FT:
 # ---- reductions (keepdim) -----------------------------------------------------------------------
 
 
+# Reductions: the neutral element (what padding reads as) and the Triton reduction.
+_REDUCTIONS = {"sum": (0.0, "tl.sum"), "mean": (0.0, "tl.sum"), "l2norm": (0.0, "tl.sum"),
+               "max": (NEG, "tl.max"), "min": (float("inf"), "tl.min")}
+
+
 def _reduce(x: FT, dim: int, how: str) -> FT:
     _check_rank3(x)
     if dim not in (0, 1, 2):
@@ -270,9 +280,7 @@ def _reduce(x: FT, dim: int, how: str) -> FT:
     d = dim + 1  # skip the row axis
     data = x.data
     if dim == 0 and x.mask is not None:
-        m = x.mask.view(*x.mask.shape, 1, 1)
-        fill = {"sum": 0.0, "mean": 0.0, "l2norm": 0.0, "max": NEG, "min": float("inf")}[how]
-        data = data.masked_fill(~m, fill)
+        data = data.masked_fill(~x.mask.view(*x.mask.shape, 1, 1), _REDUCTIONS[how][0])
     if how == "sum":
         out = data.sum(d, keepdim=True)
     elif how == "mean":
@@ -288,14 +296,24 @@ def _reduce(x: FT, dim: int, how: str) -> FT:
     return FT(out, None if dim == 0 else x.mask)
 
 
-def _reduce_op(name: str):
-    @_op()
+def _reduce_op(name: str) -> Op:
+    """A reduction along `dim` (keepdim; 0 = over blocks, padding excluded)."""
+    neutral, triton = _REDUCTIONS[name]
+
     def op(x: FT, dim: int) -> FT:
         return _reduce(x, dim, name)
 
-    op.__name__ = op.__qualname__ = name
-    op.__wrapped__.__name__ = name  # type: ignore[attr-defined]
-    return op
+    def emit(e, out, x, dim) -> str:
+        if dim == 0:
+            e.refuse(f"F.{name}(dim=0) reduces across blocks")
+        n = (x.a, x.b)[dim - 1]
+        src = f"({x.name} * {x.name})" if name == "l2norm" else x.name
+        if e.p2(n) != n:  # padding of the reduced axis reads as the neutral element
+            src = f"tl.where({e.axis_mask(dim, n)}, {src}, {e.lit(neutral)})"
+        code = f"tl.expand_dims({triton}({src}, axis={dim}), {dim})"
+        return {"mean": f"({code} / {n})", "l2norm": f"tl.sqrt({code})"}.get(name, code)
+
+    return Op(name, op, emit)
 
 
 sum = _reduce_op("sum")  # noqa: A001 - the flow op set's own names (F.sum, F.max, ...)
@@ -305,7 +323,7 @@ min = _reduce_op("min")  # noqa: A001
 l2norm = _reduce_op("l2norm")
 
 
-@_op()
+@_op(not_local="a normalization along an axis (dim 0: across blocks) has no tile emission")
 def softmax(x: FT, dim: int, scale: float = 1.0) -> FT:
     """softmax(scale * x) along `dim` (0 = over blocks, padding excluded)."""
     _check_rank3(x)
@@ -316,14 +334,14 @@ def softmax(x: FT, dim: int, scale: float = 1.0) -> FT:
     return FT(out.to(x.data.dtype), x.mask)
 
 
-@_op()
+@_op(not_local="a normalization along an axis (dim 0: across blocks) has no tile emission")
 def normalize(x: FT, dim: int) -> FT:
     """x / sum(x) along `dim`."""
     s = _reduce(x, dim, "sum")
     return FT(x.data / s.data.clamp(min=1e-30), x.mask)
 
 
-@_op()
+@_op(not_local="a stencil over neighbouring blocks")
 def conv1d(x: FT, weight: tuple[float, ...]) -> FT:
     """Same-padded 1-D stencil along the block axis (e.g. pooling of neighbouring scores)."""
     _check_rank3(x)
@@ -339,14 +357,14 @@ def conv1d(x: FT, weight: tuple[float, ...]) -> FT:
 # ---- layout -------------------------------------------------------------------------------------
 
 
-@_op(lambda x: 0)
+@_op(lambda e, out, x: f"tl.permute({x.name}, (0, 2, 1))", flops=lambda x: 0)
 def transpose(x: FT) -> FT:
     """Swap the two inner axes."""
     _check_rank3(x)
     return FT(x.data.transpose(-1, -2), x.mask)
 
 
-@_op(lambda x, a, b: 0)
+@_op(flops=lambda x, a, b: 0, not_local="reshaping a tile's inner axes has no tile emission")
 def reshape(x: FT, a: int, b: int) -> FT:
     """Reshape the inner axes to `[a, b]`."""
     _check_rank3(x)
@@ -354,7 +372,16 @@ def reshape(x: FT, a: int, b: int) -> FT:
     return FT(x.data.reshape(r, s, a, b), x.mask)
 
 
-@_op()
+def _emit_mask_slice(e, out, x, start, end, dim, inside, outside) -> str:
+    idx = ["None", "None", "None"]
+    idx[dim] = ":"
+    ar = f"tl.arange(0, {e.p2((x.a, x.b)[dim - 1])})"
+    hit = f"({ar} >= {int(start)}) & ({ar} < {int(end)})"
+    return (f"(tl.where({hit}, {e.lit(inside)}, {e.lit(outside)})[{', '.join(idx)}]"
+            f" + tl.zeros({out.shape()}, tl.float32))")
+
+
+@_op(_emit_mask_slice)
 def mask_slice(x: FT, start: int, end: int, dim: int, inside: float = 1.0, outside: float = 0.0) -> FT:
     """A positional constant shaped like x: `inside` for indices [start, end) along `dim` (1 or 2)."""
     _check_rank3(x)
@@ -368,7 +395,7 @@ def mask_slice(x: FT, start: int, end: int, dim: int, inside: float = 1.0, outsi
     return FT(vals.expand_as(x.data).contiguous(), x.mask)
 
 
-@_op()
+@_op(lambda e, out, x, value: f"tl.full({out.shape()}, {e.lit(value)}, tl.float32)")
 def fill(x: FT, value: float) -> FT:
     """A constant shaped like x."""
     _check_rank3(x)
@@ -395,9 +422,9 @@ def topk(score: FT) -> Selection:
         raise FlowError(_where() + "F.topk needs a flow tensor score")
     if score.shape[1:] != (1, 1):
         raise FlowError(_where() + f"F.topk needs a score of shape [S, 1, 1], got {list(score.shape)}; reduce the inner axes first")
-    if _TRACE:
-        loc = _caller_line()
-        _TRACE[-1].records.append(OpRecord("topk", loc[1] if loc else None, score.shape, score.shape[0]))
+    tracer = active()
+    if tracer is not None:
+        tracer.cost("topk", score.shape, score.shape[0])
     return Selection(score)
 
 
@@ -406,7 +433,8 @@ def keep_only_forced() -> Selection:
     return Selection(None)
 
 
-OPS = {
-    name: obj for name, obj in globals().items()
-    if callable(obj) and (getattr(obj, "is_flow_op", False) or name in ("topk", "keep_only_forced", "save"))
+# Every name a flow may call as `F.name`: the ops, and the selection and state calls.
+OPS: dict[str, Callable[..., Any]] = {
+    **{name: obj for name, obj in globals().items() if isinstance(obj, Op)},
+    **{fn.__name__: fn for fn in (topk, keep_only_forced, save)},
 }

@@ -20,9 +20,12 @@ from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.stages import stage
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow import codegen
 from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.compile import (
+    CacheKernel, ForcedOnly, IndexerKernel, NotBlockLocal, PagedBlocks, build_cache, build_indexer,
+)
 from sparsetune.flow.ops import FT, Fields
+from sparsetune.flow.trace import field_dims, saves_state
 from sparsetune.kernels import paged_decode
 from sparsetune.kernels.select_topk import select_topk
 
@@ -51,7 +54,7 @@ def const_rows(const: dict[str, torch.Tensor], n: int) -> dict[str, FT]:
 class FlowAttention(DenseAttention):
     """Executes a decode flow. `executor="reference"` runs the stages op by op in torch (the
     ground truth). `"compiled"` on GPU runs a generated Triton kernel per block-local stage
-    (`flow.codegen`) and the radix-select top-k, and hands other stages to torch.compile; on CPU
+    (`flow.compile`) and the radix-select top-k, and hands other stages to torch.compile; on CPU
     it torch.compiles the same stage functions (C++)."""
 
     name = "flow"
@@ -83,7 +86,7 @@ class FlowAttention(DenseAttention):
         self._score_fn = self._score_tensors
         self._cache_fn = self._cache_tensors
         # The generated kernels (indexer, cache stage), built on first use; None: not block-local.
-        self._generated: dict[str, codegen.IndexerKernel | codegen.CacheKernel | None] = {}
+        self._generated: dict[str, IndexerKernel | CacheKernel | None] = {}
         self._saves_state: bool | None = None  # F.save in the indexer (found on first use)
         self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
         self._forced_only = False  # the indexer keeps only sink/local blocks (known once it is traced)
@@ -100,30 +103,27 @@ class FlowAttention(DenseAttention):
         stages where they are block-local, the radix-select top-k always."""
         return self.executor == "compiled" and self.triton_path(x)
 
-    def _indexer_kernel(self, kv: KVCache, group: int) -> codegen.IndexerKernel | None:
+    def _indexer_kernel(self, kv: KVCache, group: int) -> IndexerKernel | None:
         """The generated indexer (None: not block-local; the compiled torch indexer runs), built once."""
         if "index" not in self._generated:
-            d = kv.head_dim
-            const_dims = self.flow.const_dims(d)
             try:
-                dims = codegen.field_dims(self.flow, d, const_dims)
-                self._generated["index"] = codegen.build_indexer(self.flow, group, d, dims, const_dims)
+                self._generated["index"] = build_indexer(self.flow, group, kv.head_dim)
                 self.paths["index"] = "generated Triton kernel + radix-select top-k"
-            except codegen.ForcedOnly:
+            except ForcedOnly:
                 self._generated["index"], self._forced_only = None, True
                 self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
-            except codegen.NotBlockLocal as e:
+            except NotBlockLocal as e:
                 self._generated["index"] = None
                 self.paths["index"] = f"torch.compile (not block-local: {e}) + radix-select top-k"
         return self._generated["index"]  # type: ignore[return-value]
 
-    def _cache_kernel(self, kv: KVCache) -> codegen.CacheKernel | None:
+    def _cache_kernel(self, kv: KVCache) -> CacheKernel | None:
         """The generated cache stage (None: not block-local; the compiled torch stage runs), built once."""
         if "cache" not in self._generated:
             try:
-                self._generated["cache"] = codegen.build_cache(self.flow, kv.head_dim, self.flow.const_dims(kv.head_dim))
+                self._generated["cache"] = build_cache(self.flow, kv.head_dim)
                 self.paths["cache"] = "generated Triton kernel"
-            except codegen.NotBlockLocal as e:
+            except NotBlockLocal as e:
                 self._generated["cache"] = None
                 self.paths["cache"] = f"torch.compile (not block-local: {e})"
         return self._generated["cache"]  # type: ignore[return-value]
@@ -132,7 +132,7 @@ class FlowAttention(DenseAttention):
         """Layer's field stores, `[blocks + 1, Hkv, r, c]` each (the last block is the null block)."""
         store = self.fields.get(layer)
         if store is None:
-            dims = codegen.field_dims(self.flow, kv.head_dim, self.flow.const_dims(kv.head_dim))
+            dims = field_dims(self.flow, kv.head_dim)
             store = self.fields[layer] = {
                 name: torch.zeros(kv.num_blocks + 1, kv.num_kv_heads, *rc, dtype=kv.k.dtype, device=kv.k.device)
                 for name, rc in dims.items()
@@ -175,7 +175,7 @@ class FlowAttention(DenseAttention):
                 starting = ((pos % bs) == 0) & (meta.seq_lens > 0)
                 self.zero_fields(layer, kv, torch.where(starting, phys, torch.full_like(phys, kv.null_block)))
             if generated:
-                cache.decode(kv.k[layer], kv.v[layer], pos, meta.block_tables, meta.seq_lens, kv.null_block,
+                cache.decode(kv.k[layer], kv.v[layer], pos, PagedBlocks(meta.block_tables, kv.null_block), meta.seq_lens,
                              store, self.constants(layer, kv))
                 return
             completing = ((pos % bs) == bs - 1) & (meta.seq_lens > 0)
@@ -185,7 +185,7 @@ class FlowAttention(DenseAttention):
 
     def _stateful(self, kv: KVCache) -> bool:
         if self._saves_state is None:
-            self._saves_state = codegen.saves_state(self.flow, kv.head_dim, self.flow.const_dims(kv.head_dim))
+            self._saves_state = saves_state(self.flow, kv.head_dim)
         return self._saves_state
 
     def zero_fields(self, layer: int, kv: KVCache, blocks: torch.Tensor) -> None:
@@ -258,7 +258,8 @@ class FlowAttention(DenseAttention):
             indexer = self._indexer_kernel(kv, q.shape[1] // kv.num_kv_heads) if generated else None
             if generated and not self._forced_only:  # scoring (generated, else compiled torch), radix select
                 if indexer is not None:
-                    score, counts = indexer(*args[:5], args[8], kv.num_kv_heads, kv.null_block)
+                    score, counts = indexer(q, PagedBlocks(meta.block_tables, kv.null_block), meta.seq_lens, stores,
+                                            args[4], args[8], kv.num_kv_heads, self.flow.budget_rule)
                     saved, table = {}, meta.block_tables
                 else:
                     score, counts, saved, table = self._score_fn(*args)
@@ -344,18 +345,15 @@ class FlowAttention(DenseAttention):
         if sel.score is None:
             return None, torch.minimum(nb, torch.full_like(nb, forced_n)).to(torch.int32), {}, table
         score = sel.score.data.reshape(rows, width).float()
-        forced = (idx < flow.sink_blocks) | (idx >= nb[:, None] - flow.local_blocks)
+        rule = flow.budget_rule
+        forced = (idx < rule.sink) | (idx >= nb[:, None] - rule.local)
         lowest = torch.finfo(torch.float32).min
         score = score.nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
         score = score.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-        if flow.budget_ratio is not None:
-            want = torch.ceil(nb.double() * flow.budget_ratio).long().clamp(min=forced_n)
-        else:
-            want = torch.full_like(nb, flow.budget_blocks(1 << 30))
         saved = {
             name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
         }
-        return score, torch.minimum(want, nb).to(torch.int32), saved, table
+        return score, rule.counts(nb).to(torch.int32), saved, table
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

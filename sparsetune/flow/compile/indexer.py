@@ -1,0 +1,132 @@
+"""The generated indexer: one program owns `BLOCK_S` blocks of one (request, KV head) row.
+
+It loads the group's query heads once and each block's fields once (the group shares them;
+Inductor's fused reduction re-read them per query head), evaluates the flow's indexer in fp32
+registers, and writes the row's masked score (always-kept blocks +inf, blocks past the sequence
+-inf, NaN → lowest) and its block count for the radix-select top-k
+(`sparsetune.kernels.select_topk`). The budget rule's numbers (`BudgetRule`) are kernel
+arguments, so one binary serves every budget, sink and local setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from sparsetune.flow.base import BudgetRule, DecodeFlow
+from sparsetune.flow.compile.cache import load_kernel, shared
+from sparsetune.flow.compile.emit import Emitter, ForcedOnly, NotBlockLocal, kernel_source, p2, ptr_params, tile_load, with_strides
+from sparsetune.flow.compile.layout import KVLayout
+from sparsetune.flow.compile.paged import PAGED
+from sparsetune.flow.trace import dummy_inputs, field_dims, tracing
+
+ELEMS_PER_PROGRAM = 16384  # the largest intermediate of one program, in fp32 elements (4 warps)
+_F32_MAX = "3.4028234663852886e38"
+
+
+@dataclass(frozen=True)
+class IndexerKernel:
+    """A generated indexer and what to pass it; `__call__` returns masked scores `[B*Hkv, W]`
+    (fp32) and the number of blocks each row attends `[B*Hkv]` (int32)."""
+
+    source: str
+    fields: tuple[str, ...]
+    consts: tuple[str, ...]
+    uses_keys: bool
+    block_s: int
+    layout: KVLayout
+
+    @cached_property
+    def kernel(self) -> object:
+        return load_kernel(self.source, "flow_indexer")
+
+    def __call__(
+        self, q: torch.Tensor, blocks: object, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
+        k_pool: torch.Tensor | None, consts: dict[str, torch.Tensor], hkv: int, rule: BudgetRule,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`blocks`: the step's block map of the layout (paged: `PagedBlocks`)."""
+        b, width = self.layout.grid(blocks)
+        rows = b * hkv
+        out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
+        counts = torch.empty(rows, dtype=torch.int32, device=q.device)
+        args: list[object] = [q, q.stride(0), q.stride(1), seq_lens, out, out.stride(0), counts, width, hkv, *rule,
+                              *self.layout.index_args(blocks)]
+        args += [a for name in self.fields for a in with_strides(stores[name])]
+        if self.uses_keys:
+            assert k_pool is not None
+            args += self.layout.pool_args(k_pool)
+        args += [a for name in self.consts for a in with_strides(consts[name])]
+        grid = (rows, -(-width // self.block_s))
+        self.kernel[grid](*args, BLOCK_S=self.block_s, num_warps=4)  # type: ignore[index]
+        return out, counts
+
+
+def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout = PAGED) -> IndexerKernel:
+    """The generated indexer of this flow and shapes (raises NotBlockLocal, or ForcedOnly), the
+    same object for every flow that generates the same code: flows differing only in budget,
+    sink or local blocks share it. Compiled on first call."""
+    bs = flow.block_size
+    x = dummy_inputs(flow, head_dim)
+    dims = field_dims(flow, head_dim)
+    q, fields = x.index(dims, group)
+    inputs = {id(q): ("q_in", False)}
+    inputs.update({id(dict.__getitem__(fields, n)): (f"f_{n}", True) for n in dims})
+    if flow.uses_keys:
+        inputs[id(dict.__getitem__(fields, "k"))] = ("k_in", True)
+    inputs.update({id(t): (f"c_{n}", False) for n, t in x.const.items()})
+    with tracing() as t:
+        sel = flow.run_index(q, fields, x.const)
+    if fields.saved:
+        raise NotBlockLocal("it saves state (F.save)")
+    if sel.score is None:
+        raise ForcedOnly("it selects no scored blocks (keep_only_forced)")
+    em = Emitter(inputs)
+    em.emit(t.nodes)
+    sv = em.tensor(sel.score)
+    if sv.is_bool:
+        raise NotBlockLocal("the score is boolean")
+    score = sv.name if sv.s else f"({sv.name} + tl.zeros([BLOCK_S, 1, 1], tl.float32))"
+    block_s = max(1, min(64, ELEMS_PER_PROGRAM // em.biggest))
+    block_s = 1 << (block_s.bit_length() - 1)
+
+    sig = ["q", "stride_qb", "stride_qh", "seq_lens", "out", "stride_o", "counts", "W", "HKV", *BudgetRule.TRITON_PARAMS,
+           *layout.index_params()]
+    loads = [tile_load("q_in", "q", f"b * stride_qb + h * {group} * stride_qh", group, head_dim, "stride_qh", "1", False)]
+    fields_used = tuple(n for n in dims if f"f_{n}" in em.used)
+    for n in fields_used:
+        sig += ptr_params(f"f_{n}", 4)
+        loads.append(tile_load(f"f_{n}", f"f_{n}_ptr", f"blk * f_{n}_s0 + h * f_{n}_s1", *dims[n],
+                               f"f_{n}_s2", f"f_{n}_s3", True))
+    uses_keys = "k_in" in em.used
+    if uses_keys:
+        sig += layout.pool_params("k")
+        live = f" & ((j[:, None, None] * {bs} + tl.arange(0, {p2(bs)})[None, :, None]) < seq_len)"
+        loads += layout.token_tile("k_in", "k", bs, head_dim, True, live)
+    consts_used, const_params, const_loads = em.const_loads(x.const)
+    sig += const_params
+    loads += const_loads
+    lines = [
+        "row = tl.program_id(0)",
+        "b = row // HKV",
+        "h = row % HKV",
+        "j = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)",
+        "seq_len = tl.load(seq_lens + b)",
+        f"nb = (seq_len + {bs - 1}) // {bs}",
+        "live = j < nb",
+        *layout.index_rows(bs),
+        *loads,
+        *em.body,
+        f"sc = tl.reshape({score}, (BLOCK_S,))",
+        f"sc = tl.where(sc != sc, -{_F32_MAX}, sc)",
+        f"sc = tl.minimum(tl.maximum(sc, -{_F32_MAX}), {_F32_MAX})",
+        "sc = tl.where((j < SINK) | (j >= nb - LOCAL), float('inf'), sc)",
+        "sc = tl.where(live, sc, float('-inf'))",
+        "tl.store(out + row * stride_o + j, sc, mask=j < W)",
+        *BudgetRule.TRITON,
+        "tl.store(counts + row, want, mask=tl.program_id(1) == 0)",
+    ]
+    doc = f"Generated by sparsetune.flow.compile: the indexer of flow {flow.name!r} (group {group}, head_dim {head_dim})."
+    src = kernel_source("flow_indexer", sig + ["BLOCK_S: tl.constexpr"], lines, doc, BudgetRule.TRITON_PARAMS)
+    return shared(IndexerKernel(src, fields_used, consts_used, uses_keys, block_s, layout))
