@@ -23,51 +23,9 @@ from typing import Any, Callable
 import torch
 
 from sparsetune.flow.trace import active, caller_line
+from sparsetune.flow.values import FT, Fields, FlowError, Selection  # noqa: F401 - part of the F namespace
 
 NEG = float("-inf")
-
-
-class FlowError(Exception):
-    """A misuse of the flow language; the message names the flow file and line."""
-
-
-@dataclass
-class FT:
-    """Flow tensor: data `[R, S, a, b]`, optional block-validity mask `[R, S]`."""
-
-    data: torch.Tensor
-    mask: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return tuple(self.data.shape[1:])  # type: ignore[return-value]
-
-    def __repr__(self) -> str:
-        return f"FT{list(self.shape)}"
-
-
-class Fields(dict):
-    """The fields an indexer sees (name → `[S, r, c]`). Records which were read, and values
-    saved with `F.save` (state carried to the next decode step, e.g. H2O's accumulated mass)."""
-
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.read: set[str] = set()
-        self.saved: dict[str, FT] = {}
-
-    def __getitem__(self, key: str) -> FT:
-        if key not in self:
-            hint = " (raw keys need `uses_keys = True` on the flow)" if key == "k" else ""
-            raise KeyError(f"field {key!r} is not written by cache(){hint}; it writes: {', '.join(self) or 'nothing'}")
-        self.read.add(key)
-        return super().__getitem__(key)
-
-
-@dataclass
-class Selection:
-    """What an indexer returns: block scores to rank (None: only the always-kept blocks)."""
-
-    score: FT | None
 
 
 @dataclass(eq=False)

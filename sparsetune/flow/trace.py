@@ -111,7 +111,7 @@ class DummyInputs:
     def index(self, field_dims: dict[str, tuple[int, int]], group: int, num_blocks: int = 5) -> tuple[FT, Fields]:
         """The indexer's query `[rows, 1, group, head_dim]` and fields `[rows, num_blocks, r, c]` (raw
         keys as "k" when the flow reads them); rows after the first end two blocks early (padding)."""
-        from sparsetune.flow.ops import FT, Fields  # ops imports this module
+        from sparsetune.flow.values import FT, Fields
 
         rows, g = self.k.data.shape[0], self.gen
         lens = torch.tensor([num_blocks] + [max(1, num_blocks - 2)] * (rows - 1))
@@ -126,7 +126,7 @@ class DummyInputs:
 def dummy_inputs(flow: DecodeFlow, head_dim: int, rows: int = 1,
                  const_dims: dict[str, tuple[int, int]] | None = None) -> DummyInputs:
     """The one builder of dummy stage inputs (constants shaped by `flow.const_dims` unless given)."""
-    from sparsetune.flow.ops import FT  # ops imports this module
+    from sparsetune.flow.values import FT
 
     g = torch.Generator().manual_seed(0)
     const_dims = flow.const_dims(head_dim) if const_dims is None else const_dims
