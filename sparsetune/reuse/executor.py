@@ -14,13 +14,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from sparsetune.engine.attention import causal_sdpa, prefill_backends
-from sparsetune.engine.stages import stage
 from sparsetune.engine.rope import inv_frequencies
+from sparsetune.engine.rows import CausalRuns, attend_causal, attend_pattern
+from sparsetune.engine.stages import stage
 from sparsetune.kernels import rope_realign
 from sparsetune.reuse.flow import LayerInputs, ReuseFlow, SelectionInputs
 from sparsetune.reuse.parts import ReuseLayout
@@ -169,7 +167,7 @@ class ReuseExecutor:
                 rows[:] = True
         rows[-1] = True  # the first output token is read from the last prompt token
         idx = rows.nonzero().squeeze(1)
-        plan = RowPlan.of(idx)
+        plan = CausalRuns.of(idx)
         h, res = model.model.embed_tokens(ids[idx]), None
         fresh, mlp_rows = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev)
         for li, layer in enumerate(model.model.layers):
@@ -194,7 +192,7 @@ class ReuseExecutor:
             if li == sel_layer:
                 sub = keep[idx].nonzero().squeeze(1)
                 q, res, idx = q[sub], res[sub], idx[sub]
-                plan = RowPlan.of(idx)
+                plan = CausalRuns.of(idx)
                 if stats is not None:
                     stats.recomputed_reused = int((keep & reused).sum())
             keys, values = kv.gather(li, block_table, t)  # [Hkv, T, D]
@@ -203,9 +201,9 @@ class ReuseExecutor:
                 s = LayerInputs(layout, li, num_layers, reused, idx, q, keys.transpose(0, 1), self.scale)
                 pattern, mlp = flow.attention_pattern(s), flow.mlp_rows(s)
             if pattern is None:
-                o = self._attend(q, idx, keys, values, plan)
+                o = attend_causal(q, idx, keys, values, plan, self.scale)
             else:
-                o = self._attend_pattern(q, idx, keys, values, pattern)
+                o = attend_pattern(q, idx, keys, values, pattern, self.scale)
             h = attn.o_proj(o.reshape(o.shape[0], -1))
             h, res = layer.post_attention_layernorm(h, res)
             if mlp is None:
@@ -243,66 +241,3 @@ class ReuseExecutor:
         keep = (chosen & reused) | ~reused
         keep[-1] = True
         return keep
-
-    def _attend(self, q: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                plan: "RowPlan") -> torch.Tensor:
-        """Rows `idx` (sorted positions) attend over the prompt's keys `[Hkv, T, D]`, row i seeing keys 0..i."""
-        qh = q.transpose(0, 1)  # [Hq, n, D]
-        out = torch.empty_like(qh)
-        with stage("attention"), prefill_backends():
-            for a, b, end in plan.runs:
-                out[:, a:b] = causal_sdpa(qh[:, a:b], k[:, :end], v[:, :end], end - (b - a), self.scale)
-            if plan.rest is not None:
-                sel, end = plan.rest, plan.rest_end
-                mask = torch.arange(end, device=q.device)[None, :] <= idx[sel][:, None]
-                out[:, sel] = F.scaled_dot_product_attention(
-                    qh[:, sel].unsqueeze(0), k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0), attn_mask=mask,
-                    scale=self.scale, enable_gqa=True).squeeze(0)
-        return out.transpose(0, 1)  # [n, Hq, D]
-
-    def _attend_pattern(self, q: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        pattern) -> torch.Tensor:
-        """Like `_attend`, each head's rows seeing only the keys `pattern` allows (and their own key);
-        chunks of rows bound the `[Hq, rows, T]` mask."""
-        qh, t = q.transpose(0, 1), k.shape[1]
-        out = torch.empty_like(qh)
-        keys = torch.arange(t, device=q.device)
-        step = max(1, _MASK_CHUNK_ELEMS // (qh.shape[0] * t))
-        with stage("attention"), prefill_backends():
-            for a in range(0, idx.numel(), step):
-                pos = idx[a : a + step]
-                end = int(pos[-1]) + 1
-                mask = pattern(pos).to(q.device)[:, :, :end] & (keys[None, None, :end] <= pos[None, :, None])
-                mask |= keys[None, None, :end] == pos[None, :, None]
-                out[:, a : a + step] = F.scaled_dot_product_attention(
-                    qh[:, a : a + step].unsqueeze(0), k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0),
-                    attn_mask=mask.unsqueeze(0), scale=self.scale, enable_gqa=True).squeeze(0)
-        return out.transpose(0, 1)
-
-
-_MASK_CHUNK_ELEMS = 1 << 26  # rows per masked attention call: a [Hq, rows, T] mask of ~64 M entries
-_MIN_RUN = 64  # consecutive rows worth a causal call of their own
-
-
-@dataclass
-class RowPlan:
-    """How a row set attends. A run of consecutive positions [a, b) (row indices; keys 0..end-1) is
-    one causal call with bottom-right alignment, exact for consecutive rows and run by the
-    flash/cuDNN kernels, which skip the masked half; the scattered rest (`rest` row indices) shares
-    one call with an explicit per-row mask over keys 0..rest_end-1 (its cost is rows × rest_end)."""
-
-    runs: list[tuple[int, int, int]]
-    rest: torch.Tensor | None
-    rest_end: int
-
-    @staticmethod
-    def of(idx: torch.Tensor) -> "RowPlan":
-        pos = idx.cpu().numpy()  # one host copy per row set (at most twice per prompt)
-        cut = np.flatnonzero(np.diff(pos) != 1) + 1
-        starts, ends = np.r_[0, cut], np.r_[cut, len(pos)]
-        long = ends - starts >= _MIN_RUN
-        runs = [(int(a), int(b), int(pos[b - 1]) + 1) for a, b in zip(starts[long], ends[long])]
-        rest_rows = np.flatnonzero(np.repeat(~long, ends - starts))
-        if not len(rest_rows):
-            return RowPlan(runs, None, 0)
-        return RowPlan(runs, torch.from_numpy(rest_rows).to(idx.device), int(pos[rest_rows].max()) + 1)
