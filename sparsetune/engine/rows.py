@@ -1,5 +1,21 @@
-"""Attention of a subset of one sequence's rows over its KV in the pool: exact per-row causal masks
-(consecutive rows as causal runs, scattered rows in one masked call), optionally narrowed per head."""
+"""A forward over a subset of one sequence's rows, chosen per layer by the caller.
+
+`CausalLM.forward(ids[rows.positions], rows=rows)` runs the decoder over the rows a `Rows` holds
+instead of a batch through the attention backends. Per layer, after the input norm and q/k/v +
+RoPE at `positions`, the model's layer calls
+
+- `write_kv`: asks `continuing` which rows go on past this layer (it sees the rows' fresh q/k/v,
+  and the pool still holds the KV this store overwrites) and `keep_cached` which (row, KV head)
+  pairs keep the pool's KV instead of the fresh one; stores the rest at the rows' slots; narrows
+  q, the residual and `positions` to the continuing rows;
+- `attention`: those rows attend over the sequence's first `num_tokens` keys in the pool, row i
+  seeing keys 0..i, narrowed per head by `attention_pattern`;
+- `mlp`: the MLP of the rows `mlp_rows` names; the others take the residual path.
+
+The hooks return None by default: every row goes on, stores fresh KV, attends causally and runs the
+MLP, so a `Rows` over all of a sequence's tokens is a plain prefill. The reuse executor's plan
+(`reuse/executor.py`) overrides them.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +27,82 @@ import torch
 import torch.nn.functional as F
 
 from sparsetune.engine.attention import causal_sdpa, prefill_backends
+from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.stages import stage
 
 AttentionPattern = Callable[[torch.Tensor], torch.Tensor]  # row positions [n] → allowed keys [Hq, n, T] bool
 
 _MASK_CHUNK_ELEMS = 1 << 26  # rows per masked attention call: a [Hq, rows, T] mask of ~64 M entries
 _MIN_RUN = 64  # consecutive rows worth a causal call of their own
+
+
+class Rows:
+    """One sequence's rows `positions` (sorted, int64) of `num_tokens`, whose KV lives in `kv` at
+    `block_table`; the hooks below choose what each layer computes (see the module docstring)."""
+
+    def __init__(self, kv: KVCache, block_table: torch.Tensor, num_tokens: int, positions: torch.Tensor,
+                 scale: float) -> None:
+        self.kv, self.block_table, self.num_tokens, self.scale = kv, block_table, num_tokens, scale
+        self.slots = kv.slots(block_table, torch.arange(num_tokens, device=kv.k.device))  # [T] every token's
+        self.set_rows(positions)
+
+    def set_rows(self, positions: torch.Tensor) -> None:
+        """The rows computed from here on (one host copy plans their attention calls)."""
+        self.positions = positions
+        self.row_slots = self.slots[positions]
+        self.runs = CausalRuns.of(positions)
+
+    # ---- the hooks ----------------------------------------------------------------------------------
+
+    def continuing(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """Indices (into the current rows) of the rows that go on past this layer's KV store; None: all."""
+        return None
+
+    def keep_cached(self, layer: int) -> torch.Tensor | None:
+        """`[n, Hkv]` bool: the (row, KV head) pairs whose KV in the pool is kept (not overwritten)."""
+        return None
+
+    def attention_pattern(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> AttentionPattern | None:
+        """Per head, the keys a row may see (AND-ed with the causal mask; its own key always stays),
+        from the rows' queries `[n, Hq, D]` and the keys `[Hkv, T, D]` as attention reads them."""
+        return None
+
+    def mlp_rows(self, layer: int) -> torch.Tensor | None:
+        """`[n]` bool: the rows that run the MLP; None: all."""
+        return None
+
+    # ---- what the model's layer calls ---------------------------------------------------------------
+
+    def write_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the rows' fresh K/V (but the pairs `keep_cached` names) → q and residual of the continuing rows."""
+        sub = self.continuing(layer, q, k, v)
+        keep = self.keep_cached(layer)
+        if keep is not None:
+            kc, vc = self.kv.read(layer, self.row_slots)
+            m = keep[:, :, None]
+            k, v = torch.where(m, kc, k), torch.where(m, vc, v)
+        self.kv.store(layer, k, v, self.row_slots)
+        if sub is None:
+            return q, residual
+        self.set_rows(self.positions[sub])
+        return q[sub], residual[sub]
+
+    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q `[n, Hq, D]` of the rows over the sequence's KV in the pool → `[n, Hq, D]`."""
+        k, v = self.kv.gather(layer, self.block_table, self.num_tokens)  # [Hkv, T, D]
+        pattern = self.attention_pattern(layer, q, k)
+        if pattern is None:
+            return attend_causal(q, self.positions, k, v, self.runs, self.scale)
+        return attend_pattern(q, self.positions, k, v, pattern, self.scale)
+
+    def mlp(self, layer: int, mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        m = self.mlp_rows(layer)
+        if m is None:
+            return mlp(h)
+        out, sub = torch.zeros_like(h), m.to(h.device).nonzero().squeeze(1)  # the rest: a zero MLP output
+        out[sub] = mlp(h[sub])
+        return out
 
 
 @dataclass
