@@ -1,14 +1,17 @@
-"""Paging, batching, chunking and preemption never change what the model computes."""
+"""Paging, batching, chunking and preemption never change what the model computes; a forward over a
+subset of rows (`engine/rows.py`) computes what HF transformers does with the same edits."""
 
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import torch
 from conftest import assert_logits_match, hf_logits
 
-from sparsetune.llm import LLM
+from sparsetune.engine.rows import Rows
 from sparsetune.engine.sequence import SamplingParams
+from sparsetune.llm import LLM
 
 TEXTS = [
     "Name a fruit that is yellow.",
@@ -63,35 +66,103 @@ def test_decode_kernel_path_matches_reference_path():
     assert llm.generate([TEXTS[0]], params)[0].token_ids == ref
 
 
-def test_layer_hooks_run_and_change_only_what_they_touch(smollm):
-    from sparsetune.engine.attention import LayerHooks
+class _MaskRows(Rows):
+    """A row forward given as masks over the prompt's T tokens per layer: `computed` `[L, T]` (the rows
+    whose K/V layer l stores, each layer's a subset of the one before; a row missing from layer l + 1
+    stops after layer l's store), `keep` `[L, T, Hkv]` (pairs that keep the pool's KV), `mlp` `[L, T]`."""
 
-    ids = smollm.encode_prompt(TEXTS[0])
-    base = smollm.prompt_logits(ids)
-    seen: list[tuple[str, int]] = []
+    def __init__(self, kv, table, scale, computed, keep, mlp):
+        self.computed, self.keep, self.mlp_mask = computed, keep, mlp
+        super().__init__(kv, table, computed.shape[1], computed[0].nonzero().squeeze(1), scale)
 
-    class Recorder(LayerHooks):
-        def attention(self, idx, run, hidden, ctx):
-            seen.append(("attn", idx))
-            return run(hidden)
+    def continuing(self, layer, q, k, v):
+        nxt = self.computed[min(layer + 1, len(self.computed) - 1)][self.positions]
+        return None if bool(nxt.all()) else nxt.nonzero().squeeze(1)
 
-        def mlp(self, idx, run, hidden, ctx):
-            seen.append(("mlp", idx))
-            out = run(hidden)
-            if idx == 29:  # skip the last layer's MLP for all but the final token
-                out = out.clone()
-                out[:-1] = 0
-            return out
+    def keep_cached(self, layer):
+        return self.keep[layer][self.positions]
 
-    original = smollm.hooks
-    smollm.set_hooks(Recorder())
+    def mlp_rows(self, layer):
+        return self.mlp_mask[layer][self.positions]
+
+
+def _hf_rows_reference(hf, ids, kc, vc, computed, keep, mlp):
+    """Logits `[T, V]` from HF transformers' modules and eager attention, every row through every layer,
+    with what `_MaskRows` changes written out: at layer l the K/V of a token not in `computed[l]`, or of
+    a pair in `keep[l]`, are the pool's `kc[l]`, `vc[l]` `[Hkv, T, D]`; rows outside `mlp[l]` add no MLP output.
+    (A row that is not computed only lends its cached K/V, so its own values here do not matter.)"""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+    m, t = hf.model, len(ids)
+    h = m.embed_tokens(torch.tensor([ids]))
+    cos, sin = m.rotary_emb(h, torch.arange(t)[None])
+    causal = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    for li, layer in enumerate(m.layers):
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        heads = lambda proj: proj(x).view(1, t, -1, a.head_dim).transpose(1, 2)  # noqa: E731
+        q, k = apply_rotary_pos_emb(heads(a.q_proj), heads(a.k_proj), cos, sin)
+        old = (~computed[li][:, None] | keep[li]).T[None, :, :, None]  # [1, Hkv, T, 1]
+        k, v = torch.where(old, kc[li][None], k), torch.where(old, vc[li][None], heads(a.v_proj))
+        o, _ = eager_attention_forward(a, q, k, v, causal, scaling=a.scaling)
+        h = h + a.o_proj(o.reshape(1, t, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h)) * mlp[li][None, :, None]
+    return hf.lm_head(m.norm(h))[0]
+
+
+@contextmanager
+def _blocks(llm, num_tokens):
+    """A block table `[blocks]` for one sequence of `num_tokens`, freed afterwards."""
+    blocks = llm.block_manager.allocate(-(-num_tokens // llm.kv.block_size))
     try:
-        hooked = smollm.prompt_logits(ids)
+        yield torch.tensor(blocks, dtype=torch.int32)
     finally:
-        smollm.set_hooks(original)
-    assert ("attn", 0) in seen and ("mlp", 29) in seen
-    assert torch.equal(hooked[-1], base[-1])  # causal: the untouched last row is unchanged
-    assert not torch.allclose(hooked[:-1], base[:-1])
+        llm.block_manager.free_blocks(blocks)
+
+
+@torch.inference_mode()
+def _row_logits(llm, ids, rows):
+    """Logits of the rows a row forward ends with."""
+    return llm.model.compute_logits(llm.model(torch.tensor(ids)[rows.positions], rows=rows))
+
+
+def test_row_forward_over_every_row_is_the_plain_forward(smollm, smollm_hf):
+    ids = smollm.encode_prompt(TEXTS[3] + " " + TEXTS[1])
+    t, scale = len(ids), smollm.model_config.head_dim**-0.5
+    with _blocks(smollm, t) as table:
+        logits = _row_logits(smollm, ids, Rows(smollm.kv, table, t, torch.arange(t), scale))
+    torch.testing.assert_close(logits, smollm.prompt_logits(ids), rtol=1e-4, atol=1e-4)
+    assert_logits_match(logits, hf_logits(smollm_hf, ids))
+
+
+def test_row_forward_keeps_cached_kv_narrows_rows_and_skips_mlp_like_hf(smollm, smollm_hf):
+    """Scattered rows (one masked call) and a long run (a causal call), pairs that keep another text's KV,
+    rows that stop after a layer's store, and MLP rows, against HF's modules with the same edits."""
+    llm, cfg = smollm, smollm.model_config
+    ids = llm.encode_prompt(" ".join(TEXTS))
+    t, nl, scale = len(ids), cfg.num_hidden_layers, cfg.head_dim**-0.5
+    pos = torch.arange(t)
+    computed = torch.ones(nl, t, dtype=torch.bool)
+    computed[:, 3:15:3] = False  # never computed: their KV stays the pool's
+    computed[12:, 20:50] &= pos[20:50] % 2 == 0  # odd rows stop after layer 11's store
+    keep = torch.zeros(nl, t, cfg.num_key_value_heads, dtype=torch.bool)
+    keep[3:9, 20:50, 1] = True
+    keep[20:, 30::2, 0] = True
+    mlp = torch.ones(nl, t, dtype=torch.bool)
+    mlp[25:] = pos % 3 != 0
+    with _blocks(llm, t) as table:
+        _row_logits(llm, ids[::-1], Rows(llm.kv, table, t, pos, scale))  # the pool's KV: another text's
+        with torch.inference_mode():
+            kc, vc = (torch.stack(x) for x in zip(*(llm.kv.gather(li, table, t) for li in range(nl))))
+        rows = _MaskRows(llm.kv, table, scale, computed, keep, mlp)
+        assert len(rows.runs.runs) == 1 and rows.runs.rest is not None  # rows 13.. are one causal run
+        logits = _row_logits(llm, ids, rows)
+    final = computed[-1].nonzero().squeeze(1)
+    assert torch.equal(rows.positions, final)
+    with torch.no_grad():
+        ref = _hf_rows_reference(smollm_hf, ids, kc, vc, computed, keep, mlp)[final]
+    assert_logits_match(logits, ref)
+    assert (logits - hf_logits(smollm_hf, ids)[final]).abs().max() > 1e-1  # the edits change the outcome
 
 
 def test_sampling_top_p_and_seed():

@@ -66,7 +66,7 @@ def test_selection_flows_at_full_ratio_equal_plain_prefill(smollm, flow, params)
 def test_reused_prefix_with_sparse_rows_equals_plain_prefill(smollm, min_run, monkeypatch):
     """A segment at position 0 was computed exactly as the prompt's prefix would be, so pie (only the
     new tokens computed, attending with the per-row causal mask over cached + fresh KV) is exact."""
-    monkeypatch.setattr("sparsetune.reuse.executor._MIN_RUN", min_run)
+    monkeypatch.setattr("sparsetune.engine.rows._MIN_RUN", min_run)
     parts = [{"text": DOC_A, "reuse": True, "namespace": "kb"}, "\n\nWhat is the secret code of the blue door?"]
     logits, stats, layout, _ = _reuse_logits(smollm, "pie", parts)
     assert stats.segment_hits == 1 and 0 < stats.compute_fraction < 0.6

@@ -1,21 +1,16 @@
-"""The one attention interface of the engine.
+"""The attention interface of the engine's batch steps.
 
-Every prefill and decode attention call of every layer goes through an
+Every prefill and decode attention call of a scheduled batch goes through an
 `AttentionBackend` chosen per layer. It receives the layer index, q (and the
 new k/v), the paged KV pool, block tables and sequence lengths in an
 `AttentionMetadata`. `DenseAttention` is the first implementation; sparse
-decode flows and KV-reuse prefill flows subclass it and override one stage.
-
-`LayerHooks` is the other extension point: "around" hooks on each layer, its
-attention and its MLP, so a flow can change what a layer computes for which
-tokens (recompute a subset, skip the MLP for some tokens) without forking the
-model code.
+decode flows subclass it and override one stage. A forward over a subset of
+one sequence's rows (a reuse prefill) attends through `engine/rows.py` instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -147,30 +142,6 @@ class DenseAttention(AttentionBackend):
         return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, self.scale)
 
 
-LayerFn = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
-SublayerFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-class LayerHooks:
-    """Around-hooks for each decoder layer; the defaults run the layer unchanged.
-
-    `run` computes what the engine would; a hook may call it on a subset of rows,
-    skip it, or post-process its result. Called once per layer per forward (and
-    at CUDA-graph capture, so decode hooks must be graph-safe).
-    """
-
-    def layer(
-        self, idx: int, run: LayerFn, hidden: torch.Tensor, residual: torch.Tensor | None, ctx: "ForwardContext"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return run(hidden, residual)
-
-    def attention(self, idx: int, run: SublayerFn, hidden: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
-        return run(hidden)
-
-    def mlp(self, idx: int, run: SublayerFn, hidden: torch.Tensor, ctx: "ForwardContext") -> torch.Tensor:
-        return run(hidden)
-
-
 @dataclass
 class ForwardContext:
     """Everything a forward step needs besides the token ids; passed down explicitly."""
@@ -178,4 +149,3 @@ class ForwardContext:
     meta: AttentionMetadata
     kv: KVCache
     backends: list[AttentionBackend]  # one per layer
-    hooks: LayerHooks

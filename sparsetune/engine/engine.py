@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence as Seq
 import torch
 
 from sparsetune.device import resolve_device, resolve_dtype
-from sparsetune.engine.attention import AttentionBackend, DenseAttention, LayerHooks
+from sparsetune.engine.attention import AttentionBackend, DenseAttention
 from sparsetune.engine.block_manager import BlockManager
 from sparsetune.engine.config import EngineConfig
 from sparsetune.engine.kv_cache import KVCache
@@ -107,10 +107,9 @@ class Engine:
         )
         self.max_model_len = min(max_len, num_blocks * cfg.block_size)
         self.backends: list[AttentionBackend] = [self.dense_attention()] * mcfg.num_hidden_layers
-        self.hooks = LayerHooks()
         self.block_manager = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, self.backends, self.hooks, cfg.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv, self.backends, cfg.max_num_seqs, self.max_model_len)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.stats = EngineStats()
         if capture:
@@ -126,12 +125,6 @@ class Engine:
         (they hold the old backend's kernels); `capture_graphs` takes new ones."""
         for i in range(len(self.backends)) if layers is None else layers:
             self.backends[i] = backend
-        self.runner.graphs.clear()
-
-    def set_hooks(self, hooks: LayerHooks) -> None:
-        """Install per-layer hooks (see `LayerHooks`). Captured graphs are dropped, as for `set_attention`."""
-        self.hooks = hooks
-        self.runner.hooks = hooks
         self.runner.graphs.clear()
 
     def capture_graphs(self) -> None:

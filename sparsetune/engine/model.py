@@ -3,6 +3,8 @@
 Tokens of the whole batch are packed into one dimension (`[N, hidden]`), as in
 nano-vllm: no padding, and one code path for prefill and decode. Attention
 itself is delegated to the per-layer `AttentionBackend` in the `ForwardContext`.
+Given a `Rows` instead (`engine/rows.py`), the same layers run over a subset of
+one sequence's rows that the caller chooses per layer (the reuse executor's plan).
 Weights use HF names, except that q/k/v and gate/up are fused into one matrix
 each (`qkv_proj`, `gate_up_proj`) so a decode step reads them in one GEMM.
 """
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from sparsetune.engine.attention import ForwardContext
+from sparsetune.engine.rows import Rows
 from sparsetune.engine.stages import stage
 from sparsetune.engine.rope import cos_sin_table
 from sparsetune.kernels import fused_ops
@@ -94,22 +97,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, ctx: ForwardContext
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, ctx: ForwardContext | None,
+        rows: Rows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hooks = ctx.hooks
-
-        def run(h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            # Pre-norm residual block; the residual add is fused into the next norm.
-            if res is None:
-                res, h = h, self.input_layernorm(h)
-            else:
-                h, res = self.input_layernorm(h, res)
-            h = hooks.attention(self.idx, lambda x: self.self_attn(x, cos_sin, ctx), h, ctx)
-            h, res = self.post_attention_layernorm(h, res)
-            h = hooks.mlp(self.idx, self.mlp, h, ctx)
-            return h, res
-
-        return hooks.layer(self.idx, run, hidden, residual, ctx)
+        """Pre-norm residual block; the residual add is fused into the next norm. With `rows`, its rows
+        store their K/V, narrow to the ones that go on, attend, and run the MLP where it says."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if rows is None:
+            hidden = self.self_attn(hidden, cos_sin, ctx)
+        else:
+            attn = self.self_attn
+            q, k, v = attn.qkv(hidden, rows.positions, cos_sin)
+            q, residual = rows.write_kv(self.idx, q, k, v, residual)
+            hidden = attn.o_proj(rows.attention(self.idx, q).reshape(q.shape[0], attn.q_size))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.mlp(hidden) if rows is None else rows.mlp(self.idx, self.mlp, hidden)
+        return hidden, residual
 
 
 class DecoderModel(nn.Module):
@@ -131,12 +137,13 @@ class CausalLM(nn.Module):
         table = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
         self.register_buffer("cos_sin", table, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Packed token ids `[N]` → final hidden states `[N, hidden]`."""
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None, rows: Rows | None = None) -> torch.Tensor:
+        """Packed token ids `[N]` → final hidden states `[N, hidden]`, attention through `ctx`'s backends.
+        With `rows` (no `ctx`): the ids of `rows.positions` → the hidden states of the rows left after the last layer."""
         h = self.model.embed_tokens(input_ids)
         residual = None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, self.cos_sin, ctx)
+            h, residual = layer(h, residual, self.cos_sin, ctx, rows)
         h, _ = self.model.norm(h, residual)
         return h
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsetune.engine.attention import AttentionBackend, AttentionMetadata, ForwardContext, LayerHooks
+from sparsetune.engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.model import CausalLM
 from sparsetune.engine.scheduler import Batch
@@ -18,14 +18,12 @@ class ModelRunner:
         model: CausalLM,
         kv: KVCache,
         backends: list[AttentionBackend],
-        hooks: LayerHooks,
         max_num_seqs: int,
         max_model_len: int,
     ) -> None:
         self.model = model
         self.kv = kv
         self.backends = backends
-        self.hooks = hooks
         self.device = kv.k.device
         self.block_size = kv.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -74,7 +72,7 @@ class ModelRunner:
         return self._tensor(ids, torch.int64), meta
 
     def context(self, meta: AttentionMetadata) -> ForwardContext:
-        return ForwardContext(meta, self.kv, self.backends, self.hooks)
+        return ForwardContext(meta, self.kv, self.backends)
 
     # ---- execution ------------------------------------------------------------------------------
 

@@ -4,8 +4,9 @@
    its own at position 0 (as a cache-building request would) into blocks the cache owns.
 2. Each segment's KV is copied into the request's blocks, keys rotated from the segment's stored
    positions to its positions in this prompt (`kernels/rope_realign.py`).
-3. The layer loop runs only the rows the flow's plan names (see `reuse/flow.py`): their fresh K/V
-   overwrite the cached ones, and they attend over the whole prompt with an exact causal mask.
+3. The model runs a forward over the rows the flow's plan names (`ReusePlan`, an `engine/rows.py`
+   `Rows`; see `reuse/flow.py`): their fresh K/V overwrite the cached ones, and they attend over
+   the whole prompt with an exact causal mask.
 4. The last prompt token's logits come back; the request then decodes like any other.
 """
 
@@ -14,13 +15,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from sparsetune.engine.attention import causal_sdpa, prefill_backends
-from sparsetune.engine.stages import stage
 from sparsetune.engine.rope import inv_frequencies
+from sparsetune.engine.rows import Rows
+from sparsetune.engine.stages import stage
 from sparsetune.kernels import rope_realign
 from sparsetune.reuse.flow import LayerInputs, ReuseFlow, SelectionInputs
 from sparsetune.reuse.parts import ReuseLayout
@@ -79,6 +78,7 @@ class ReuseExecutor:
         self.kv = kv
         self.segments = segments
         cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
         self.scale = cfg.head_dim**-0.5
         self.inv_freq = inv_frequencies(cfg.head_dim, rope_theta, rope_scaling).to(kv.k.device)
 
@@ -94,7 +94,8 @@ class ReuseExecutor:
                 stats.segment_misses += 1
                 seg = self.segments.insert(ids, span.namespace, pinned=span.pin)
                 try:
-                    self.forward(ids, torch.tensor(seg.blocks, device=self.kv.k.device), None, None, stats=None)
+                    blocks, t = torch.tensor(seg.blocks, device=self.kv.k.device), len(ids)
+                    self.run(ids, Rows(self.kv, blocks, t, torch.arange(t, device=blocks.device), self.scale))
                 except BaseException:
                     self.segments.drop(seg)
                     raise
@@ -124,13 +125,13 @@ class ReuseExecutor:
         with stage("kv_store"):
             fn(self.kv.k, self.kv.v, torch.cat(src), torch.cat(dst), torch.cat(delta), self.inv_freq)
 
-    # ---- the layer loop ---------------------------------------------------------------------------
+    # ---- the plan's forward -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, flow: ReuseFlow, layout: ReuseLayout, block_table: torch.Tensor) -> tuple[torch.Tensor, ReuseStats]:
         """Fill the request's blocks with the prompt's KV by the flow's plan → (last-token logits `[V]`, stats)."""
         t0 = time.perf_counter()
-        stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=len(self.model.model.layers),
+        stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=self.num_layers,
                            num_kv_heads=self.kv.num_kv_heads)
         segs = self.fetch_segments(layout, stats) if flow.reads_cache else []
         try:
@@ -142,7 +143,9 @@ class ReuseExecutor:
         reused = layout.reused_mask(dev) if flow.reads_cache else torch.zeros(layout.num_tokens, dtype=torch.bool, device=dev)
         stats.reused_tokens = int(reused.sum())
         stats.head_paged_kv_fraction = flow.head_paged_kv_fraction(layout)
-        hidden = self.forward(layout.token_ids, block_table, flow, layout, stats, reused)
+        plan = ReusePlan(self.kv, block_table, flow, layout, reused, stats, self.num_layers, self.scale)
+        hidden = self.run(layout.token_ids, plan)
+        plan.finish()
         logits = self.model.compute_logits(hidden[-1:])[0]
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -150,159 +153,75 @@ class ReuseExecutor:
         return logits, stats
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], block_table: torch.Tensor, flow: ReuseFlow | None,
-                layout: ReuseLayout | None, stats: ReuseStats | None, reused: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the layers over the plan's rows (every row when `flow` is None: a plain prefill);
-        returns the final hidden state of the last row computed (always the last token)."""
-        model, kv = self.model, self.kv
-        dev, t = kv.k.device, len(token_ids)
-        ids = torch.tensor(token_ids, device=dev)
-        slots = kv.slots(block_table, torch.arange(t, device=dev))
-        num_layers = len(model.model.layers)
-        sel_layer = None
-        if flow is None or reused is None or not bool(reused.any()):
+    def run(self, token_ids: list[int], rows: Rows) -> torch.Tensor:
+        """The model's forward over `rows` → the final hidden states of the rows it ends with (the last
+        token's last)."""
+        ids = torch.tensor(token_ids, device=self.kv.k.device)
+        return self.model(ids[rows.positions], rows=rows)
+
+
+class ReusePlan(Rows):
+    """A reuse flow's recompute plan for one prompt, as the rows of the model's forward: the rows
+    computed from layer 0, the selection at the selection layer, the (row, KV head) pairs that keep
+    cached KV, per-head attention patterns and the MLP's rows; counts into `stats` (device counters,
+    read once by `finish`: no host sync per layer)."""
+
+    def __init__(self, kv, block_table: torch.Tensor, flow: ReuseFlow, layout: ReuseLayout, reused: torch.Tensor,
+                 stats: ReuseStats, num_layers: int, scale: float) -> None:
+        dev, t = kv.k.device, layout.num_tokens
+        self.flow, self.layout, self.reused, self.stats, self.num_layers = flow, layout, reused, stats, num_layers
+        self.sel_layer = None
+        if not bool(reused.any()):
             rows = torch.ones(t, dtype=torch.bool, device=dev)
         else:
-            sel_layer = flow.selection_layer(num_layers)
+            self.sel_layer = flow.selection_layer(num_layers)
             rows = flow.initial_rows(layout).to(dev) | ~reused
-            if sel_layer is not None:  # every token is computed up to and at the selection layer
+            if self.sel_layer is not None:  # every token is computed up to and at the selection layer
                 rows[:] = True
         rows[-1] = True  # the first output token is read from the last prompt token
-        idx = rows.nonzero().squeeze(1)
-        plan = RowPlan.of(idx)
-        h, res = model.model.embed_tokens(ids[idx]), None
-        fresh, mlp_rows = torch.zeros((), dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long, device=dev)
-        for li, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            if res is None:
-                res, x = h, layer.input_layernorm(h)
-            else:
-                x, res = layer.input_layernorm(h, res)
-            q, k, v = attn.qkv(x, idx, model.cos_sin)
-            if li == sel_layer:  # fresh q/k/v; reads the cached KV before this layer's store overwrites it
-                keep = self._select(flow, layout, li, reused, q, k, v, slots)
-            cached = None
-            if flow is not None and reused is not None:  # (row, head) pairs that keep their cached KV
-                cached = flow.keep_cached(li, num_layers, idx, layout, reused)
-                if cached is not None:  # only reused tokens have cached KV to keep
-                    cached = cached.to(dev) & reused[idx][:, None]
-                    k, v = self._with_cached(li, k, v, slots[idx], cached)
-            if stats is not None and reused is not None:
-                r = reused[idx]
-                fresh += r.sum() * k.shape[1] - (0 if cached is None else cached[r].sum())
-            kv.store(li, k, v, slots[idx])  # at the selection layer: every token's fresh KV
-            if li == sel_layer:
-                sub = keep[idx].nonzero().squeeze(1)
-                q, res, idx = q[sub], res[sub], idx[sub]
-                plan = RowPlan.of(idx)
-                if stats is not None:
-                    stats.recomputed_reused = int((keep & reused).sum())
-            keys, values = kv.gather(li, block_table, t)  # [Hkv, T, D]
-            pattern = mlp = None
-            if flow is not None and reused is not None:
-                s = LayerInputs(layout, li, num_layers, reused, idx, q, keys.transpose(0, 1), self.scale)
-                pattern, mlp = flow.attention_pattern(s), flow.mlp_rows(s)
-            if pattern is None:
-                o = self._attend(q, idx, keys, values, plan)
-            else:
-                o = self._attend_pattern(q, idx, keys, values, pattern)
-            h = attn.o_proj(o.reshape(o.shape[0], -1))
-            h, res = layer.post_attention_layernorm(h, res)
-            if mlp is None:
-                h = layer.mlp(h)
-            else:  # rows outside `mlp` take the residual path (their MLP output is zero)
-                out, sub = torch.zeros_like(h), mlp.to(dev).nonzero().squeeze(1)
-                out[sub] = layer.mlp(h[sub])
-                h = out
-            if stats is not None:
-                stats.token_layers += idx.numel()
-                mlp_rows += idx.numel() if mlp is None else mlp.sum()
-        if stats is not None:  # device counters, read once (no host sync per layer)
-            stats.fresh_kv, stats.mlp_token_layers = int(fresh), int(mlp_rows)
-        if stats is not None and sel_layer is None and reused is not None:
-            stats.recomputed_reused = int((rows & reused).sum())
-        h, _ = model.model.norm(h, res)
-        return h
+        self.recomputed = rows  # [T]: the rows after the selection layer (or of every layer)
+        self.fresh = torch.zeros((), dtype=torch.long, device=dev)
+        self.mlp_count = torch.zeros((), dtype=torch.long, device=dev)
+        self.mlp_mask: torch.Tensor | None = None
+        super().__init__(kv, block_table, t, rows.nonzero().squeeze(1), scale)
 
-    def _with_cached(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                     keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh `[n, Hkv, D]` K/V with the (row, head) pairs of `keep` `[n, Hkv]` replaced by the pool's
-        (realigned cached) values at `slots`, so the store leaves those untouched."""
-        kc, vc = self.kv.read(layer, slots)
-        m = keep[:, :, None]
-        return torch.where(m, kc, k), torch.where(m, vc, v)
+    def set_rows(self, positions: torch.Tensor) -> None:
+        super().set_rows(positions)
+        self.row_reused = self.reused[positions]
 
-    def _select(self, flow: ReuseFlow, layout: ReuseLayout, layer: int, reused: torch.Tensor,
-                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The rows kept after the selection layer: the flow's choice among reused tokens, plus every
-        non-reused token and the last one."""
-        kc, vc = self.kv.read(layer, slots)  # the realigned cached KV `[T, Hkv, D]`, read before the fresh KV lands
-        inputs = SelectionInputs(layout, layer, reused, q, k, v, kc, vc, self.scale)
+    def continuing(self, layer, q, k, v):
+        if layer != self.sel_layer:
+            return None
+        kc, vc = self.kv.read(layer, self.slots)  # the realigned cached KV `[T, Hkv, D]`, read before the fresh KV lands
+        inputs = SelectionInputs(self.layout, layer, self.reused, q, k, v, kc, vc, self.scale)
         with stage("indexer"):
-            chosen = flow.select(inputs).to(reused.device)
-        keep = (chosen & reused) | ~reused
+            chosen = self.flow.select(inputs).to(self.reused.device)
+        # The flow's choice among reused tokens, plus every non-reused token and the last one.
+        keep = (chosen & self.reused) | ~self.reused
         keep[-1] = True
-        return keep
+        self.recomputed = keep
+        return keep[self.positions].nonzero().squeeze(1)
 
-    def _attend(self, q: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                plan: "RowPlan") -> torch.Tensor:
-        """Rows `idx` (sorted positions) attend over the prompt's keys `[Hkv, T, D]`, row i seeing keys 0..i."""
-        qh = q.transpose(0, 1)  # [Hq, n, D]
-        out = torch.empty_like(qh)
-        with stage("attention"), prefill_backends():
-            for a, b, end in plan.runs:
-                out[:, a:b] = causal_sdpa(qh[:, a:b], k[:, :end], v[:, :end], end - (b - a), self.scale)
-            if plan.rest is not None:
-                sel, end = plan.rest, plan.rest_end
-                mask = torch.arange(end, device=q.device)[None, :] <= idx[sel][:, None]
-                out[:, sel] = F.scaled_dot_product_attention(
-                    qh[:, sel].unsqueeze(0), k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0), attn_mask=mask,
-                    scale=self.scale, enable_gqa=True).squeeze(0)
-        return out.transpose(0, 1)  # [n, Hq, D]
+    def keep_cached(self, layer):
+        cached = self.flow.keep_cached(layer, self.num_layers, self.positions, self.layout, self.reused)
+        if cached is not None:  # only reused tokens have cached KV to keep
+            cached = cached.to(self.reused.device) & self.row_reused[:, None]
+        r = self.row_reused
+        self.fresh += r.sum() * self.kv.num_kv_heads - (0 if cached is None else cached[r].sum())
+        return cached
 
-    def _attend_pattern(self, q: torch.Tensor, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        pattern) -> torch.Tensor:
-        """Like `_attend`, each head's rows seeing only the keys `pattern` allows (and their own key);
-        chunks of rows bound the `[Hq, rows, T]` mask."""
-        qh, t = q.transpose(0, 1), k.shape[1]
-        out = torch.empty_like(qh)
-        keys = torch.arange(t, device=q.device)
-        step = max(1, _MASK_CHUNK_ELEMS // (qh.shape[0] * t))
-        with stage("attention"), prefill_backends():
-            for a in range(0, idx.numel(), step):
-                pos = idx[a : a + step]
-                end = int(pos[-1]) + 1
-                mask = pattern(pos).to(q.device)[:, :, :end] & (keys[None, None, :end] <= pos[None, :, None])
-                mask |= keys[None, None, :end] == pos[None, :, None]
-                out[:, a : a + step] = F.scaled_dot_product_attention(
-                    qh[:, a : a + step].unsqueeze(0), k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0),
-                    attn_mask=mask.unsqueeze(0), scale=self.scale, enable_gqa=True).squeeze(0)
-        return out.transpose(0, 1)
+    def attention_pattern(self, layer, q, k):
+        s = LayerInputs(self.layout, layer, self.num_layers, self.reused, self.positions, q, k.transpose(0, 1), self.scale)
+        pattern, self.mlp_mask = self.flow.attention_pattern(s), self.flow.mlp_rows(s)
+        return pattern
 
+    def mlp_rows(self, layer):
+        m = self.mlp_mask
+        self.stats.token_layers += self.positions.numel()
+        self.mlp_count += self.positions.numel() if m is None else m.sum()
+        return m
 
-_MASK_CHUNK_ELEMS = 1 << 26  # rows per masked attention call: a [Hq, rows, T] mask of ~64 M entries
-_MIN_RUN = 64  # consecutive rows worth a causal call of their own
-
-
-@dataclass
-class RowPlan:
-    """How a row set attends. A run of consecutive positions [a, b) (row indices; keys 0..end-1) is
-    one causal call with bottom-right alignment, exact for consecutive rows and run by the
-    flash/cuDNN kernels, which skip the masked half; the scattered rest (`rest` row indices) shares
-    one call with an explicit per-row mask over keys 0..rest_end-1 (its cost is rows × rest_end)."""
-
-    runs: list[tuple[int, int, int]]
-    rest: torch.Tensor | None
-    rest_end: int
-
-    @staticmethod
-    def of(idx: torch.Tensor) -> "RowPlan":
-        pos = idx.cpu().numpy()  # one host copy per row set (at most twice per prompt)
-        cut = np.flatnonzero(np.diff(pos) != 1) + 1
-        starts, ends = np.r_[0, cut], np.r_[cut, len(pos)]
-        long = ends - starts >= _MIN_RUN
-        runs = [(int(a), int(b), int(pos[b - 1]) + 1) for a, b in zip(starts[long], ends[long])]
-        rest_rows = np.flatnonzero(np.repeat(~long, ends - starts))
-        if not len(rest_rows):
-            return RowPlan(runs, None, 0)
-        return RowPlan(runs, torch.from_numpy(rest_rows).to(idx.device), int(pos[rest_rows].max()) + 1)
+    def finish(self) -> None:
+        """Read the device counters into the stats."""
+        self.stats.fresh_kv, self.stats.mlp_token_layers = int(self.fresh), int(self.mlp_count)
+        self.stats.recomputed_reused = int((self.recomputed & self.reused).sum())

@@ -33,11 +33,12 @@ decode-side re-selection), with `decode_params()` as its parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from sparsetune.engine.rows import AttentionPattern
 from sparsetune.flow.params import Configurable
 from sparsetune.reuse.parts import ReuseLayout
 
@@ -95,9 +96,6 @@ class LayerInputs:
     @property
     def num_tokens(self) -> int:
         return self.k.shape[0]
-
-
-AttentionPattern = Callable[[torch.Tensor], torch.Tensor]  # row positions [n] → allowed keys [Hq, n, T] bool
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, query_rows: torch.Tensor, scale: float) -> torch.Tensor:
