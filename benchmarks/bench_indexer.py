@@ -34,7 +34,7 @@ from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.flow.compile import PagedBlocks, build_indexer  # noqa: E402
 from sparsetune.flow.compile import indexer as indexer_mod  # noqa: E402
 from sparsetune.registry import build_flow  # noqa: E402
-from sparsetune.flow.runtime import FlowAttention  # noqa: E402
+from sparsetune.flow.attention import FlowAttention  # noqa: E402
 from sparsetune.kernels import select_topk as topk_mod  # noqa: E402
 from sparsetune.kernels.select_topk import select_topk  # noqa: E402
 

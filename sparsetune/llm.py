@@ -76,7 +76,7 @@ class LLM(Engine):
         self._install_flow(new)
 
     def _attach_flow(self, flow) -> None:
-        from sparsetune.flow.runtime import EXECUTORS, FlowAttention
+        from sparsetune.flow.attention import EXECUTORS, FlowAttention
 
         n = self.model_config.num_hidden_layers
         bad = [i for i in flow.dense_layers if not 0 <= i < n]
@@ -140,7 +140,7 @@ class LLM(Engine):
         try:
             table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
             logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
-            from sparsetune.flow.runtime import FlowAttention
+            from sparsetune.flow.attention import FlowAttention
 
             with torch.inference_mode():  # the field stores are inference tensors
                 for layer, backend in enumerate(self.backends):  # the decode flow's per-block fields

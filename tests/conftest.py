@@ -13,6 +13,16 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped on a machine without CUDA (one rule for every file)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded default model on CPU, float32 (loaded once per test session)."""

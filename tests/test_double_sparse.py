@@ -15,7 +15,7 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.calibration.channels import builtin_text, calibrate
 from sparsetune.models.artifacts import artifact_path, load_calibration, resolve_calibration, synthetic_calibration
 from sparsetune.registry import build_flow, get_flow_class
-from sparsetune.flow.runtime import FlowAttention
+from sparsetune.flow.attention import FlowAttention
 
 CAL_TOKENS = 256
 # Not the text's start, so the `text=` argument really is what runs.

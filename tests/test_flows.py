@@ -16,7 +16,7 @@ from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.check import check_flow
 from sparsetune.registry import build_flow, get_flow_class
-from sparsetune.flow.runtime import FlowAttention
+from sparsetune.flow.attention import FlowAttention
 
 HEAD_DIM, HKV, GROUP = 32, 2, 3
 

@@ -11,7 +11,7 @@ from sparsetune.llm import LLM
 from sparsetune.models.artifacts import synthetic_calibration, write_calibration
 from sparsetune.engine.sequence import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("kind,extra", [("qwen3", {"head_dim": 64}), ("qwen2", {})])

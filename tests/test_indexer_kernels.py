@@ -62,7 +62,7 @@ from sparsetune.flow.compile import PagedBlocks, PagedLayout, build_indexer, why
 from sparsetune.flow.compile.emit import p2  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.registry import build_flow  # noqa: E402
-from sparsetune.flow.runtime import FlowAttention  # noqa: E402
+from sparsetune.flow.attention import FlowAttention  # noqa: E402
 from test_flows import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache  # noqa: E402
 
 # Every block-local op, non-power-of-two group (3) and slices, all three gemm forms.

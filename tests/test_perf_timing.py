@@ -51,7 +51,7 @@ def test_percentile_is_nearest_rank():
     assert percentile(values, 0.95) == 5.0 and percentile([7.0], 0.95) == 7.0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+@pytest.mark.gpu
 def test_cuda_events_time_gpu_work():
     a = torch.randn(2048, 2048, device="cuda")
     times = time_calls(lambda: a @ a, "cuda", repeats=3, warmup=1, events=True)

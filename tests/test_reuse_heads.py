@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsetune.registry import build_flow, decode_flow_for
-from sparsetune.flow.runtime import FlowAttention
+from sparsetune.flow.attention import FlowAttention
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import LayerInputs
 from sparsetune.calibration.heads import PREFIXES, profile_heads

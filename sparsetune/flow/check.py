@@ -140,7 +140,7 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     from sparsetune.engine.attention import AttentionMetadata
     from sparsetune.engine.kv_cache import KVCache
     from sparsetune.models.artifacts import synthetic_calibration
-    from sparsetune.flow.runtime import FlowAttention
+    from sparsetune.flow.attention import FlowAttention
     from sparsetune.kernels.paged_decode import paged_decode_attention_ref
 
     full = {"budget_ratio": "1.0", "select_layers": ""}  # one layer: it must select

@@ -7,9 +7,10 @@ the request, rotated to the segment's new position (`realign = False`: copied as
 - `initial_rows(layout)`: the tokens computed from layer 0 (the engine adds every token that is
   not in a reused segment, and the prompt's last token, whose logits give the first output token);
 - `selection_layer(num_layers)`: None for a static plan; else layer `l`: every token is computed in
-  layers `< l`; at layer `l` the engine computes q/k/v of every token, writes the fresh k/v, and
-  calls `select(inputs)`; from there on (attention and MLP of layer `l` included) only the
-  non-reused tokens and the selected ones are computed, the rest keep their cached KV.
+  layers `< l`; at layer `l` the engine computes q/k/v of every token, calls `select(inputs)`
+  (it sees the fresh q/k/v and the cached KV, still in the pool), then writes the fresh k/v; from
+  there on (attention and MLP of layer `l` included) only the non-reused tokens and the selected
+  ones are computed, the rest keep their cached KV.
 
 Recomputed rows attend over the whole prompt's KV (fresh where computed, cached elsewhere) with an
 exact per-row causal mask: row at position i sees keys 0..i (not the bottom-right approximation
