@@ -14,7 +14,7 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from sparsetune.engine.config import EngineConfig
-from sparsetune.engine.engine import Completion, Engine, EngineStats  # noqa: F401 - re-exported
+from sparsetune.engine.engine import Completion, Engine
 from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.artifacts import resolve_calibration
@@ -204,7 +204,7 @@ def _flow_elems_per_block(flow, mcfg) -> int:
     """A flow's per-block fields on its sparse layers, in pool elements: they live beside the pool."""
     if flow is None or flow.full_attention:
         return 0
-    from sparsetune.flow.codegen import field_dims
+    from sparsetune.flow.trace import field_dims
 
     dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
     layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)
