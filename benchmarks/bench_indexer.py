@@ -54,17 +54,18 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     calib = synthetic_calibration(1, HKV, D) if flow.calibrated else None
     attn = FlowAttention(flow, D**-0.5, executor="compiled", calibration=calib)
     const = attn.constants(0, kv)
-    attn._run_cache(0, kv, bt[:, :nb].flatten().long(), bt[:, :nb].flatten().long())
+    attn.run_cache(0, kv, bt[:, :nb].flatten().long(), bt[:, :nb].flatten().long())
     stores = attn.fields[0]
     dims = {n: tuple(t.shape[2:]) for n, t in stores.items()}
     ker = build_indexer(flow, HQ // HKV, D)
     k_max = min(nb + extra, flow.budget_blocks(nb + extra))
+    rule = attn.rule(q.device)
 
     def inductor():  # the compiled torch indexer + torch.topk (what runs for non-block-local flows)
-        return attn._select_fn(q, bt, seq_lens, stores, None, HKV, BS, kv.null_block, const)[0]
+        return attn.stages.select_fn(q, bt, seq_lens, stores, None, HKV, BS, kv.null_block, const, rule, k_max)[0]
 
     def scores():
-        return ker(q, PagedBlocks(bt, kv.null_block), seq_lens, stores, None, const, HKV, flow.budget_rule)
+        return ker(q, PagedBlocks(bt, kv.null_block), seq_lens, stores, None, const, HKV, rule)
 
     sc, counts = scores()
 

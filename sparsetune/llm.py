@@ -40,6 +40,8 @@ class LLM(Engine):
         cfg = replace(cfg, flow=flow_name, flow_params=dict(flow_params),
                       block_size=self.flow.block_size if self.flow is not None else cfg.block_size)
         super().__init__(cfg, extra_elems_per_block=_flow_elems_per_block(self.flow, mcfg), capture=False)
+        self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
+        self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
         self._install_flow(self.flow)
         # Segments live in the same pool; a request short of blocks evicts idle ones (reclaim).
         self.segments = SegmentCache(self.block_manager, cfg.block_size,
@@ -53,18 +55,41 @@ class LLM(Engine):
     def _install_flow(self, flow) -> None:
         """Route attention through `flow` (None or dense: full attention), then capture decode graphs.
 
-        The flow is attached before capture, so its indexer and selection are in the graphs."""
+        The flow is attached before capture, so its indexer and selection are in the graphs. What
+        the engine already has is reused: a flow of the last flow backend's kernel key retunes it
+        (kernels, stores and calibration kept), and graphs are recaptured only when the routing or
+        the selection width (a shape inside them) changed."""
         if self.config.prefix_caching and flow is not None and not flow.full_attention:
             # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
             raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
                                   "(its per-block state would be shared between requests); drop one of them")
-        self.set_attention(self.dense_attention())
+        route, attn, sparse = None, None, []
         if flow is not None and not flow.full_attention:
-            self._attach_flow(flow)
+            sparse = self._sparse_layers(flow)
+            attn = self._flow_backend
+            if attn is not None and attn.flow.kernel_key() == flow.kernel_key():
+                attn.retune(flow)
+            else:
+                attn = self._flow_backend = self._new_flow_backend(flow)
+            width = attn.selection_width(self.runner.max_blocks_per_seq, self.model_config.head_dim)
+            route = (id(attn), tuple(sparse), tuple(flow.select_layers), width)
+        if self._route is not False and route == self._route:
+            return  # same kernels on the same layers with the same shapes: the graphs stay valid
+        self.set_attention(self.dense_attention())
+        if attn is not None:
+            self.set_attention(attn, sparse)
         self.capture_graphs()
+        self._route = route
+
+    def set_attention(self, backend, layers=None) -> None:
+        self._route = False  # routed by hand: the next flow installs afresh
+        super().set_attention(backend, layers)
 
     def set_flow(self, flow: str | None, params: dict[str, str] | None = None) -> None:
-        """Switch the decode flow of a live engine (same weights and KV pool); recaptures graphs."""
+        """Switch the decode flow of a live engine (same weights and KV pool). A flow that differs
+        from the current one only in budget, sink or local blocks switches in place; other changes
+        of dense or select layers recapture the graphs; another flow class or kernel param builds
+        its backend (generated kernels are shared by source, so a flow seen before compiles nothing)."""
         if self.scheduler.has_work():
             raise RuntimeError("set_flow needs an idle engine")
         cfg = replace(self.config, flow=flow, flow_params=dict(params or {}))
@@ -72,12 +97,11 @@ class LLM(Engine):
         if new is not None and new.block_size != cfg.block_size:
             raise SparsetuneError(f"the KV pool uses blocks of {cfg.block_size}; a flow with block_size "
                                   f"{new.block_size} needs a new engine")
-        self.config, self.flow = cfg, new
         self._install_flow(new)
+        self.config, self.flow = cfg, new
 
-    def _attach_flow(self, flow) -> None:
-        from sparsetune.flow.attention import EXECUTORS, FlowAttention
-
+    def _sparse_layers(self, flow) -> list[int]:
+        """The layers `flow` runs on (all but its dense layers), its layer params checked."""
         n = self.model_config.num_hidden_layers
         bad = [i for i in flow.dense_layers if not 0 <= i < n]
         if bad:
@@ -88,16 +112,20 @@ class LLM(Engine):
                 f"--param select_layers: the first sparse layer ({sparse[0]}) must select, "
                 f"since later layers reuse its choice; got {list(flow.select_layers)}"
             )
+        return sparse
+
+    def _new_flow_backend(self, flow):
+        from sparsetune.flow.attention import EXECUTORS, FlowAttention
+
         executor = self.config.flow_executor or ("compiled" if self.device.type == "cuda" else "reference")
         if executor not in EXECUTORS:
             raise SparsetuneError(f"--flow-executor {executor!r}: use one of {', '.join(EXECUTORS)}")
         calibration = None
         if flow.calibrated:  # per-layer channel order, for this model and its shapes
             mcfg = self.model_config
-            calibration = resolve_calibration(flow.calibration, flow.name, self.resolved.name,
-                                              self.resolved.random_weights, n, mcfg.num_key_value_heads, mcfg.head_dim)
-        attn = FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor, calibration=calibration)
-        self.set_attention(attn, sparse)
+            calibration = resolve_calibration(flow.calibration, flow.name, self.resolved.name, self.resolved.random_weights,
+                                              mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
+        return FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor, calibration=calibration)
 
     # ---- the reuse flow ----------------------------------------------------------------------------
 

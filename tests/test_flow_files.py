@@ -281,7 +281,7 @@ def test_reuse_flow_methods_are_plain_torch(tmp_path):
     assert load_file(path).name == "myreuse"
 
 
-HEAD = "from sparsetune.flow import DecodeFlow, Param\nfrom sparsetune.reuse import ReuseFlow\n\n\n"
+HEAD = "from sparsetune.flow import DecodeFlow, Param\nfrom sparsetune.flow import ops as F\nfrom sparsetune.reuse import ReuseFlow\n\n\n"
 
 
 @pytest.mark.parametrize("code,needle", [
@@ -316,6 +316,13 @@ HEAD = "from sparsetune.flow import DecodeFlow, Param\nfrom sparsetune.reuse imp
     ("def f(g):\n    return g.gi_frame.f_back.f_globals", "`.f_globals` is not allowed"),
     ("import torch\ndef f(p):\n    return torch.load(p)", "`.load` is not allowed"),
     ("def f():\n    return dir()", "the builtin `dir` is not allowed"),
+    # The runtime applies these (a retune changes them without recompiling): no stage reads them.
+    ("class D(DecodeFlow):\n    name = 'd'\n    def index(self, q, fields):\n        return F.topk(q * self.budget)",
+     "a stage may not read self.budget"),
+    ("class D(DecodeFlow):\n    name = 'd'\n    def index(self, q, fields):\n        return self.s(q)\n"
+     "    def s(self, q):\n        return F.topk(q * self.sink_blocks)", "a stage may not read self.sink_blocks"),
+    ("class D(DecodeFlow):\n    name = 'd'\n    def index(self, q, fields):\n        return F.topk(q * self.block_size)",
+     None),
 ])
 def test_source_rules(tmp_path, code, needle):
     path = tmp_path / "flow.py"

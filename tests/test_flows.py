@@ -44,7 +44,7 @@ def paged_case(block_size: int, lens: list[int], seed: int = 0):
 def prefill_cache(attn: FlowAttention, kv: KVCache, bt: torch.Tensor, lens: list[int]) -> None:
     bs = kv.block_size
     blocks = torch.cat([bt[i, : n // bs] for i, n in enumerate(lens)]).long()
-    attn._run_cache(0, kv, blocks, blocks)
+    attn.run_cache(0, kv, blocks, blocks)
 
 
 def selected_sets(attn, kv, bt, meta, q) -> list[list[set[int]]]:
@@ -237,7 +237,7 @@ def test_compiled_executor_equals_reference(name):
     pos = torch.tensor([lens[0] - 1 + 9, lens[1] - 1])  # second row completes its last block
     phys = bt.gather(1, (pos // 16).view(-1, 1)).view(-1).long()
     for attn in (ref, comp):
-        attn._run_cache(0, kv, phys, phys, fixed_shape=True)
+        attn.run_cache(0, kv, phys, phys, fixed_shape=True)
     for f in ref.fields[0]:
         assert torch.allclose(ref.fields[0][f], comp.fields[0][f], atol=1e-6, rtol=1e-6)
     assert selected_sets(ref, kv, bt, meta, q) == selected_sets(comp, kv, bt, meta, q)
@@ -310,7 +310,7 @@ def test_a_started_block_loses_the_previous_owners_fields():
     lens = [5 * 16 + 1, 3 * 16 + 7]  # row 0's new token starts block 5
     kv, bt, meta, _ = paged_case(16, lens, seed=1)
     attn = FlowAttention(build_flow("loopserve_decode", {"budget": "64"}), HEAD_DIM**-0.5)
-    for t in attn._stores(0, kv).values():
+    for t in attn.stores(0, kv).values():
         t.fill_(7.0)
     attn._write_fields(0, kv, meta)
     started, other = bt[0, 5].item(), bt[1, 3].item()

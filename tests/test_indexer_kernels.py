@@ -140,11 +140,12 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     prefill_cache(gen, kv, bt, lens)
     for field, want in ref.fields[0].items():
         torch.testing.assert_close(gen.fields[0][field], want, rtol=1e-5, atol=1e-5)
-    args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv))
-    want_score, want_counts, _, _ = ref._score_tensors(*args)
-    indexer = gen._indexer_kernel(kv, GROUP)
+    rule = flow.budget_rule.tensor(q.device)
+    args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv), rule)
+    want_score, want_counts, _, _ = ref.stages.score_tensors(*args)
+    indexer = gen.stages.indexer_kernel(GROUP, HEAD_DIM)
     score, counts = indexer(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, ref.fields[0], None, ref.constants(0, kv),
-                            HKV, flow.budget_rule)
+                            HKV, rule)
     assert torch.equal(counts, want_counts)
     assert torch.equal(torch.isinf(score), torch.isinf(want_score))
     torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
@@ -183,14 +184,14 @@ def test_generated_cache_stage_at_decode(name, tmp_path):
     flow = _flow(name, block_size, tmp_path)
     ref, gen = _attn(flow), _attn(flow, "compiled", use_triton=True)
     for attn in (ref, gen):
-        stores = attn._stores(0, kv)
+        stores = attn.stores(0, kv)
         pos = meta.seq_lens.long() - 1
         phys = bt.gather(1, (pos // block_size).view(-1, 1)).view(-1).long()
         if attn is ref:
             done = (pos % block_size) == block_size - 1
-            ref._run_cache(0, kv, phys, torch.where(done, phys, kv.null_block))
+            ref.run_cache(0, kv, phys, torch.where(done, phys, kv.null_block))
         else:
-            gen._cache_kernel(kv).decode(kv.k[0], kv.v[0], pos, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores,
+            gen.stages.cache_kernel(HEAD_DIM).decode(kv.k[0], kv.v[0], pos, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores,
                                          gen.constants(0, kv))
     for field, want in ref.fields[0].items():
         got = gen.fields[0][field]
@@ -211,10 +212,10 @@ def test_generated_counts_follow_budget_rule(extra):
     stores = {n: torch.randn(2, hkv, 1, HEAD_DIM, dtype=torch.float64) for n in ("kmax", "kmin")}
     q = torch.randn(width, hkv * GROUP, HEAD_DIM, dtype=torch.float64)
     want = torch.tensor([flow.budget_blocks(int(n)) for n in range(1, width + 1)], dtype=torch.int32)
-    ref = _attn(flow)._score_tensors(q, table, lens.int(), stores, None, hkv, bs, 1, {})[1]
+    ref = _attn(flow).stages.score_tensors(q, table, lens.int(), stores, None, hkv, bs, 1, {}, flow.budget_rule.tensor())[1]
     got = build_indexer(flow, GROUP, HEAD_DIM)(
         q.to(DEVICE), PagedBlocks(table.to(DEVICE), 1), lens.int().to(DEVICE), {n: t.to(DEVICE) for n, t in stores.items()},
-        None, {}, hkv, flow.budget_rule)[1].cpu()
+        None, {}, hkv, flow.budget_rule.tensor(DEVICE))[1].cpu()
     assert torch.equal(ref, want) and torch.equal(got, want)
 
 
@@ -236,7 +237,7 @@ def test_one_indexer_serves_every_budget(tmp_path):
             prefill_cache(attn, kv, bt, lens)
         want, want_n = ref.select(0, q, kv, meta)
         got, got_n = gen.select(0, q, kv, meta)
-        assert gen._indexer_kernel(kv, GROUP) is shared and "generated" in gen.paths["index"]
+        assert gen.stages.indexer_kernel(GROUP, HEAD_DIM) is shared and "generated" in gen.paths["index"]
         assert torch.equal(got_n, want_n)
         for b in range(len(lens)):
             for h in range(HKV):
@@ -314,10 +315,11 @@ def test_kv_layouts_score_alike(tmp_path):
     ref = _attn(flow)
     prefill_cache(ref, kv, bt, lens)
     stores, k_pool = ref.fields[0], kv.k[0]
-    want_score, want_counts, _, _ = ref._score_tensors(q, bt, meta.seq_lens, stores, k_pool, HKV, block_size,
-                                                       kv.null_block, {})
+    rule = flow.budget_rule.tensor(q.device)
+    want_score, want_counts, _, _ = ref.stages.score_tensors(q, bt, meta.seq_lens, stores, k_pool, HKV, block_size,
+                                                             kv.null_block, {}, rule)
     paged = build_indexer(flow, GROUP, HEAD_DIM)
-    score, counts = paged(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores, k_pool, {}, HKV, flow.budget_rule)
+    score, counts = paged(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores, k_pool, {}, HKV, rule)
     assert torch.equal(counts, want_counts) and torch.equal(torch.isinf(score), torch.isinf(want_score))
     torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
 
@@ -326,6 +328,6 @@ def test_kv_layouts_score_alike(tmp_path):
     slots = k_pool.permute(0, 2, 1, 3).reshape(-1, HKV, HEAD_DIM)  # slot = block * block_size + token
     pos = torch.arange(bt.shape[1] * block_size, device=bt.device)
     req_to_token = (bt[:, pos // block_size] * block_size + pos % block_size).to(torch.int32)
-    got, got_counts = token(q, (req_to_token, kv.null_block), meta.seq_lens, stores, slots, {}, HKV, flow.budget_rule)
+    got, got_counts = token(q, (req_to_token, kv.null_block), meta.seq_lens, stores, slots, {}, HKV, rule)
     assert torch.equal(got_counts, counts)
     torch.testing.assert_close(got, score)

@@ -111,7 +111,7 @@ def test_reuse_prefill_fills_the_decode_flows_fields(smollm):
         attn, layer, bs = smollm.backends[5], 5, smollm.kv.block_size
         with torch.inference_mode():  # as the engine makes them: inference tensors
             attn.fields.pop(layer, None)
-            for t in attn._stores(layer, smollm.kv).values():
+            for t in attn.stores(layer, smollm.kv).values():
                 t.fill_(7.0)
         seq, _ = smollm.add_reuse_request(layout, SamplingParams(max_tokens=3, ignore_eos=True))
         n, table = len(layout.token_ids), seq.block_table

@@ -1,13 +1,17 @@
-"""Running a decode flow inside the engine: the reference executor (torch).
+"""Running a decode flow inside the engine: `FlowAttention`, an `AttentionBackend`.
 
-`FlowAttention` is an `AttentionBackend`. On KV write it runs the flow's cache stage for every
-block the write completes and stores the fields per physical block. On decode it gathers the
-fields of each sequence's blocks, runs the indexer per (request, KV head) row, applies the
-always-kept blocks and the budget, takes an exact top-k on device, and attends over the
-selected blocks with the sparse paged kernel. Decode reads tensors only (no host values), so
-the whole step, indexer included, is captured in the engine's CUDA graphs. A calibrated flow's
-per-layer constants (`const`) are tensors passed into the stage functions like the pool, so the
-compiled executor sees them as inputs, not as captured attributes.
+On KV write it runs the flow's cache stage for every block the write completes and stores the
+fields per physical block. On decode it gathers the fields of each sequence's blocks, runs the
+indexer per (request, KV head) row, applies the always-kept blocks and the budget, takes an exact
+top-k on device, and attends over the selected blocks with the sparse paged kernel. Decode reads
+tensors only (no host values), so the whole step, indexer included, is captured in the engine's
+CUDA graphs. A calibrated flow's per-layer constants (`const`) are tensors passed into the stage
+functions like the pool, so the compiled executor sees them as inputs, not as captured attributes.
+
+The stages' code is `FlowStages`, shared by every flow with the same kernel key; this backend
+holds one engine's state (field stores, constants, the budget rule's device tensor). `retune`
+swaps in a flow of the same kernel key: the rule tensor is rewritten in place, so compiled
+kernels and captured graphs stay valid unless the selection width changes.
 """
 
 from __future__ import annotations
@@ -21,16 +25,13 @@ from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.stages import stage
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.compile import (
-    CacheKernel, ForcedOnly, IndexerKernel, NotBlockLocal, PagedBlocks, build_cache, build_indexer,
-)
-from sparsetune.flow.ops import FT, Fields
-from sparsetune.flow.trace import field_dims, saves_state
+from sparsetune.flow.compile import PagedBlocks
+from sparsetune.flow.stages import EXECUTORS, FlowStages, flow_stages, torch_topk
+from sparsetune.flow.trace import field_dims
 from sparsetune.kernels import paged_decode
 from sparsetune.kernels.select_topk import select_topk
 
-
-EXECUTORS = ("reference", "compiled")
+__all__ = ["EXECUTORS", "FlowAttention", "channel_selector"]
 
 
 def channel_selector(order: Sequence[Sequence[int]], channels: int) -> torch.Tensor:
@@ -43,19 +44,8 @@ def channel_selector(order: Sequence[Sequence[int]], channels: int) -> torch.Ten
     return torch.nn.functional.one_hot(idx[:, :channels], d).float()
 
 
-def const_rows(const: dict[str, torch.Tensor], n: int) -> dict[str, FT]:
-    """Per-KV-head constants `[Hkv, r, c]` as flow tensors over `n * Hkv` rows ordered (n, head),
-    the layout of the stages' rows (blocks x heads in the cache stage, requests x heads in the
-    indexer). A view when n == 1 or Hkv == 1, else a small copy: (n, head) rows of a per-head
-    constant are no strided view."""
-    return {name: FT(c.expand(n, *c.shape).reshape(n * c.shape[0], 1, *c.shape[1:])) for name, c in const.items()}
-
-
 class FlowAttention(DenseAttention):
-    """Executes a decode flow. `executor="reference"` runs the stages op by op in torch (the
-    ground truth). `"compiled"` on GPU runs a generated Triton kernel per block-local stage
-    (`flow.compile`) and the radix-select top-k, and hands other stages to torch.compile; on CPU
-    it torch.compiles the same stage functions (C++)."""
+    """Executes a decode flow with the stages of `executor` (`FlowStages`)."""
 
     name = "flow"
 
@@ -71,64 +61,56 @@ class FlowAttention(DenseAttention):
         if flow.calibrated and calibration is None:
             raise ValueError(f"flow {flow.name!r} is calibrated: pass its channel calibration")
         self.flow = flow
+        self.stages: FlowStages = flow_stages(flow, executor)
         # Built (and `channels` checked against head_dim) now, on the host; moved to the pool's
         # device and dtype on first use, as the field stores are created (the engine's warm-up
         # step before graph capture is eager).
         self._selectors = [channel_selector(order, flow.channels) for order in calibration] if flow.calibrated else []
         self._const: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [Hkv, r, c]
+        self._rule: torch.Tensor | None = None  # the budget rule on the pool's device (`rule`)
         self.name = flow.name
         self.executor = executor
         self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [blocks + 1, Hkv, r, c]
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (blocks, counts)
         # The latest selection of this step, reused by layers outside `select_layers` (TidalDecode).
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._select_fn = self._select_tensors
-        self._score_fn = self._score_tensors
-        self._cache_fn = self._cache_tensors
-        # The generated kernels (indexer, cache stage), built on first use; None: not block-local.
-        self._generated: dict[str, IndexerKernel | CacheKernel | None] = {}
-        self._saves_state: bool | None = None  # F.save in the indexer (found on first use)
-        self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
-        self._forced_only = False  # the indexer keeps only sink/local blocks (known once it is traced)
-        if executor == "compiled":
-            # One code object serves every flow class and batch shape; dynamo's default of 8
-            # variants per code object is too few once several flows run in one process.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._select_fn = torch.compile(self._select_tensors, dynamic=False)
-            self._score_fn = torch.compile(self._score_tensors, dynamic=False)
-            self._cache_fn = torch.compile(self._cache_tensors, dynamic=False)
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Stage -> how the compiled executor runs it (for reports)."""
+        return self.stages.paths
+
+    def retune(self, flow: DecodeFlow) -> None:
+        """Run `flow`, of this backend's kernel key, from now on: its budget rule is written into the
+        same device tensor (captured graphs read the new values); stores and kernels are kept."""
+        if flow.kernel_key() != self.flow.kernel_key():
+            raise ValueError(f"retune needs a flow of the same kernel key as {self.flow.name!r}")
+        self.flow, self.name = flow, flow.name
+        if self._rule is not None:
+            with torch.inference_mode():  # created inside the engine's steps: an inference tensor
+                self._rule.copy_(flow.budget_rule.tensor())
+        for layer in flow.dense_layers:  # fields of layers that no longer select
+            self.fields.pop(layer, None)
+
+    def rule(self, device: torch.device) -> torch.Tensor:
+        """The budget rule's device tensor (created on first use, then only ever written in place)."""
+        if self._rule is None:
+            self._rule = self.flow.budget_rule.tensor(device)
+        return self._rule
+
+    def selection_width(self, width: int, head_dim: int) -> int:
+        """Blocks per row of a selection over a block table `width` blocks wide: a shape of the
+        step (a captured graph holds it; a flow that changes it needs new graphs)."""
+        if self.stages.traits(head_dim).forced_only:
+            return self.flow.sink_blocks + self.flow.local_blocks
+        return min(width, self.flow.budget_blocks(width))
 
     def _generated_path(self, x: torch.Tensor) -> bool:
         """The compiled executor on the Triton path runs sparsetune's own kernels: the generated
         stages where they are block-local, the radix-select top-k always."""
         return self.executor == "compiled" and self.triton_path(x)
 
-    def _indexer_kernel(self, kv: KVCache, group: int) -> IndexerKernel | None:
-        """The generated indexer (None: not block-local; the compiled torch indexer runs), built once."""
-        if "index" not in self._generated:
-            try:
-                self._generated["index"] = build_indexer(self.flow, group, kv.head_dim)
-                self.paths["index"] = "generated Triton kernel + radix-select top-k"
-            except ForcedOnly:
-                self._generated["index"], self._forced_only = None, True
-                self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
-            except NotBlockLocal as e:
-                self._generated["index"] = None
-                self.paths["index"] = f"torch.compile (not block-local: {e}) + radix-select top-k"
-        return self._generated["index"]  # type: ignore[return-value]
-
-    def _cache_kernel(self, kv: KVCache) -> CacheKernel | None:
-        """The generated cache stage (None: not block-local; the compiled torch stage runs), built once."""
-        if "cache" not in self._generated:
-            try:
-                self._generated["cache"] = build_cache(self.flow, kv.head_dim)
-                self.paths["cache"] = "generated Triton kernel"
-            except NotBlockLocal as e:
-                self._generated["cache"] = None
-                self.paths["cache"] = f"torch.compile (not block-local: {e})"
-        return self._generated["cache"]  # type: ignore[return-value]
-
-    def _stores(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
+    def stores(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
         """Layer's field stores, `[blocks + 1, Hkv, r, c]` each (the last block is the null block)."""
         store = self.fields.get(layer)
         if store is None:
@@ -162,12 +144,12 @@ class FlowAttention(DenseAttention):
                 self.zero_fields(layer, kv, torch.cat(open_).long())
             blocks = torch.cat(done).long()
             if blocks.numel():
-                self._run_cache(layer, kv, blocks, blocks)
+                self.run_cache(layer, kv, blocks, blocks)
         else:
             pos = meta.positions
-            cache = self._cache_kernel(kv) if self._generated_path(kv.k) else None
-            store = self._stores(layer, kv)
-            generated, stateful = cache is not None and bool(store), self._stateful(kv)
+            cache = self.stages.cache_kernel(kv.head_dim) if self._generated_path(kv.k) else None
+            store = self.stores(layer, kv)
+            generated, stateful = cache is not None and bool(store), self.stages.traits(kv.head_dim).saves_state
             if stateful or not generated:  # the generated stage finds the blocks itself
                 phys = meta.block_tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long()
             if stateful:  # a stateless flow never reads the open block's fields (always kept)
@@ -181,15 +163,10 @@ class FlowAttention(DenseAttention):
             completing = ((pos % bs) == bs - 1) & (meta.seq_lens > 0)
             # Graph-safe: every row computes; rows that complete nothing write to the null block.
             target = torch.where(completing, phys, torch.full_like(phys, kv.null_block))
-            self._run_cache(layer, kv, phys, target, fixed_shape=True)
-
-    def _stateful(self, kv: KVCache) -> bool:
-        if self._saves_state is None:
-            self._saves_state = saves_state(self.flow, kv.head_dim)
-        return self._saves_state
+            self.run_cache(layer, kv, phys, target, fixed_shape=True)
 
     def zero_fields(self, layer: int, kv: KVCache, blocks: torch.Tensor) -> None:
-        for t in self._stores(layer, kv).values():
+        for t in self.stores(layer, kv).values():
             t.index_fill_(0, blocks, 0)
 
     def rebuild_fields(self, layer: int, kv: KVCache, block_table: torch.Tensor, num_tokens: int) -> None:
@@ -199,7 +176,7 @@ class FlowAttention(DenseAttention):
         if num_tokens % kv.block_size:
             self.zero_fields(layer, kv, block_table[num_tokens // kv.block_size :][:1].long())
         if full.numel():
-            self._run_cache(layer, kv, full, full)
+            self.run_cache(layer, kv, full, full)
 
     def constants(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
         """The flow's constants of `layer` (name → `[Hkv, r, c]`), in the pool's dtype and device."""
@@ -210,26 +187,17 @@ class FlowAttention(DenseAttention):
             const = self._const[layer] = {"channels": self._selectors[layer].to(kv.k.device, kv.k.dtype)}
         return const
 
-    def _cache_tensors(
-        self, k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor, const: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """The cache stage on the blocks `src` of one layer's pool → field name → `[T, Hkv, r, c]`."""
-        t, h, bs, d = src.numel(), k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
-        k, v = FT(k_pool[src].reshape(t * h, 1, bs, d)), FT(v_pool[src].reshape(t * h, 1, bs, d))
-        out = self.flow.run_cache(k, v, const_rows(const, t))
-        return {name: ft.data.reshape(t, h, *ft.shape[1:]) for name, ft in out.items()}
-
-    def _run_cache(self, layer: int, kv: KVCache, src: torch.Tensor, dst: torch.Tensor, fixed_shape: bool = False) -> None:
-        store = self._stores(layer, kv)
+    def run_cache(self, layer: int, kv: KVCache, src: torch.Tensor, dst: torch.Tensor, fixed_shape: bool = False) -> None:
+        store = self.stores(layer, kv)
         if not store:
             return
         if self._generated_path(kv.k):
-            cache = self._cache_kernel(kv)
+            cache = self.stages.cache_kernel(kv.head_dim)
             if cache is not None:
                 cache(kv.k[layer], kv.v[layer], src, dst, store, self.constants(layer, kv))
                 return
         # Prefill chunks vary in size (no point compiling each); decode's shapes are fixed.
-        fn = self._cache_fn if fixed_shape else self._cache_tensors
+        fn = self.stages.cache_fn if fixed_shape else self.stages.cache_tensors
         out = fn(kv.k[layer], kv.v[layer], src, self.constants(layer, kv))
         for name, f in out.items():
             store[name][dst] = f.to(store[name].dtype)
@@ -251,115 +219,33 @@ class FlowAttention(DenseAttention):
                 raise RuntimeError(f"layer {layer} reuses a selection but no select layer ran before it")
             blocks, counts = self._shared
         else:
-            stores = self._stores(layer, kv)
+            st, h, bs = self.stages, kv.num_kv_heads, kv.block_size
+            stores, rule = self.stores(layer, kv), self.rule(q.device)
             args = (q, meta.block_tables, meta.seq_lens, stores, kv.k[layer] if self.flow.uses_keys else None,
-                    kv.num_kv_heads, kv.block_size, kv.null_block, self.constants(layer, kv))
+                    h, bs, kv.null_block, self.constants(layer, kv), rule)
             generated = self._generated_path(q)
-            indexer = self._indexer_kernel(kv, q.shape[1] // kv.num_kv_heads) if generated else None
-            if generated and not self._forced_only:  # scoring (generated, else compiled torch), radix select
+            indexer = st.indexer_kernel(q.shape[1] // h, kv.head_dim) if generated else None
+            k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)
+            if generated and not st.traits(kv.head_dim).forced_only:  # scoring (generated, else compiled torch), radix select
                 if indexer is not None:
                     score, counts = indexer(q, PagedBlocks(meta.block_tables, kv.null_block), meta.seq_lens, stores,
-                                            args[4], args[8], kv.num_kv_heads, self.flow.budget_rule)
+                                            args[4], args[8], h, rule)
                     saved, table = {}, meta.block_tables
                 else:
-                    score, counts, saved, table = self._score_fn(*args)
+                    score, counts, saved, table = st.score_fn(*args)
                 with stage("topk"):
-                    blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, select_topk)
-            elif self._select_fn == self._select_tensors:  # reference: `_select_tensors` in its two steps,
-                score, counts, saved, table = self._score_tensors(*args)  # so a profile sees the top-k apart
+                    blocks = st.top_blocks(score, counts, meta.seq_lens, h, bs, select_topk, k, rule)
+            elif st.select_fn == st.select_tensors:  # reference: `select_tensors` in its two steps,
+                score, counts, saved, table = st.score_tensors(*args)  # so a profile sees the top-k apart
                 with stage("topk"):
-                    blocks = self._top_blocks(score, counts, meta.seq_lens, kv.num_kv_heads, kv.block_size, _torch_topk)
+                    blocks = st.top_blocks(score, counts, meta.seq_lens, h, bs, torch_topk, k, rule)
             else:  # CPU-compiled, or always-kept blocks only: one tensor function
-                blocks, counts, saved, table = self._select_fn(*args)
+                blocks, counts, saved, table = st.select_fn(*args, k)
             b = q.shape[0]
-            blocks, counts = blocks.view(b, kv.num_kv_heads, -1), counts.view(b, kv.num_kv_heads)
+            blocks, counts = blocks.view(b, h, -1), counts.view(b, h)
             for name, value in saved.items():  # state for the next step; padding lands in the null block
                 stores[name][table] = value.to(stores[name].dtype)
             self._shared = (blocks, counts)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for inspection, eager only
             self.last_selection[layer] = (blocks, counts)
         return blocks, counts
-
-    def _select_tensors(
-        self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
-        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """Indexer + selection with torch.topk, as one tensor function (the reference, and what the
-        compiled executor compiles where the generated kernels do not run)."""
-        score, counts, saved, table = self._score_tensors(q, block_tables, seq_lens, stores, k_pool, h, bs, null_block, const)
-        return self._top_blocks(score, counts, seq_lens, h, bs, _torch_topk), counts, saved, table
-
-    def _top_blocks(
-        self, score: torch.Tensor | None, counts: torch.Tensor, seq_lens: torch.Tensor, h: int, bs: int, topk
-    ) -> torch.Tensor:
-        """The selected blocks `[R, K]`: the first `counts[r]` entries of row r count."""
-        flow = self.flow
-        if score is None:
-            # Only the always-kept blocks (StreamingLLM): their indices are arithmetic, no top-k.
-            forced_n = flow.sink_blocks + flow.local_blocks
-            nb = ((seq_lens.long() + bs - 1) // bs).repeat_interleave(h)
-            k = torch.arange(forced_n, device=seq_lens.device)
-            tail = nb[:, None] - forced_n + k  # the last local_blocks blocks
-            return torch.where((nb[:, None] >= forced_n) & (k >= flow.sink_blocks), tail, k).to(torch.int32)
-        width = score.shape[1]
-        return topk(score, counts, min(width, flow.budget_blocks(width)))
-
-    def _score_tensors(
-        self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
-        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The indexer over every (request, KV head) row, in float32 or wider. Returns the masked
-        scores `[R, W]` (always-kept blocks +inf, blocks past the sequence -inf; None for a flow
-        that keeps only those), the blocks each row attends `[R]`, the saved state values as
-        `[B, W, Hkv, r, c]` and the block table they belong to (past each sequence: the null block)."""
-        flow = self.flow
-        b, hq, d = q.shape
-        rows = b * h
-        width = block_tables.shape[1]
-        nblocks = (seq_lens.long() + bs - 1) // bs  # [B]
-        idx = torch.arange(width, device=q.device)
-        # Table entries past a sequence's blocks are garbage: read the null block's fields instead.
-        table = torch.where(idx < nblocks[:, None], block_tables.long(), null_block)
-        nb = nblocks.repeat_interleave(h)  # [R]
-        valid = idx < nb[:, None]  # [R, width]
-
-        # Indexer math in float32 (float64 stays), as the generated kernels compute; a flow that
-        # reads raw keys stays in the pool's dtype: its key GEMMs are its cost, and bf16 GEMMs
-        # accumulate in fp32 anyway.
-        wide = _wide if k_pool is None else (lambda t: t)
-        fields = Fields(
-            {
-                name: FT(wide(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:])), valid)
-                for name, store in stores.items()
-            }
-        )
-        if k_pool is not None:
-            # Raw keys [R, W, bs, D]; slots past the sequence end hold stale data: zero them.
-            keys = k_pool[table].permute(0, 2, 1, 3, 4)  # [B, Hkv, W, bs, D]
-            live = (idx[:, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[:, None, None]  # [B, W, bs]
-            keys = keys * live[:, None, :, :, None].to(keys.dtype)
-            dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))
-        const_ft = const_rows({n: wide(c) for n, c in const.items()}, b)
-        sel = flow.run_index(FT(wide(q).reshape(rows, 1, hq // h, d)), fields, const_ft)
-        forced_n = flow.sink_blocks + flow.local_blocks
-        if sel.score is None:
-            return None, torch.minimum(nb, torch.full_like(nb, forced_n)).to(torch.int32), {}, table
-        score = sel.score.data.reshape(rows, width).float()
-        rule = flow.budget_rule
-        forced = (idx < rule.sink) | (idx >= nb[:, None] - rule.local)
-        lowest = torch.finfo(torch.float32).min
-        score = score.nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
-        score = score.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-        saved = {
-            name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
-        }
-        return score, rule.counts(nb).to(torch.int32), saved, table
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """float32 or wider: bf16 products would reorder close blocks."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _torch_topk(score: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-    return score.topk(k, dim=1).indices.to(torch.int32)  # forced (+inf) first, padding (-inf) last

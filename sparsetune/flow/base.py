@@ -36,26 +36,47 @@ from sparsetune.flow.params import Configurable, Param
 class BudgetRule(NamedTuple):
     """Which blocks a sequence of `nb` blocks attends: its first `sink` and last `local` blocks
     always, and min(nb, max(ceil(ratio * nb), floor)) blocks in all, the product in float64.
-    `blocks` (Python), `counts` (torch) and `TRITON` (the generated indexer, where the four
-    numbers are kernel arguments) are the same rule."""
+    `blocks` (Python), `counts_of` (torch) and `TRITON_*` (the generated indexer) are the same rule.
+
+    At run time the rule is a small float64 tensor on the device (`tensor`: sink, local, ratio,
+    floor) that the indexer reads, so a new budget, sink or local setting is written into the
+    same tensor: compiled kernels and captured CUDA graphs stay valid."""
 
     sink: int
     local: int
     ratio: float  # 0.0: a fixed budget, all in `floor`
     floor: int  # never fewer blocks (the always-kept ones included)
 
-    # The generated indexer's parameters, in field order (launched with `*rule`), and its statements
-    # setting `want` from `nb`.
-    TRITON_PARAMS = ("SINK", "LOCAL", "RATIO: tl.float64", "FLOOR")
+    # The generated indexer's parameter (a pointer to `tensor`), the statements that read it, and
+    # the statements setting `want` (the blocks a row attends) from `nb`.
+    TRITON_PARAM = "rule"
+    TRITON_LOAD = ("SINK = tl.load(rule).to(tl.int32)", "LOCAL = tl.load(rule + 1).to(tl.int32)",
+                   "RATIO = tl.load(rule + 2)", "FLOOR = tl.load(rule + 3).to(tl.int32)")
     TRITON = ("p = nb.to(tl.float64) * RATIO", "want = p.to(tl.int32)",
               "want = want + (want.to(tl.float64) < p).to(tl.int32)", "want = tl.minimum(tl.maximum(want, FLOOR), nb)")
 
     def blocks(self, nb: int) -> int:
         return min(nb, max(math.ceil(self.ratio * nb), self.floor))
 
-    def counts(self, nb: torch.Tensor) -> torch.Tensor:
-        """`blocks` of every entry of an integer tensor (graph-safe)."""
-        return torch.minimum(torch.ceil(nb.double() * self.ratio).long().clamp(min=self.floor), nb.long())
+    def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The rule as the runtime reads it: float64 `[sink, local, ratio, floor]`."""
+        return torch.tensor([self.sink, self.local, self.ratio, self.floor], dtype=torch.float64, device=device)
+
+    @staticmethod
+    def counts_of(rule: torch.Tensor, nb: torch.Tensor) -> torch.Tensor:
+        """`blocks` of every entry of an integer tensor, for the rule tensor `rule` (graph-safe)."""
+        want = torch.ceil(nb.double() * rule[2]).long()
+        return torch.minimum(torch.maximum(want, rule[3].long()), nb.long())
+
+    @staticmethod
+    def forced_of(rule: torch.Tensor, idx: torch.Tensor, nb: torch.Tensor) -> torch.Tensor:
+        """Which block indices `idx` are always kept in sequences of `nb` blocks (broadcasting)."""
+        return (idx < rule[0]) | (idx >= nb - rule[1])
+
+
+# Params the runtime reads (the budget rule and which layers select): no stage may read them, so a
+# flow that changes only these keeps its compiled stages (`DecodeFlow.kernel_key`).
+RUNTIME_PARAMS = ("budget", "budget_ratio", "sink_blocks", "local_blocks", "dense_layers", "select_layers")
 
 
 class DecodeFlow(Configurable):
@@ -109,6 +130,11 @@ class DecodeFlow(Configurable):
         if self.budget_ratio is not None:
             return BudgetRule(self.sink_blocks, self.local_blocks, float(self.budget_ratio), forced)
         return BudgetRule(self.sink_blocks, self.local_blocks, 0.0, max(-(-self.budget // self.block_size), forced))
+
+    def kernel_key(self) -> tuple:
+        """What the compiled stages depend on: the class and every param but `RUNTIME_PARAMS`.
+        Flows with equal keys share their stages' code (kernels, compiled functions)."""
+        return (type(self), tuple((k, v) for k, v in self.params().items() if k not in RUNTIME_PARAMS))
 
     def budget_blocks(self, num_blocks: int) -> int:
         """Blocks attended for a sequence of `num_blocks` blocks (never fewer than the forced ones)."""

@@ -166,7 +166,7 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     # Cache stage over every full block, as a prefill that wrote all tokens would run it.
     blocks = torch.cat([bt[i, : lens[i] // bs] for i in range(len(lens))]).long()
     if blocks.numel():
-        attn._run_cache(0, kv, blocks, blocks)
+        attn.run_cache(0, kv, blocks, blocks)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=g, dtype=torch.float64)
     meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
                              torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), [0, 1, 2])

@@ -17,7 +17,8 @@ parses the file, runs these checks, and executes it only if they pass. The rules
    (`torch.load`, `.hub`, `._C`); no special methods but `__init__`.
 3. Decode flows (subclasses of `DecodeFlow`, seen from the class's bases, as imported names): the
    stages `cache` and `index`, and the helper methods they call through `self`, use flow ops
-   (`F.*`) and a few value builtins only. Reuse flows (`ReuseFlow`) are plain torch; rules 1 and
+   (`F.*`) and a few value builtins only, and read none of the params the runtime applies
+   (`RUNTIME_PARAMS`: budget, sink and local blocks, dense and select layers). Reuse flows (`ReuseFlow`) are plain torch; rules 1 and
    2 apply to them.
 
 This is a pre-check that keeps honest mistakes and obvious abuse from running; it is NOT a
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsetune.errors import SparsetuneError
+from sparsetune.flow.base import RUNTIME_PARAMS
 
 ALLOWED_MODULES = frozenset({
     "__future__", "math", "typing",
@@ -387,6 +389,10 @@ class FlowSource:
                     problems.append(Problem(line, "imports are not allowed inside a flow stage"))
                 elif isinstance(node, ast.Name) and node.id in banned:
                     problems.append(Problem(line, f"`{node.id}` is not allowed in a flow stage; use flow ops (F.*)"))
+                elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                      and node.attr in RUNTIME_PARAMS):
+                    problems.append(Problem(line, f"a stage may not read self.{node.attr}: the runtime applies it "
+                                                  "(budget rule, layer routing) and changes it without recompiling"))
                 elif isinstance(node, ast.Call):
                     f = node.func
                     if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ops:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import torch
 
@@ -141,9 +141,14 @@ def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int,
     return {n: tuple(t.shape[1:]) for n, t in flow.run_cache(x.k, x.v, x.const).items()}  # type: ignore[misc]
 
 
-def saves_state(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> bool:
-    """Whether the indexer saves state with F.save (run once on dummy inputs)."""
+class IndexTraits(NamedTuple):
+    saves_state: bool  # the indexer saves state with F.save
+    forced_only: bool  # it scores nothing (F.keep_only_forced): the selection is the always-kept blocks
+
+
+def index_traits(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> IndexTraits:
+    """What the indexer does, found by running it once on dummy inputs."""
     x = dummy_inputs(flow, head_dim, const_dims=const_dims)
     q, fields = x.index(field_dims(flow, head_dim, const_dims), group=2)
-    flow.run_index(q, fields, x.const)
-    return bool(fields.saved)
+    sel = flow.run_index(q, fields, x.const)
+    return IndexTraits(bool(fields.saved), sel.score is None)

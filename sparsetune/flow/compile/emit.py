@@ -67,10 +67,9 @@ def with_strides(t: torch.Tensor) -> list[object]:
     return [t, *t.stride()]
 
 
-def kernel_source(name: str, signature: list[str], lines: list[str], doc: str, runtime: tuple[str, ...] = ()) -> str:
-    """A module holding one kernel; `runtime`: scalar parameters left unspecialized (one binary for every value)."""
-    keep = f"(do_not_specialize={[p.split(':')[0] for p in runtime]!r})" if runtime else ""
-    return "\n".join([f'"""{doc}"""', "import triton", "import triton.language as tl", "", "", f"@triton.jit{keep}",
+def kernel_source(name: str, signature: list[str], lines: list[str], doc: str) -> str:
+    """A module holding one kernel."""
+    return "\n".join([f'"""{doc}"""', "import triton", "import triton.language as tl", "", "", "@triton.jit",
                       f"def {name}({', '.join(signature)}):", *(f"    {line}" for line in lines), ""])
 
 

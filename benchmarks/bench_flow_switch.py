@@ -1,0 +1,140 @@
+"""What switching the decode flow of a warm engine costs: 50 parameter sets of quest and block_topk.
+
+    python benchmarks/bench_flow_switch.py --model qwen3-8b --batch 8 --context 4096 --json-out switch.json
+    python benchmarks/bench_flow_switch.py --rebuild ...   # the same switches, each building a new backend
+
+A search worker runs thousands of trials on one engine, each a `LLM.set_flow`. The engine keeps
+what a switch leaves valid: a flow of the loaded backend's kernel key (budget, sink and local
+blocks, dense and select layers differ) is retuned in place; graphs are recaptured only when the
+routing or the selection width (blocks per row, a shape inside the graphs) changed. Each switch
+is timed (`set_flow`, then the first decode steps after it, where a lazy compile would land) and
+its Triton compiles (`triton.knobs.compilation.listener`), dynamo graphs
+(`torch._dynamo.utils.counters`) and eager fallbacks (frames dynamo gave up on) are counted.
+`--rebuild` drops the backend before each switch: the cost of building one for every trial.
+Random weights (speed only); on CPU the reference executor runs and there are no graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.llm import LLM
+from sparsetune.perf.timing import sync
+
+KINDS = ("retune", "recapture", "rebuild")
+
+
+def param_sets(budget: int) -> list[tuple[str, dict[str, str]]]:
+    """50 switches: quest and block_topk in runs of 5, each run mixing settings that keep every
+    shape (sink/local blocks; a budget in the same whole number of blocks) with ones that change
+    the selection width (budget, budget_ratio) or the routed layers (dense_layers)."""
+    same = [{"sink_blocks": "2", "local_blocks": "2"}, {"sink_blocks": "0", "local_blocks": "1"},
+            {"budget": str(budget - 7)}, {"sink_blocks": "4", "local_blocks": "8"}, {"local_blocks": "16"},
+            {"sink_blocks": "1", "local_blocks": "2"}]
+    shape = [{"budget": str(budget // 2)}, {"budget": str(budget * 2)}, {"budget_ratio": "0.125"}, {"budget": str(budget)}]
+    layers = [{"dense_layers": "0"}, {"dense_layers": "0,1,2,3"}, {"dense_layers": ""}, {"dense_layers": "0,1"}]
+    order = [same[0], same[1], shape[0], same[2], layers[0], same[3], shape[1], same[4], layers[1], same[5],
+             shape[2], same[0], layers[2], same[1], shape[3], same[2], layers[3], same[3], shape[0], same[4],
+             same[5], shape[1], same[0], layers[0], same[1]]  # 25 per flow
+    out, seq = [], {"quest": iter(order), "block_topk": iter(order)}
+    for run in range(10):
+        name = "quest" if run % 2 == 0 else "block_topk"
+        out += [(name, {"budget": str(budget), **next(seq[name])}) for _ in range(5)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=4, help="decode steps after each switch")
+    ap.add_argument("--rebuild", action="store_true", help="build a new backend at every switch (the old behaviour)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    import triton
+
+    compiles: list[bool] = []
+    triton.knobs.compilation.listener = lambda **kw: compiles.append(bool(kw.get("cache_hit")))
+    dtype = "bfloat16" if torch.cuda.is_available() and args.device != "cpu" else "float32"
+    llm = LLM(model=args.model, random_weights=True, dtype=dtype, device=args.device, max_num_seqs=args.batch,
+              max_model_len=args.context + args.steps + 64, max_num_batched_tokens=args.context * args.batch,
+              cuda_graph_batch_sizes=(1, args.batch), flow="quest", flow_params={"budget": str(args.budget)})
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 1000, (args.context,), generator=g).tolist() for _ in range(args.batch)]
+    sampling = SamplingParams(max_tokens=args.steps, ignore_eos=True)
+
+    def decode() -> float:
+        """The prompts' prefill, then `steps` decode steps; the median decode step's seconds."""
+        seqs = [llm.add_request(p, sampling) for p in prompts]
+        llm.run_to_completion(prompts, seqs)
+        stamps = seqs[0].events.tokens  # each token of the first request: one per step
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:])) if len(stamps) > 1 else float("nan")
+
+    for name in ("quest", "block_topk", "quest"):  # warm: both flows' kernels compiled once
+        llm.set_flow(name, {"budget": str(args.budget)})
+        decode()
+    print(f"{args.model} on {llm.device}, batch {args.batch} x {args.context}, graphs for {llm.graph_batch_sizes}, "
+          f"executor {llm.backends[-1].executor}", file=sys.stderr, flush=True)
+
+    rows = []
+    for i, (name, params) in enumerate(param_sets(args.budget)):
+        if args.rebuild:
+            llm._flow_backend = None  # noqa: SLF001 - the benchmark's baseline: no backend to retune
+        before_backend, before_graph = llm.backends[-1], llm.decode_graph(1)
+        n_compiles, graphs = len(compiles), counters["stats"]["unique_graphs"]
+        frames = counters["frames"]["total"] - counters["frames"]["ok"]
+        sync(llm.device)
+        t0 = time.perf_counter()
+        llm.set_flow(name, params)
+        sync(llm.device)
+        switch_s = time.perf_counter() - t0
+        step_s = decode()
+        kind = ("rebuild" if llm.backends[-1] is not before_backend else
+                "recapture" if llm.decode_graph(1) is not before_graph else "retune")
+        row = {"switch": i, "flow": name, "params": params, "kind": kind, "switch_ms": switch_s * 1e3,
+               "step_ms_after": step_s * 1e3, "triton_compiles": sum(not hit for hit in compiles[n_compiles:]),
+               "triton_cache_loads": sum(compiles[n_compiles:]),
+               "dynamo_graphs": counters["stats"]["unique_graphs"] - graphs,
+               "eager_fallbacks": counters["frames"]["total"] - counters["frames"]["ok"] - frames,
+               "graphs_used": llm.uses_graphs}
+        rows.append(row)
+        print(f"{i:2d} {name:10s} {kind:9s} {row['switch_ms']:8.1f} ms  step {row['step_ms_after']:6.2f} ms  "
+              f"triton {row['triton_compiles']}+{row['triton_cache_loads']} dynamo {row['dynamo_graphs']} "
+              f"eager {row['eager_fallbacks']}  {params}", file=sys.stderr, flush=True)
+
+    summary = {}
+    for kind in KINDS:
+        rs = [r for r in rows if r["kind"] == kind]
+        if rs:
+            summary[kind] = {"switches": len(rs), "median_ms": statistics.median(r["switch_ms"] for r in rs),
+                             "max_ms": max(r["switch_ms"] for r in rs),
+                             "triton_compiles": sum(r["triton_compiles"] for r in rs),
+                             "dynamo_graphs": sum(r["dynamo_graphs"] for r in rs),
+                             "eager_fallbacks": sum(r["eager_fallbacks"] for r in rs)}
+    for kind, s in summary.items():
+        print(f"{kind:9s} x{s['switches']:2d}: median {s['median_ms']:.1f} ms, max {s['max_ms']:.1f} ms; "
+              f"triton compiles {s['triton_compiles']}, dynamo graphs {s['dynamo_graphs']}, "
+              f"eager fallbacks {s['eager_fallbacks']}", flush=True)
+    result = {"model": args.model, "device": str(llm.device),
+              "gpu": torch.cuda.get_device_name() if llm.device.type == "cuda" else None, "torch": torch.__version__,
+              "batch": args.batch, "context": args.context, "budget": args.budget, "rebuild": args.rebuild,
+              "summary": summary, "switches": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The code of a decode flow's stages, built once per kernel key and shared.
+
+`FlowStages` holds what running a flow needs that does not depend on an engine: the generated
+Triton kernels (indexer, cache stage), the torch stage functions (the reference) and their
+torch.compile wrappers. It is cached by `DecodeFlow.kernel_key` (class and every param but the
+runtime ones) and executor, so flows differing only in budget, sink or local blocks, dense or
+select layers share one `FlowStages`: no new kernel, no new dynamo variant. The stage functions
+read the budget rule from its device tensor (`BudgetRule.tensor`) and the selection width `k`
+from their arguments, never from the flow object, whose runtime params they never see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsetune.flow.base import BudgetRule, DecodeFlow
+from sparsetune.flow.compile import CacheKernel, ForcedOnly, IndexerKernel, NotBlockLocal, build_cache, build_indexer
+from sparsetune.flow.ops import FT, Fields
+from sparsetune.flow.trace import IndexTraits, index_traits
+
+EXECUTORS = ("reference", "compiled")
+# Variants dynamo may keep of one compiled stage function: every FlowStages and batch shape is one.
+# Set on these calls only (dynamo's process-wide default of 8 stays for everyone else's code).
+RECOMPILE_LIMIT = 256
+
+_CACHE: dict[tuple, "FlowStages"] = {}
+
+
+def flow_stages(flow: DecodeFlow, executor: str) -> "FlowStages":
+    """The shared stages of `flow` for `executor` (built on first request)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}")
+    key = (flow.kernel_key(), executor)
+    if key not in _CACHE:
+        _CACHE[key] = FlowStages(flow, executor)
+    return _CACHE[key]
+
+
+def _compile(fn):
+    compiled = torch.compile(fn, dynamic=False)
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=4 * RECOMPILE_LIMIT)(
+        compiled)
+
+
+def const_rows(const: dict[str, torch.Tensor], n: int) -> dict[str, FT]:
+    """Per-KV-head constants `[Hkv, r, c]` as flow tensors over `n * Hkv` rows ordered (n, head),
+    the layout of the stages' rows (blocks x heads in the cache stage, requests x heads in the
+    indexer). A view when n == 1 or Hkv == 1, else a small copy: (n, head) rows of a per-head
+    constant are no strided view."""
+    return {name: FT(c.expand(n, *c.shape).reshape(n * c.shape[0], 1, *c.shape[1:])) for name, c in const.items()}
+
+
+class FlowStages:
+    """The stages of one kernel key. `executor="reference"` runs them op by op in torch (the ground
+    truth). `"compiled"` on GPU runs a generated Triton kernel per block-local stage (`flow.compile`)
+    and the radix-select top-k, and hands other stages to torch.compile; on CPU it torch.compiles
+    the same stage functions (C++)."""
+
+    def __init__(self, flow: DecodeFlow, executor: str) -> None:
+        self.flow = flow  # the flow the stages trace; only its kernel-key params are ever read
+        self.executor = executor
+        self.select_fn, self.score_fn, self.cache_fn = self.select_tensors, self.score_tensors, self.cache_tensors
+        if executor == "compiled":
+            self.select_fn, self.score_fn, self.cache_fn = map(_compile, (self.select_fn, self.score_fn, self.cache_fn))
+        # The generated kernels (indexer, cache stage), built on first use; None: not block-local.
+        self.generated: dict[str, IndexerKernel | CacheKernel | None] = {}
+        self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
+        self._traits: dict[int, IndexTraits] = {}  # head_dim -> what the indexer does
+
+    def indexer_kernel(self, group: int, head_dim: int) -> IndexerKernel | None:
+        """The generated indexer (None: not block-local; the compiled torch indexer runs), built once."""
+        if "index" not in self.generated:
+            try:
+                self.generated["index"] = build_indexer(self.flow, group, head_dim)
+                self.paths["index"] = "generated Triton kernel + radix-select top-k"
+            except ForcedOnly:
+                self.generated["index"] = None
+                self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
+            except NotBlockLocal as e:
+                self.generated["index"] = None
+                self.paths["index"] = f"torch.compile (not block-local: {e}) + radix-select top-k"
+        return self.generated["index"]  # type: ignore[return-value]
+
+    def cache_kernel(self, head_dim: int) -> CacheKernel | None:
+        """The generated cache stage (None: not block-local; the compiled torch stage runs), built once."""
+        if "cache" not in self.generated:
+            try:
+                self.generated["cache"] = build_cache(self.flow, head_dim)
+                self.paths["cache"] = "generated Triton kernel"
+            except NotBlockLocal as e:
+                self.generated["cache"] = None
+                self.paths["cache"] = f"torch.compile (not block-local: {e})"
+        return self.generated["cache"]  # type: ignore[return-value]
+
+    def traits(self, head_dim: int) -> IndexTraits:
+        """Whether the indexer saves state and whether it keeps only the always-kept blocks."""
+        if head_dim not in self._traits:
+            self._traits[head_dim] = index_traits(self.flow, head_dim, self.flow.const_dims(head_dim))
+        return self._traits[head_dim]
+
+    # ---- the torch stage functions (reference; what the compiled executor compiles) ----------------
+
+    def cache_tensors(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor, const: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The cache stage on the blocks `src` of one layer's pool → field name → `[T, Hkv, r, c]`."""
+        t, h, bs, d = src.numel(), k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+        k, v = FT(k_pool[src].reshape(t * h, 1, bs, d)), FT(v_pool[src].reshape(t * h, 1, bs, d))
+        out = self.flow.run_cache(k, v, const_rows(const, t))
+        return {name: ft.data.reshape(t, h, *ft.shape[1:]) for name, ft in out.items()}
+
+    def select_tensors(
+        self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
+        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
+        rule: torch.Tensor, k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """Indexer + selection of `k` blocks per row with torch.topk, as one tensor function (the
+        reference, and what the compiled executor compiles where the generated kernels do not run)."""
+        score, counts, saved, table = self.score_tensors(q, block_tables, seq_lens, stores, k_pool, h, bs, null_block,
+                                                         const, rule)
+        return self.top_blocks(score, counts, seq_lens, h, bs, torch_topk, k, rule), counts, saved, table
+
+    def top_blocks(
+        self, score: torch.Tensor | None, counts: torch.Tensor, seq_lens: torch.Tensor, h: int, bs: int, topk, k: int,
+        rule: torch.Tensor,
+    ) -> torch.Tensor:
+        """The selected blocks `[R, k]`: the first `counts[r]` entries of row r count."""
+        if score is None:
+            # Only the always-kept blocks (StreamingLLM; k = sink + local): arithmetic, no top-k.
+            nb = ((seq_lens.long() + bs - 1) // bs).repeat_interleave(h)
+            i = torch.arange(k, device=seq_lens.device)
+            tail = nb[:, None] - k + i  # the last local blocks
+            return torch.where((nb[:, None] >= k) & (i >= rule[0]), tail, i).to(torch.int32)
+        return topk(score, counts, k)
+
+    def score_tensors(
+        self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
+        k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
+        rule: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The indexer over every (request, KV head) row, in float32 or wider. Returns the masked
+        scores `[R, W]` (always-kept blocks +inf, blocks past the sequence -inf; None for a flow
+        that keeps only those), the blocks each row attends `[R]`, the saved state values as
+        `[B, W, Hkv, r, c]` and the block table they belong to (past each sequence: the null block)."""
+        b, hq, d = q.shape
+        rows = b * h
+        width = block_tables.shape[1]
+        nblocks = (seq_lens.long() + bs - 1) // bs  # [B]
+        idx = torch.arange(width, device=q.device)
+        # Table entries past a sequence's blocks are garbage: read the null block's fields instead.
+        table = torch.where(idx < nblocks[:, None], block_tables.long(), null_block)
+        nb = nblocks.repeat_interleave(h)  # [R]
+        valid = idx < nb[:, None]  # [R, width]
+
+        # Indexer math in float32 (float64 stays), as the generated kernels compute; a flow that
+        # reads raw keys stays in the pool's dtype: its key GEMMs are its cost, and bf16 GEMMs
+        # accumulate in fp32 anyway.
+        wide = _wide if k_pool is None else (lambda t: t)
+        fields = Fields(
+            {
+                name: FT(wide(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:])), valid)
+                for name, store in stores.items()
+            }
+        )
+        if k_pool is not None:
+            # Raw keys [R, W, bs, D]; slots past the sequence end hold stale data: zero them.
+            keys = k_pool[table].permute(0, 2, 1, 3, 4)  # [B, Hkv, W, bs, D]
+            live = (idx[:, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[:, None, None]  # [B, W, bs]
+            keys = keys * live[:, None, :, :, None].to(keys.dtype)
+            dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))
+        const_ft = const_rows({n: wide(c) for n, c in const.items()}, b)
+        sel = self.flow.run_index(FT(wide(q).reshape(rows, 1, hq // h, d)), fields, const_ft)
+        if sel.score is None:
+            return None, torch.minimum(nb, (rule[0] + rule[1]).long()).to(torch.int32), {}, table
+        score = sel.score.data.reshape(rows, width).float()
+        lowest = torch.finfo(torch.float32).min
+        score = score.nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
+        score = score.masked_fill(BudgetRule.forced_of(rule, idx, nb[:, None]), float("inf"))
+        score = score.masked_fill(~valid, float("-inf"))
+        saved = {
+            name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
+        }
+        return score, BudgetRule.counts_of(rule, nb).to(torch.int32), saved, table
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """float32 or wider: bf16 products would reorder close blocks."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def torch_topk(score: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    return score.topk(k, dim=1).indices.to(torch.int32)  # forced (+inf) first, padding (-inf) last

@@ -1,0 +1,100 @@
+"""Switching flows on a live engine: a flow that differs only in runtime params (budget, sink and
+local blocks, dense and select layers) retunes the loaded backend in place, and decodes exactly
+as a backend built for it from scratch; compiled stages are shared by kernel key and a retune
+compiles nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.flow.attention import FlowAttention
+from sparsetune.flow.stages import flow_stages
+from sparsetune.llm import LLM
+from sparsetune.registry import build_flow
+from test_flows import HEAD_DIM, paged_case, prefill_cache, selected_sets
+
+PROMPT = "Name the planets of the solar system in order from the sun, with one fact about each. " * 6
+
+
+def test_kernel_key_holds_every_param_but_the_runtime_ones():
+    a = build_flow("quest", {"budget": "64"})
+    b = build_flow("quest", {"budget_ratio": "0.2", "sink_blocks": "3", "local_blocks": "1", "dense_layers": "0,5"})
+    assert a.kernel_key() == b.kernel_key() and flow_stages(a, "reference") is flow_stages(b, "reference")
+    assert build_flow("quest", {"block_size": "8"}).kernel_key() != a.kernel_key()
+    assert build_flow("block_topk").kernel_key() != a.kernel_key()
+    assert build_flow("h2o", {"decay": "0.9"}).kernel_key() != build_flow("h2o").kernel_key()
+    assert flow_stages(a, "compiled") is not flow_stages(a, "reference")
+
+
+def _greedy(llm: LLM) -> list[int]:
+    return llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids
+
+
+@pytest.mark.parametrize("name,first,second", [
+    ("quest", {"budget": "64"}, {"budget": "96", "sink_blocks": "2", "local_blocks": "1", "dense_layers": "0,1,7"}),
+    ("tidal", {"budget": "64"}, {"budget_ratio": "0.25", "select_layers": "2,9,20"}),
+])
+def test_retuned_backend_decodes_like_a_fresh_one(smollm, name, first, second):
+    try:
+        smollm.set_flow(name, first)
+        backend = smollm.backends[5]
+        assert isinstance(backend, FlowAttention)
+        _greedy(smollm)  # fields and the rule tensor exist before the switch
+        smollm.set_flow(name, second)
+        assert smollm.backends[5] is backend and backend.flow.params() == smollm.flow.params()
+        dense = set(smollm.flow.dense_layers)
+        assert [i for i, b in enumerate(smollm.backends) if b is backend] == [i for i in range(30) if i not in dense]
+        retuned = _greedy(smollm)
+        retuned_selection = {layer: sel for layer, sel in backend.last_selection.items() if layer not in dense}
+    finally:
+        smollm.set_flow(None)
+    fresh = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow=name, flow_params=second)
+    assert fresh.backends[5] is not backend
+    assert _greedy(fresh) == retuned
+    for layer, (blocks, counts) in retuned_selection.items():  # the last decode step, layer by layer
+        want_blocks, want_counts = fresh.backends[layer].last_selection[layer]
+        assert torch.equal(counts, want_counts)
+        assert all(set(blocks[b, h, :n].tolist()) == set(want_blocks[b, h, :n].tolist())
+                   for b in range(counts.shape[0]) for h in range(counts.shape[1]) for n in [int(counts[b, h])])
+
+
+def test_dense_pass_keeps_the_flow_backend(smollm):
+    """An eval alternates dense and flow passes: coming back to the flow reuses its backend."""
+    try:
+        smollm.set_flow("quest", {"budget": "64"})
+        backend = smollm.backends[5]
+        smollm.set_flow(None)
+        assert not any(isinstance(b, FlowAttention) for b in smollm.backends)
+        smollm.set_flow("quest", {"budget": "128"})
+        assert smollm.backends[5] is backend and backend.flow.budget == 128
+    finally:
+        smollm.set_flow(None)
+
+
+def test_compiled_stages_do_not_recompile_on_retune():
+    """The compiled executor (torch.compile, C++ on CPU) traces a kernel key once per shape: a new
+    budget, sink or local setting of the same selection width is a tensor write, not a recompile;
+    a new width is one new variant. Each retuned selection equals the reference executor's."""
+    lens = [30 * 16 + 7, 11 * 16]
+    kv, bt, meta, q = paged_case(16, lens, seed=4)
+    # width 33 blocks: budget 96 tokens = 6 blocks; 6 blocks again with other sinks, locals or 81 tokens.
+    same_width = [{"budget": "96"}, {"budget": "96", "sink_blocks": "2", "local_blocks": "3"}, {"budget": "81"},
+                  {"budget": "96", "sink_blocks": "0", "local_blocks": "1"}]
+    flows = [build_flow("block_topk", {**p, "dense_layers": ""}) for p in same_width]
+    comp = FlowAttention(flows[0], HEAD_DIM**-0.5, executor="compiled")
+    prefill_cache(comp, kv, bt, lens)
+    graphs = None
+    for flow in flows:
+        comp.retune(flow)
+        ref = FlowAttention(flow, HEAD_DIM**-0.5)
+        prefill_cache(ref, kv, bt, lens)
+        assert selected_sets(comp, kv, bt, meta, q) == selected_sets(ref, kv, bt, meta, q)
+        if graphs is None:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile after the first flow
+    comp.retune(build_flow("block_topk", {"budget": "160", "dense_layers": ""}))  # 10 blocks: a new shape
+    comp.select(0, q, kv, meta)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
