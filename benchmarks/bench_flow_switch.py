@@ -30,26 +30,38 @@ from sparsetune.engine.sequence import SamplingParams
 from sparsetune.llm import LLM
 from sparsetune.perf.timing import sync
 
-KINDS = ("retune", "recapture", "rebuild")
-
-
 def param_sets(budget: int) -> list[tuple[str, dict[str, str]]]:
-    """50 switches: quest and block_topk in runs of 5, each run mixing settings that keep every
-    shape (sink/local blocks; a budget in the same whole number of blocks) with ones that change
-    the selection width (budget, budget_ratio) or the routed layers (dense_layers)."""
-    same = [{"sink_blocks": "2", "local_blocks": "2"}, {"sink_blocks": "0", "local_blocks": "1"},
-            {"budget": str(budget - 7)}, {"sink_blocks": "4", "local_blocks": "8"}, {"local_blocks": "16"},
-            {"sink_blocks": "1", "local_blocks": "2"}]
-    shape = [{"budget": str(budget // 2)}, {"budget": str(budget * 2)}, {"budget_ratio": "0.125"}, {"budget": str(budget)}]
-    layers = [{"dense_layers": "0"}, {"dense_layers": "0,1,2,3"}, {"dense_layers": ""}, {"dense_layers": "0,1"}]
-    order = [same[0], same[1], shape[0], same[2], layers[0], same[3], shape[1], same[4], layers[1], same[5],
-             shape[2], same[0], layers[2], same[1], shape[3], same[2], layers[3], same[3], shape[0], same[4],
-             same[5], shape[1], same[0], layers[0], same[1]]  # 25 per flow
-    out, seq = [], {"quest": iter(order), "block_topk": iter(order)}
+    """50 switches: quest and block_topk alternate in runs of 5. A run is [base, variant, variant,
+    next base, variant]: a base sets the shapes (budget in blocks, budget_ratio, dense layers), a
+    variant changes only sink/local blocks or the budget within the same number of blocks. So each
+    run has one flow change, one shape change inside the flow, and three switches that change no
+    shape."""
+    bases = [{"budget": str(budget)}, {"budget": str(budget // 2)}, {"budget_ratio": "0.125"},
+             {"budget": str(budget), "dense_layers": "0,1,2,3"}, {"budget": str(budget * 2)}]
+    variants = [{"sink_blocks": "2", "local_blocks": "2"}, {"sink_blocks": "0", "local_blocks": "1"},
+                {"sink_blocks": "4", "local_blocks": "8"}, {"local_blocks": "16"}, {"sink_blocks": "1", "local_blocks": "2"}]
+    out = []
     for run in range(10):
         name = "quest" if run % 2 == 0 else "block_topk"
-        out += [(name, {"budget": str(budget), **next(seq[name])}) for _ in range(5)]
+        base, following = bases[run % 5], bases[(run + 1) % 5]
+        less = {"budget": str(int(base["budget"]) - 7)} if "budget" in base else {}  # same blocks, 7 tokens fewer
+        out += [(name, base), (name, {**base, **variants[run % 5]}), (name, {**base, **less}), (name, following),
+                (name, {**following, **variants[(run + 2) % 5]})]
     return out
+
+
+def what_changed(llm: LLM, before, after) -> str:
+    """What a switch from flow `before` to `after` changes: the flow (class or a stage param), a
+    shape (the selection width, blocks per row of the widest block table), the routed layers, or
+    none of these."""
+    if before is None or before.kernel_key() != after.kernel_key():
+        return "flow"
+    width = llm.runner.max_blocks_per_seq  # `FlowAttention.selection_width` of a flow that scores blocks
+    if min(width, before.budget_blocks(width)) != min(width, after.budget_blocks(width)):
+        return "selection width"
+    if (before.dense_layers, before.select_layers) != (after.dense_layers, after.select_layers):
+        return "layers"
+    return "none"
 
 
 def main() -> None:
@@ -93,7 +105,7 @@ def main() -> None:
     for i, (name, params) in enumerate(param_sets(args.budget)):
         if args.rebuild:
             llm._flow_backend = None  # noqa: SLF001 - the benchmark's baseline: no backend to retune
-        before_backend, before_graph = llm.backends[-1], llm.decode_graph(1)
+        before_flow, before_backend, before_graph = llm.flow, llm.backends[-1], llm.decode_graph(1)
         n_compiles, graphs = len(compiles), counters["stats"]["unique_graphs"]
         frames = counters["frames"]["total"] - counters["frames"]["ok"]
         sync(llm.device)
@@ -104,28 +116,30 @@ def main() -> None:
         step_s = decode()
         kind = ("rebuild" if llm.backends[-1] is not before_backend else
                 "recapture" if llm.decode_graph(1) is not before_graph else "retune")
-        row = {"switch": i, "flow": name, "params": params, "kind": kind, "switch_ms": switch_s * 1e3,
+        row = {"switch": i, "flow": name, "params": params, "changes": what_changed(llm, before_flow, llm.flow),
+               "kind": kind, "switch_ms": switch_s * 1e3,
                "step_ms_after": step_s * 1e3, "triton_compiles": sum(not hit for hit in compiles[n_compiles:]),
                "triton_cache_loads": sum(compiles[n_compiles:]),
                "dynamo_graphs": counters["stats"]["unique_graphs"] - graphs,
                "eager_fallbacks": counters["frames"]["total"] - counters["frames"]["ok"] - frames,
                "graphs_used": llm.uses_graphs}
         rows.append(row)
-        print(f"{i:2d} {name:10s} {kind:9s} {row['switch_ms']:8.1f} ms  step {row['step_ms_after']:6.2f} ms  "
+        print(f"{i:2d} {name:10s} {row['changes']:15s} {kind:9s} {row['switch_ms']:8.1f} ms  step {row['step_ms_after']:6.2f} ms  "
               f"triton {row['triton_compiles']}+{row['triton_cache_loads']} dynamo {row['dynamo_graphs']} "
               f"eager {row['eager_fallbacks']}  {params}", file=sys.stderr, flush=True)
 
     summary = {}
-    for kind in KINDS:
-        rs = [r for r in rows if r["kind"] == kind]
+    for changes in ("none", "selection width", "layers", "flow"):
+        rs = [r for r in rows if r["changes"] == changes]
         if rs:
-            summary[kind] = {"switches": len(rs), "median_ms": statistics.median(r["switch_ms"] for r in rs),
+            summary[changes] = {"switches": len(rs), "kinds": sorted({r["kind"] for r in rs}),
+                                "median_ms": statistics.median(r["switch_ms"] for r in rs),
                              "max_ms": max(r["switch_ms"] for r in rs),
                              "triton_compiles": sum(r["triton_compiles"] for r in rs),
                              "dynamo_graphs": sum(r["dynamo_graphs"] for r in rs),
                              "eager_fallbacks": sum(r["eager_fallbacks"] for r in rs)}
-    for kind, s in summary.items():
-        print(f"{kind:9s} x{s['switches']:2d}: median {s['median_ms']:.1f} ms, max {s['max_ms']:.1f} ms; "
+    for changes, s in summary.items():
+        print(f"changes {changes:15s} x{s['switches']:2d} ({'/'.join(s['kinds'])}): median {s['median_ms']:.1f} ms, max {s['max_ms']:.1f} ms; "
               f"triton compiles {s['triton_compiles']}, dynamo graphs {s['dynamo_graphs']}, "
               f"eager fallbacks {s['eager_fallbacks']}", flush=True)
     result = {"model": args.model, "device": str(llm.device),

@@ -69,3 +69,28 @@ def test_gpu_flow_graphs(flow, tmp_path):
     eager = LLM(flow=flow, flow_params=small, cuda_graph=False, flow_executor="reference", **opts)
     assert graphed.backends[1].executor == "compiled" and eager.backends[1].executor == "reference"
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("flow", ["quest", "block_topk"])
+def test_gpu_retune_keeps_graphs_and_decodes_like_a_fresh_engine(flow, tmp_path):
+    """A switch that changes no shape (sink/local blocks; a budget of the same number of blocks)
+    keeps the captured graphs, which then read the new budget rule: same tokens as an engine built
+    with that flow. A new selection width recaptures them."""
+    _tiny_hf("qwen3", tmp_path, head_dim=64)
+    opts = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
+                cuda_graph_batch_sizes=(1, 2, 4), block_size=8)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (150, 37, 90)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    first, second = {"budget": "48", "dense_layers": ""}, {"budget": "41", "sink_blocks": "0", "local_blocks": "1",
+                                                           "dense_layers": ""}
+    llm = LLM(flow=flow, flow_params=first, **opts)
+    before = [o.token_ids for o in llm.generate(prompts, params)]
+    graph = llm.decode_graph(4)
+    llm.set_flow(flow, second)
+    assert llm.decode_graph(4) is graph  # 6 blocks either way: the graphs stay
+    retuned = [o.token_ids for o in llm.generate(prompts, params)]
+    assert retuned != before  # the graphs read the new rule (3 scored blocks of 6, then 5)
+    assert retuned == [o.token_ids for o in LLM(flow=flow, flow_params=second, **opts).generate(prompts, params)]
+    llm.set_flow(flow, {"budget": "96", "dense_layers": ""})
+    assert llm.decode_graph(4) is not graph
