@@ -55,7 +55,7 @@ def step_kv_bytes(llm: LLM, batch: int, ctx: int) -> int:
     on sparse layers the selected blocks plus every block's cached fields."""
     c, flow = llm.model_config, llm.flow
     per_token_layer = c.kv_bytes_per_token(llm.dtype.itemsize) // c.num_hidden_layers
-    if flow is None or flow.full_attention:
+    if flow is None:
         return batch * ctx * per_token_layer * c.num_hidden_layers
     bs = llm.config.block_size
     nblocks = -(-ctx // bs)
@@ -97,7 +97,7 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
         llm.abort(s)
     ctx_avg = int(ctx + 3 + steps / 2)
     wb, kb = weight_bytes_per_step(llm, batch), step_kv_bytes(llm, batch, ctx_avg)
-    return {"flow": llm.flow.name if llm.flow else "dense", "batch": batch, "context": ctx, "step_ms": per_step * 1e3, "graph_replay_ms": None if replay is None else replay * 1e3,
+    return {"flow": llm.flow_name, "batch": batch, "context": ctx, "step_ms": per_step * 1e3, "graph_replay_ms": None if replay is None else replay * 1e3,
             "weight_bytes": wb, "kv_bytes": kb}
 
 
@@ -180,7 +180,7 @@ def main() -> None:
             path = Path(tempfile.gettempdir()) / f"sparsetune-synthetic-calibration-{args.model}.json"
             params["calibration"] = str(write_calibration(path, args.model, order, None, 0, "synthetic (benchmark)"))
         if flow != "dense" or llm.flow is not None:
-            llm.set_flow(None if flow == "dense" else flow, params)
+            llm.set_flow(flow, params)
         if llm.flow is not None:
             _prefill_fields(llm, dec)
         for b, c in dec:

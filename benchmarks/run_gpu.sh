@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 step() { local name=$1 limit=$2; shift 2; [[ " $STEPS " == *" $name "* ]] || return 0
   echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -30; }
 step oob 150 bash -c 'for c in "8 32768" "16 16384" "16 32768" "64 4096"; do set -- $c; CUDA_LAUNCH_BLOCKING=1 python3 benchmarks/debug_decode_oob.py --batch $1 --ctx $2 --check 2>&1 | tail -3; done; compute-sanitizer --tool memcheck --print-limit 5 python3 benchmarks/debug_decode_oob.py --batch 16 --ctx 2048 2>&1 | tail -25'
-step tests 300 python3 -m pytest -q -x tests/test_gpu.py tests/test_kernels.py tests/test_indexer_kernels.py
+step tests 300 python3 -m pytest -q -x tests/engine/test_gpu.py tests/kernels/test_kernels.py tests/flow/test_indexer_kernels.py
 step engine 240 python3 benchmarks/bench_engine.py --json-out "$OUT/engine.json"
 step prefill_attn 60 python3 benchmarks/bench_prefill_attention.py --seq 32768
 step kernels 150 python3 benchmarks/bench_kernels.py --quick --json-out "$OUT/kernels.json"

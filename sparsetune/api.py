@@ -89,7 +89,7 @@ def generate(
     tps = st.decode_tokens / st.decode_seconds if st.decode_seconds > 0 else None
     return GenerateResult(
         model=llm.resolved.name,
-        flow=llm.flow.name if llm.flow else "dense",
+        flow=llm.flow_name,
         flow_params=llm.flow.params() if llm.flow else {},
         text=out.text or "",
         prompt_tokens=out.prompt_tokens,

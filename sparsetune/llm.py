@@ -18,7 +18,7 @@ from sparsetune.engine.engine import Completion, Engine
 from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.artifacts import resolve_calibration
-from sparsetune.registry import build_flow, decode_flow_for
+from sparsetune.registry import build_flow, resolve_decode_flow
 from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
 from sparsetune.reuse.flow import ReuseFlow
 from sparsetune.reuse.parts import ReuseLayout, encode_parts, is_parts, parse_parts_any
@@ -34,7 +34,7 @@ class LLM(Engine):
             raise TypeError(f"unknown engine option {unknown[0]!r}")
         cfg = replace(cfg, **overrides)
         _name, mcfg = cfg.check()
-        flow_name, flow_params = decode_flow_for(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
+        flow_name, flow_params = resolve_decode_flow(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
         self.flow = _build_flow(cfg, flow_name, flow_params)
         # The pool's block size is the flow's granularity.
         cfg = replace(cfg, flow=flow_name, flow_params=dict(flow_params),
@@ -53,18 +53,18 @@ class LLM(Engine):
     # ---- the decode flow ---------------------------------------------------------------------------
 
     def _install_flow(self, flow) -> None:
-        """Route attention through `flow` (None or dense: full attention), then capture decode graphs.
+        """Route attention through `flow` (None: full attention), then capture decode graphs.
 
         The flow is attached before capture, so its indexer and selection are in the graphs. What
         the engine already has is reused: a flow of the last flow backend's kernel key retunes it
         (kernels, stores and calibration kept), and graphs are recaptured only when the routing or
         the selection width (a shape inside them) changed."""
-        if self.config.prefix_caching and flow is not None and not flow.full_attention:
+        if self.config.prefix_caching and flow is not None:
             # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
             raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
                                   "(its per-block state would be shared between requests); drop one of them")
         route, attn, sparse = None, None, []
-        if flow is not None and not flow.full_attention:
+        if flow is not None:
             sparse = self._sparse_layers(flow)
             attn = self._flow_backend
             if attn is not None and attn.flow.kernel_key() == flow.kernel_key():
@@ -80,6 +80,11 @@ class LLM(Engine):
             self.set_attention(attn, sparse)
         self.capture_graphs()
         self._route = route
+
+    @property
+    def flow_name(self) -> str:
+        """The decode flow's name; "dense" for full attention."""
+        return self.flow.name if self.flow is not None else "dense"
 
     def set_attention(self, backend, layers=None) -> None:
         self._route = False  # routed by hand: the next flow installs afresh
@@ -141,7 +146,7 @@ class LLM(Engine):
     def set_reuse(self, flow: str | ReuseFlow | None, params: dict[str, str] | None = None) -> None:
         """Switch the reuse flow for prompts with segments (the segment cache is kept): a name or path
         with raw params, or a built `ReuseFlow` (None: segments run as plain text). The decode flow
-        stays as it is: a reuse flow's own decode flow (`decode_flow_for`) comes with `set_flow`."""
+        stays as it is: a reuse flow's own decode flow (`resolve_decode_flow`) comes with `set_flow`."""
         if isinstance(flow, ReuseFlow):
             self.reuse_flow = flow
             self.config = replace(self.config, reuse=flow.name, reuse_params={k: str(v) for k, v in flow.params().items()})
@@ -212,8 +217,9 @@ class LLM(Engine):
 
 
 def _build_flow(cfg: EngineConfig, name: str | None, params: dict[str, str]):
-    """The decode flow of `--flow`/`--param` (None: dense). `--block-size` sets the flow's granularity
-    unless the params set it; both set differently is an error."""
+    """The decode flow of `--flow`/`--param`; None for dense attention (no flow, or the "dense"
+    flow: `LLM.flow` is None exactly when attention is dense). `--block-size` sets the flow's
+    granularity unless the params set it; both set differently is an error."""
     if name is None:
         if params:
             raise SparsetuneError("--param needs --flow")
@@ -225,12 +231,13 @@ def _build_flow(cfg: EngineConfig, name: str | None, params: dict[str, str]):
         raise SparsetuneError(
             f"--block-size {cfg.block_size} disagrees with --param block_size={raw['block_size']}; set it once"
         )
-    return build_flow(name, raw)
+    flow = build_flow(name, raw)
+    return None if flow.full_attention else flow
 
 
 def _flow_elems_per_block(flow, mcfg) -> int:
     """A flow's per-block fields on its sparse layers, in pool elements: they live beside the pool."""
-    if flow is None or flow.full_attention:
+    if flow is None:
         return 0
     from sparsetune.flow.trace import field_dims
 

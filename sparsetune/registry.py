@@ -11,13 +11,13 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.params import Configurable
+from sparsetune.flow.params import Flow
 
-FlowT = TypeVar("FlowT", bound=Configurable)
+FlowT = TypeVar("FlowT", bound=Flow)
 
 
 def flow_kind(cls: type) -> str:
@@ -36,7 +36,7 @@ def flows_dir() -> Path:
     return repo if repo.is_dir() else Path(sys.prefix) / "share" / "sparsetune" / "flows"
 
 
-def load_file(path: Path, *, all_problems: bool = False) -> type[Configurable]:
+def load_file(path: Path, *, all_problems: bool = False) -> type[Flow]:
     """Check a flow file's source (`source_check`: nothing of it runs before that passes), then
     import it and return the one flow class (`DecodeFlow` or `ReuseFlow` subclass) it defines.
 
@@ -82,7 +82,7 @@ def load_file(path: Path, *, all_problems: bool = False) -> type[Configurable]:
     return cls
 
 
-_LOADED: dict[tuple[str, str], type[Configurable]] = {}  # (resolved path, sha256) → the flow class
+_LOADED: dict[tuple[str, str], type[Flow]] = {}  # (resolved path, sha256) → the flow class
 
 
 def builtin_flows() -> dict[str, Path]:
@@ -116,13 +116,20 @@ def build_flow(name_or_path: str, raw_params: dict[str, str] | None = None, kind
     return get_flow_class(name_or_path, kind).from_strings(raw_params or {})
 
 
-def decode_flow_for(flow: str | None, params: dict[str, str], reuse: str | None,
-                    reuse_params: dict[str, str]) -> tuple[str | None, dict[str, str]]:
-    """The decode flow to run: `flow` when given, else the reuse flow's own decode flow (LoopServe
-    re-selects while decoding) with the parameters it derives, else None (dense)."""
+class FlowChoice(NamedTuple):
+    """A flow by name or path (None: none chosen) and its raw `--param` values."""
+
+    name: str | None
+    params: dict[str, str]
+
+
+def resolve_decode_flow(flow: str | None, params: dict[str, str], reuse: str | None,
+                        reuse_params: dict[str, str]) -> FlowChoice:
+    """The decode flow to run: `flow` when given ("dense" included), else the reuse flow's own decode
+    flow (LoopServe re-selects while decoding) with the parameters it derives, else None (dense)."""
     if flow is not None or reuse is None:
-        return flow, params
+        return FlowChoice(flow, params)
     from sparsetune.reuse.flow import ReuseFlow
 
     rf = build_flow(reuse, reuse_params, ReuseFlow)
-    return (rf.decode_flow, {**rf.decode_params(), **params}) if rf.decode_flow else (None, params)
+    return FlowChoice(rf.decode_flow, {**rf.decode_params(), **params}) if rf.decode_flow else FlowChoice(None, params)

@@ -70,10 +70,10 @@ def list_(json_out: bool = typer.Option(False, "--json")) -> None:
 @app.command()
 def show(name: str, json_out: bool = typer.Option(False, "--json")) -> None:
     """A flow's parameters (type, default, search space) and source."""
-    from sparsetune.flow.params import Configurable
+    from sparsetune.flow.params import Flow
     from sparsetune.registry import flow_kind, get_flow_class
 
-    cls = get_flow_class(name, Configurable)
+    cls = get_flow_class(name, Flow)
     params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
     source = Path(inspect.getsourcefile(cls) or "").read_text()
     if json_out:
@@ -105,10 +105,10 @@ def check(
 ) -> None:
     """Validate a flow: op set, declared params, shapes, cost, and equality with dense at full budget."""
     from sparsetune.flow.check import check_flow
-    from sparsetune.flow.params import Configurable, parse_param_args
+    from sparsetune.flow.params import Flow, parse_param_args
     from sparsetune.registry import flow_kind, get_flow_class
 
-    cls = get_flow_class(file, Configurable, all_problems=True)
+    cls = get_flow_class(file, Flow, all_problems=True)
     if flow_kind(cls) == "reuse":  # plain Python over the executor's inputs: its params are what can be checked
         flow = cls.from_strings(parse_param_args(param))
         if json_out:

@@ -40,10 +40,7 @@ def profile(
     from sparsetune.perf.step_profile import plot, profile as run
 
     with err.status(f"profiling {flow} on {model}: batch {batch}, context {context} ..."):
-        result = run(model=engine.model, flow=engine.flow, flow_params=engine.flow_params, batch=batch, context=context,
-                     steps=steps, trace_path=trace, device=engine.device, dtype=engine.dtype,
-                     random_weights=engine.random_weights, flow_executor=engine.flow_executor, seed=engine.seed,
-                     kv_memory=engine.kv_memory)
+        result = run(engine, batch=batch, context=context, steps=steps, trace_path=trace)
     run_dir = records.new_run_dir(out, "profile", flow, model)
     result["run_dir"] = str(run_dir)
     records.write_json(run_dir / "results.json", result)

@@ -357,19 +357,13 @@ class Engine:
     ) -> list[Completion]:
         """Step until the engine is idle; `on_token(n)`: `n` new tokens of `seqs` after each step.
         Each request's time to first token (from its arrival) goes to `stats.first_token_seconds`."""
-        reported = {s.seq_id for s in seqs if s.events.first_token is not None}
-        for s in seqs:
-            if s.seq_id in reported:
-                self.stats.first_token_seconds.append(s.events.first_token - s.events.arrival)
         while self.scheduler.has_work():
             before = sum(s.num_tokens for s in seqs)
             self.step()
             if on_token is not None:
                 on_token(sum(s.num_tokens for s in seqs) - before)
-            for s in seqs:
-                if s.events.first_token is not None and s.seq_id not in reported:
-                    reported.add(s.seq_id)
-                    self.stats.first_token_seconds.append(s.events.first_token - s.events.arrival)
+        self.stats.first_token_seconds += [s.events.first_token - s.events.arrival for s in seqs
+                                           if s.events.first_token is not None]
         reuse = reuse or {}
         return [
             Completion(

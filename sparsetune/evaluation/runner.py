@@ -33,7 +33,7 @@ from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
 from sparsetune.perf.fit import check_fits
 from sparsetune.perf.speed import measure_speed
-from sparsetune.registry import decode_flow_for
+from sparsetune.registry import resolve_decode_flow
 from sparsetune.records import env_info, new_run_dir, write_json
 
 # on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.
@@ -77,7 +77,7 @@ def _resolve_flow(cfg: EvalConfig) -> EvalConfig:
     """No decode flow given: dense, or the reuse flow's own decode flow (loopserve); an explicit
     "dense" stays (no reuse flow's decode flow)."""
     e = cfg.engine
-    flow, params = decode_flow_for(e.flow, e.flow_params, e.reuse, e.reuse_params)
+    flow, params = resolve_decode_flow(e.flow, e.flow_params, e.reuse, e.reuse_params)
     return cfg.model_copy(update={"engine": replace(e, flow=flow or "dense", flow_params=dict(params))})
 
 
@@ -156,7 +156,7 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
 
 def _is_plain(llm: LLM) -> bool:
     """Full attention and no reuse: what the dense reference pass computes."""
-    return (llm.flow is None or llm.flow.full_attention) and (llm.reuse_flow is None or not llm.reuse_flow.reads_cache)
+    return llm.flow is None and (llm.reuse_flow is None or not llm.reuse_flow.reads_cache)
 
 
 def _score_turns(sample: Sample, texts: list[str]) -> list[float]:
@@ -298,7 +298,7 @@ def _check_samples_fit(llm: LLM, samples: list[Sample], cfg: EvalConfig) -> None
 def _budget_note(llm: LLM, context: int) -> str | None:
     """Say so when a sparse flow attends every block of the context anyway: it then matches dense."""
     flow = llm.flow
-    if flow is None or flow.full_attention:
+    if flow is None:
         return None
     blocks = -(-context // flow.block_size)
     window = "budget" in flow.inapplicable  # sinks + recent window only (streaming)
@@ -346,7 +346,7 @@ def evaluate(
             raise SparsetuneError(f"the engine passed runs {llm.resolved.name}, not {e.model}")
         if cfg.batch > llm.config.max_num_seqs:
             raise SparsetuneError(f"--batch {cfg.batch} exceeds the engine's max_num_seqs {llm.config.max_num_seqs}")
-        llm.set_flow(None if e.flow == "dense" else e.flow, e.flow_params)
+        llm.set_flow(e.flow, e.flow_params)
         llm.set_reuse(e.reuse, e.reuse_params)
     resolved_mode = _resolve_mode(cfg, llm.device)
     accuracy_on = resolved_mode in ("accuracy", "all")
@@ -365,7 +365,7 @@ def evaluate(
     if speed_on:
         check_fits(llm, cfg.batch, cfg.context, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS)
 
-    flow_name = llm.flow.name if llm.flow is not None else "dense"
+    flow_name = llm.flow_name
     flow_params = llm.flow.params() if llm.flow is not None else {}
     note = _budget_note(llm, cfg.context)
     if run_dir is None:
@@ -414,7 +414,7 @@ def evaluate(
 
     if on_start is not None:
         on_start(run_dir, results(False))
-    flow_is_dense = llm.flow is None or llm.flow.full_attention
+    flow_is_dense = llm.flow is None
     dense_needed = accuracy_on and not _is_plain(llm) and cfg.fidelity
     total = len(all_samples) + (1 if speed_on else 0)
     chunk_size = cfg.batch if llm.device.type == "cpu" else 4 * cfg.batch

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from sparsetune.flow.ops import FT, Selection
-from sparsetune.flow.params import Configurable, Param
+from sparsetune.flow.params import Flow, Param
 
 
 class BudgetRule(NamedTuple):
@@ -79,7 +79,7 @@ class BudgetRule(NamedTuple):
 RUNTIME_PARAMS = ("budget", "budget_ratio", "sink_blocks", "local_blocks", "dense_layers", "select_layers")
 
 
-class DecodeFlow(Configurable):
+class DecodeFlow(Flow):
     full_attention: ClassVar[bool] = False  # True: no selection at all (the `dense` flow)
     uses_keys: ClassVar[bool] = False  # True: the indexer also gets the raw keys as field "k" [S, block, D]
     calibrated: ClassVar[bool] = False  # True: needs a channel calibration; stages get const["channels"]

@@ -95,7 +95,7 @@ def parse_param_args(args: list[str] | None) -> dict[str, str]:
     return out
 
 
-class Configurable:
+class Flow:
     """A flow (decode or reuse): a `name`, the rule it implements, and `Param` class attributes
     that become validated instance attributes. `inapplicable` names inherited parameters that mean
     nothing to this flow, with the fix to tell a user (setting one is an error, not a silent no-op)."""

@@ -28,12 +28,14 @@ import sys
 import tempfile
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch.autograd import DeviceType
 
+from sparsetune.engine.config import EngineConfig
 from sparsetune.engine.stages import PREFIX, stage_ranges
 from sparsetune.errors import SparsetuneError
 from sparsetune.perf.fit import PROFILE, check_fits, check_positions
@@ -309,7 +311,7 @@ def profile_decode(
         paths.update(b.paths)
     return {
         "model": llm.resolved.name,
-        "flow": flow.name if flow else "dense",
+        "flow": llm.flow_name,
         "flow_params": flow.params() if flow else {},
         "executor": backends[0].executor if backends else None,
         "paths": paths,
@@ -333,27 +335,22 @@ def profile_decode(
     }
 
 
-def profile(
-    model: str = "smollm2-135m", flow: str = "dense", flow_params: dict[str, str] | None = None, batch: int = 1,
-    context: int = 2048, steps: int = 5, trace_path: str | Path | None = None, **engine_options: Any,
-) -> dict[str, Any]:
-    """Build an engine sized for the case (max_num_seqs = batch, context + the decode steps) and
-    run `profile_decode` on it. `engine_options`: `EngineConfig` fields (device, dtype, ...)."""
-    from sparsetune.engine.config import EngineConfig
+def profile(engine: EngineConfig, batch: int = 1, context: int = 2048, steps: int = 5,
+            trace_path: str | Path | None = None) -> dict[str, Any]:
+    """Build an engine from `engine`, sized for the case (max_num_seqs = batch, context + the decode
+    steps, one graph for the batch unless the config lists sizes), and run `profile_decode` on it."""
     from sparsetune.llm import LLM
     from sparsetune.models.registry import REGISTRY
 
     _check_case(batch, context, steps)
     new = decode_tokens_needed(steps, WARMUP)
-    spec = REGISTRY.get(model.lower())
+    spec = REGISTRY.get(engine.model.lower())
     if spec is not None:  # fail before loading
         check_positions(spec.name, spec.config.max_position_embeddings, context, new, PROFILE)
-    options = {"max_num_seqs": batch, "max_model_len": context + new, **engine_options}
-    if options.get("cuda_graph_batch_sizes") is None:
-        options["cuda_graph_batch_sizes"] = (batch,)  # one graph: the profiled batch size
-    llm = LLM(EngineConfig(model=model, flow=flow, flow_params=dict(flow_params or {}), **options))
-    return profile_decode(llm, batch, context, trace_path=trace_path, steps=steps, warmup=WARMUP,
-                          seed=engine_options.get("seed", 0))
+    cfg = replace(engine, max_num_seqs=batch, max_model_len=context + new,
+                  cuda_graph_batch_sizes=engine.cuda_graph_batch_sizes or (batch,))
+    llm = LLM(cfg)
+    return profile_decode(llm, batch, context, trace_path=trace_path, steps=steps, warmup=WARMUP, seed=engine.seed)
 
 
 def plot(result: dict[str, Any], path: str | Path) -> Path:

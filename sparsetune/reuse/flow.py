@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsetune.engine.rows import AttentionPattern
-from sparsetune.flow.params import Configurable
+from sparsetune.flow.params import Flow
 from sparsetune.reuse.parts import ReuseLayout
 
 # Attention-mass helper: queries per chunk so a chunk's [Hq, chunk, T] probabilities stay ~256 MiB.
@@ -123,7 +123,7 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, query_rows: torch.Tensor, s
     return mass
 
 
-class ReuseFlow(Configurable):
+class ReuseFlow(Flow):
     realign: ClassVar[bool] = True  # False: cached keys keep their old positions (naive reuse)
     reads_cache: ClassVar[bool] = True  # False: the flow never uses cached KV (full recompute)
     decode_flow: ClassVar[str | None] = None  # a decode flow installed with this one when no --flow is given

@@ -15,11 +15,12 @@ from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
 from sparsetune.api import eval as evaluate
 from sparsetune.evaluation.runner import read_records, summarize
-from tests.test_cli import assert_clean_error, run
+from helpers import assert_clean_error, run
 
 TOP_KEYS = {"flow", "model", "params", "accuracy", "tasks", "fidelity", "speed", "complete"}
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_dense_reads_the_needle_at_1k(smollm, tmp_path):
     """The issue's bar: dense accuracy of the default model on niah_single at 1K >= 0.9 (8 samples)."""
     smollm.set_flow(None)
@@ -56,6 +57,7 @@ def test_teacher_forced_decode_equals_prefill(smollm):
     assert cos.min() > 0.9999 and torch.equal(decoded.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_fidelity_of_a_full_budget_flow_is_exact_and_a_small_budget_is_not(smollm, tmp_path):
     """quest with every block selected attends like dense: fidelity 1 and equal accuracy; at a
     tight budget the forced pass must see different logits (the metric can fail)."""
@@ -118,6 +120,7 @@ def test_interrupt_leaves_a_partial_record_and_resume_finishes_it(smollm, tmp_pa
     assert recs[:2] == first and sorted(r["index"] for r in recs) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_speed_mode_with_random_weights(tmp_path):
     res = evaluate("quest", tasks=None, context=256, batch=2, max_new_tokens=4, mode="speed", random_weights=True,
                    params={"budget": "64"}, out=tmp_path, device="cpu")
@@ -142,6 +145,7 @@ def test_api_errors(smollm, tmp_path):
         evaluate(resume=tmp_path / "nope", llm=smollm)
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_cli_json_and_summary(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text(json.dumps({"prompt": "What is the capital of France?", "answers": ["Paris"], "kind": "geo"}) + "\n")
@@ -185,6 +189,7 @@ def test_cli_broken_jsonl_names_line_and_field(tmp_path):
     assert_clean_error(run("eval", "--task", str(f), "--out", str(tmp_path)), "bad.jsonl:2", "answers")
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_cli_interrupt_keeps_partial_run(tmp_path):
     """SIGINT mid-run: exit 130, results.json marked incomplete, no traceback."""
     import signal

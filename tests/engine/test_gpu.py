@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_logits_match, hf_logits
-from test_model_vs_hf import _tiny_hf
 
 from sparsetune.llm import LLM
 from sparsetune.models.artifacts import synthetic_calibration, write_calibration
 from sparsetune.engine.sequence import SamplingParams
+from helpers import hf_logits, assert_logits_match, tiny_hf
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("kind,extra", [("qwen3", {"head_dim": 64}), ("qwen2", {})])
 def test_gpu_engine_matches_hf(kind, extra, tmp_path):
-    hf = _tiny_hf(kind, tmp_path, **extra).cuda()
+    hf = tiny_hf(kind, tmp_path, **extra).cuda()
     llm = LLM(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
               max_num_batched_tokens=64, cuda_graph_batch_sizes=(1, 2, 4))
     assert llm.runner.graphs, "decode CUDA graphs were not captured"
@@ -33,7 +32,7 @@ def test_gpu_engine_matches_hf(kind, extra, tmp_path):
 
 def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
     """A tiny pool forces preemption; re-admitted sequences get new blocks in reused graph rows."""
-    _tiny_hf("qwen3", tmp_path, head_dim=64)
+    tiny_hf("qwen3", tmp_path, head_dim=64)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (40, 55, 23, 61)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -45,20 +44,25 @@ def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
     assert [o.token_ids for o in outs] == reference
 
 
+def _flow_case(tmp_path, seed: int):
+    """A tiny qwen3 on disk, engine options with graphs for batches 1, 2 and 4, three prompts."""
+    tiny_hf("qwen3", tmp_path, head_dim=64)
+    opts = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
+                cuda_graph_batch_sizes=(1, 2, 4), block_size=8)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (150, 37, 90)]
+    return opts, prompts, SamplingParams(max_tokens=20, ignore_eos=True)
+
+
 @pytest.mark.parametrize("flow", ["quest", "block_topk", "h2o", "tidal", "double_sparse", "streaming", "loopserve_decode"])
 def test_gpu_flow_graphs(flow, tmp_path):
     """Flows on GPU (Triton sparse kernel, indexer inside the CUDA graph): full budget = dense;
     at a small budget, the compiled executor in CUDA graphs = the reference executor run eagerly."""
-    _tiny_hf("qwen3", tmp_path, head_dim=64)
-    opts = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
-                cuda_graph_batch_sizes=(1, 2, 4), block_size=8)
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (150, 37, 90)]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    opts, prompts, params = _flow_case(tmp_path, seed=11)
     dense = [o.token_ids for o in LLM(**opts).generate(prompts, params)]
     sel = {"select_layers": "1"} if flow == "tidal" else {}
     if flow == "double_sparse":  # a seeded channel order for the tiny model
-        order = synthetic_calibration(3, 2, 64)  # _tiny_hf: 3 layers, 2 KV heads; head_dim 64 here
+        order = synthetic_calibration(3, 2, 64)  # tiny_hf: 3 layers, 2 KV heads; head_dim 64 here
         sel = {"calibration": str(write_calibration(tmp_path / "calib.json", "tiny", order, None, 0, "synthetic"))}
     whole, few = ({"local_blocks": "64"}, {"local_blocks": "3"}) if flow == "streaming" else ({"budget_ratio": "1.0"}, {"budget": "32"})
     full = LLM(flow=flow, flow_params={**whole, "dense_layers": "0", **sel}, **opts)
@@ -76,12 +80,7 @@ def test_gpu_retune_keeps_graphs_and_decodes_like_a_fresh_engine(flow, tmp_path)
     """A switch that changes no shape (sink/local blocks; a budget of the same number of blocks)
     keeps the captured graphs, which then read the new budget rule: same tokens as an engine built
     with that flow. A new selection width recaptures them."""
-    _tiny_hf("qwen3", tmp_path, head_dim=64)
-    opts = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
-                cuda_graph_batch_sizes=(1, 2, 4), block_size=8)
-    g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (150, 37, 90)]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    opts, prompts, params = _flow_case(tmp_path, seed=12)
     first, second = {"budget": "48", "dense_layers": ""}, {"budget": "41", "sink_blocks": "0", "local_blocks": "1",
                                                            "dense_layers": ""}
     llm = LLM(flow=flow, flow_params=first, **opts)

@@ -9,15 +9,16 @@ import json
 import pytest
 import torch
 
-from sparsetune.registry import build_flow, decode_flow_for
+from sparsetune.registry import build_flow, resolve_decode_flow
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import LayerInputs
 from sparsetune.calibration.heads import PREFIXES, profile_heads
 from sparsetune.reuse.head_classes import global_heads
 from sparsetune.reuse.parts import ReuseLayout, Span
-from test_flows import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache, reference_selection, selected_sets
-from test_reuse import DOC_A, _parts, _plain_logits, _reuse_logits
+from helpers import (
+    HEAD_DIM, HKV, GROUP, paged_case, prefill_cache, selected_sets, reference_selection, DOC_A, reuse_parts, reuse_logits, plain_logits,
+)
 
 # ---- LoopServe --------------------------------------------------------------------------------------
 
@@ -62,19 +63,19 @@ def test_loopserve_lines_match_the_greedy_cover(alpha):
 def test_loopserve_prefill_at_full_coverage_equals_pie(smollm):
     """alpha 1: every line with mass is chosen, so the new rows see every earlier key, as pie's do;
     a small alpha really drops keys."""
-    pie, _, layout, _ = _reuse_logits(smollm, "pie", _parts())
-    full, stats, _, _ = _reuse_logits(smollm, "loopserve", _parts(), {"alpha": "1.0"})
+    pie, _, layout, _ = reuse_logits(smollm, "pie", reuse_parts())
+    full, stats, _, _ = reuse_logits(smollm, "loopserve", reuse_parts(), {"alpha": "1.0"})
     torch.testing.assert_close(full, pie, rtol=1e-4, atol=1e-4)
-    sparse, _, _, _ = _reuse_logits(smollm, "loopserve", _parts(), {"alpha": "0.5"})
+    sparse, _, _, _ = reuse_logits(smollm, "loopserve", reuse_parts(), {"alpha": "0.5"})
     assert (sparse - pie).abs().max() > 1e-2
     assert stats.recomputed_reused == 0 and stats.segment_hits == 2
 
 
 def test_loopserve_brings_its_decode_flow():
-    assert decode_flow_for(None, {}, "loopserve", {"budget": "64", "interval": "8"}) == (
+    assert resolve_decode_flow(None, {}, "loopserve", {"budget": "64", "interval": "8"}) == (
         "loopserve_decode", {"budget": "64", "interval": "8"})
-    assert decode_flow_for("quest", {"budget": "32"}, "loopserve", {}) == ("quest", {"budget": "32"})
-    assert decode_flow_for(None, {}, "sparsex", {}) == (None, {})
+    assert resolve_decode_flow("quest", {"budget": "32"}, "loopserve", {}) == ("quest", {"budget": "32"})
+    assert resolve_decode_flow(None, {}, "sparsex", {}) == (None, {})
 
 
 def test_loopserve_decode_reselects_every_interval():
@@ -201,18 +202,18 @@ def head_file(tmp_path, smollm):
 
 def test_redknot_with_every_head_global_equals_plain_prefill(smollm, head_file):
     params = {"head_classes": head_file, "global_ratio": "1.0", "ffn_layer": "1000"}
-    logits, stats, layout, _ = _reuse_logits(smollm, "redknot", _parts(), params)
-    torch.testing.assert_close(logits, _plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
+    logits, stats, layout, _ = reuse_logits(smollm, "redknot", reuse_parts(), params)
+    torch.testing.assert_close(logits, plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
     assert stats.fresh_kv == stats.num_layers * stats.num_kv_heads * stats.reused_tokens
 
 
 def test_redknot_reuses_local_heads_and_skips_mlp_rows(smollm, head_file):
     params = {"head_classes": head_file, "window": "8", "ffn_layer": "20"}
-    logits, stats, layout, _ = _reuse_logits(smollm, "redknot", _parts(), params)
+    logits, stats, layout, _ = reuse_logits(smollm, "redknot", reuse_parts(), params)
     d = stats.to_dict()
     assert 0.1 < d["fresh_kv_fraction"] < 0.9 and d["mlp_fraction"] < 1.0 and d["compute_fraction"] == 1.0
     assert 0 < d["head_paged_kv_fraction"] < 1
-    assert (logits - _plain_logits(smollm, layout)).abs().max() > 1e-3
+    assert (logits - plain_logits(smollm, layout)).abs().max() > 1e-3
 
 
 def test_redknot_without_a_profile_says_which_command_to_run(smollm, tmp_path, monkeypatch):

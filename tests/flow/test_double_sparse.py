@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
-from test_flows import GROUP, HEAD_DIM, HKV, block_keys, paged_case, prefill_cache, reference_selection, selected_sets
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.calibration.channels import builtin_text, calibrate
 from sparsetune.models.artifacts import artifact_path, load_calibration, resolve_calibration, synthetic_calibration
 from sparsetune.registry import build_flow, get_flow_class
 from sparsetune.flow.attention import FlowAttention
+from helpers import HEAD_DIM, HKV, GROUP, paged_case, prefill_cache, selected_sets, reference_selection, block_keys
 
 CAL_TOKENS = 256
 # Not the text's start, so the `text=` argument really is what runs.
@@ -117,6 +117,7 @@ def test_load_calibration_rejects_wrong_shapes(calibration, tmp_path):
         load_calibration(tmp_path / "dup.json", 30, 3, 64)
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_auto_calibration_is_the_models_default_file(calibration, smollm, tmp_path, monkeypatch):
     from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
@@ -144,6 +145,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sparsetune.cli.main", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_cli_calibrate_then_generate(tmp_path):
     out = tmp_path / "cal.json"
     proc = _cli("flows", "calibrate", "--model", "smollm2-135m", "--tokens", "128", "--out", str(out), "--json")
@@ -157,6 +159,7 @@ def test_cli_calibrate_then_generate(tmp_path):
     assert result["flow"] == "double_sparse" and result["completion_tokens"] > 0
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_cli_calibration_errors_are_one_line(tmp_path):
     for args in (["flows", "calibrate", "--text", str(tmp_path / "missing.txt")],
                  ["generate", "--flow", "double_sparse", "--param", f"calibration={tmp_path / 'none.json'}",

@@ -20,7 +20,7 @@ from sparsetune import registry
 from sparsetune.registry import builtin_flows, get_flow_class, load_file
 from sparsetune.flow.source_check import file_problems
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

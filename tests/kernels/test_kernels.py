@@ -37,7 +37,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter turns loop bounds held in 1-element arrays into ints, which
 # numpy >= 1.25 flags as deprecated; it is not our code.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Relative-error bounds (||out - ref|| / ||ref|| against float64) by dtype.
 DECODE_TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
@@ -198,6 +198,7 @@ def test_paged_decode_matches_fp64(block_size, group, hkv, head_dim, dtype, seq_
     check_zero_rows(pf, seq_lens)
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_paged_decode_num_splits_agree():
     """1 split (direct store, no merge) and several splits (incl. more splits than
     tiles, i.e. empty splits) give the same answer, at several tile sizes and with
@@ -645,6 +646,7 @@ def test_kernels_compile_for_hopper():
     tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3),
     reason="the Triton interpreter's loops break on numpy >= 2.3 (GPU hosts ship a newer numpy)",
 )
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_benchmark_script_cpu_smoke(tmp_path):
     """The GPU benchmark's whole flow (correctness gate, sweeps, SDPA reference,
     block-sparse points, fused ops, summary, JSON) on CPU with tiny shapes, so it cannot rot unnoticed

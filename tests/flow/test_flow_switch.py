@@ -14,7 +14,7 @@ from sparsetune.flow.attention import FlowAttention
 from sparsetune.flow.stages import flow_stages
 from sparsetune.llm import LLM
 from sparsetune.registry import build_flow
-from test_flows import HEAD_DIM, paged_case, prefill_cache, selected_sets
+from helpers import HEAD_DIM, paged_case, prefill_cache, selected_sets
 
 PROMPT = "Name the planets of the solar system in order from the sun, with one fact about each. " * 6
 

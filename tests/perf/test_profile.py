@@ -121,10 +121,11 @@ def test_cli_errors(tmp_path, args, needle):
     assert not list(tmp_path.iterdir())  # no run directory for a failed run
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_cli_prints_the_table_on_stdout_without_profiler_notes(tmp_path):
     """Without --json the breakdown is the command's output (stdout); the profiler's native
     `USDT:` start/stop notes do not leak into the terminal."""
-    from tests.test_cli import run
+    from helpers import run
 
     proc = run("profile", "--random-weights", "--device", "cpu", "--batch", "1", "--context", "96", "--steps", "1",
                "--threads", "1", "--out", str(tmp_path))

@@ -6,12 +6,13 @@ from __future__ import annotations
 import random
 from contextlib import contextmanager
 
+import pytest
 import torch
-from conftest import assert_logits_match, hf_logits
 
 from sparsetune.engine.rows import Rows
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.llm import LLM
+from helpers import hf_logits, assert_logits_match
 
 TEXTS = [
     "Name a fruit that is yellow.",
@@ -37,6 +38,7 @@ def test_shuffled_blocks_and_chunked_prefill_match_hf(smollm_hf):
     assert_logits_match(llm.prompt_logits(ids), hf_logits(smollm_hf, ids))
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_batch_equals_one_by_one(smollm):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     batched = smollm.generate(TEXTS, params)
@@ -45,6 +47,7 @@ def test_batch_equals_one_by_one(smollm):
     assert len({len(b.prompt_token_ids) for b in batched}) == len(TEXTS)  # really mixed lengths
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_preemption_under_tiny_pool_keeps_outputs(smollm):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     reference = [o.token_ids for o in smollm.generate(TEXTS, params)]
@@ -55,6 +58,7 @@ def test_preemption_under_tiny_pool_keeps_outputs(smollm):
     assert [o.token_ids for o in outs] == reference
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_decode_kernel_path_matches_reference_path():
     """Greedy decode through the Triton kernel (interpreted on CPU) equals the torch path."""
     from sparsetune.engine.attention import DenseAttention

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import assert_clean_error, run
+from helpers import assert_clean_error, run
 
-FLOWS = Path(__file__).resolve().parents[1] / "flows"
+FLOWS = Path(__file__).resolve().parents[2] / "flows"
 
 
 @pytest.fixture(scope="module")

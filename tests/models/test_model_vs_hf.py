@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_logits_match, hf_logits
 
 from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
+from helpers import hf_logits, assert_logits_match, tiny_hf
 
 PROMPTS = [
     "What is the capital of France?",
@@ -31,25 +31,6 @@ def test_smollm2_greedy_generation_matches_hf(smollm, smollm_hf):
     assert out.token_ids == ref[0, len(ids):].tolist()
 
 
-def _tiny_hf(kind: str, tmp_path, **extra):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    common = dict(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )
-    cfg_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
-    cfg = cfg_cls(**common, **extra)
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # non-trivial norm weights and biases, so a dropped one shows up
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
-    model.save_pretrained(str(tmp_path))
-    return model
-
-
 @pytest.mark.parametrize(
     "kind,extra",
     [
@@ -64,7 +45,7 @@ def _tiny_hf(kind: str, tmp_path, **extra):
     ],
 )
 def test_tiny_random_models_match_hf(kind, extra, tmp_path):
-    hf = _tiny_hf(kind, tmp_path, **extra)
+    hf = tiny_hf(kind, tmp_path, **extra)
     llm = LLM(model=str(tmp_path), device="cpu", max_num_batched_tokens=48, num_kv_blocks=64)
     ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(7)).tolist()
     # 150 tokens with a 48-token budget: the prompt is prefilled in 4 chunks through the paged pool.

@@ -17,52 +17,7 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.flow.check import check_flow
 from sparsetune.registry import build_flow, get_flow_class
 from sparsetune.flow.attention import FlowAttention
-
-HEAD_DIM, HKV, GROUP = 32, 2, 3
-
-
-def paged_case(block_size: int, lens: list[int], seed: int = 0):
-    """Random paged KV (shuffled blocks, garbage in unused table entries) and decode metadata."""
-    g = torch.Generator().manual_seed(seed)
-    nblk = [-(-n // block_size) for n in lens]
-    kv = KVCache(1, sum(nblk) + 3, HKV, block_size, HEAD_DIM, torch.float64, "cpu")
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g, dtype=torch.float64))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g, dtype=torch.float64))
-    perm = torch.randperm(kv.num_blocks, generator=g).tolist()
-    width = max(nblk) + 2
-    tables = []
-    for n in nblk:
-        row, perm = perm[:n], perm[n:]
-        tables.append(row + [10**6] * (width - n))
-    bt = torch.tensor(tables, dtype=torch.int32)
-    meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
-                             torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), list(range(len(lens))))
-    q = torch.randn(len(lens), HKV * GROUP, HEAD_DIM, generator=g, dtype=torch.float64)
-    return kv, bt, meta, q
-
-
-def prefill_cache(attn: FlowAttention, kv: KVCache, bt: torch.Tensor, lens: list[int]) -> None:
-    bs = kv.block_size
-    blocks = torch.cat([bt[i, : n // bs] for i, n in enumerate(lens)]).long()
-    attn.run_cache(0, kv, blocks, blocks)
-
-
-def selected_sets(attn, kv, bt, meta, q) -> list[list[set[int]]]:
-    blocks, counts = attn.select(0, q, kv, meta)
-    return [[set(blocks[b, h, : counts[b, h]].tolist()) for h in range(HKV)] for b in range(blocks.shape[0])]
-
-
-def reference_selection(score: torch.Tensor, nblocks: int, budget_blocks: int, sink: int, local: int) -> set[int]:
-    """The published rule's selection: forced sink/local blocks, then the top scores of the rest."""
-    forced = set(range(min(sink, nblocks))) | set(range(max(0, nblocks - local), nblocks))
-    k = min(nblocks, max(budget_blocks, sink + local))
-    rest = [i for i in range(nblocks) if i not in forced]
-    ranked = sorted(rest, key=lambda i: -score[i].item())
-    return forced | set(ranked[: k - len(forced)])
-
-
-def block_keys(kv, bt, b: int, h: int, nfull: int) -> torch.Tensor:
-    return kv.k[0][bt[b, :nfull].long(), h]  # [nfull, bs, D]
+from helpers import HEAD_DIM, HKV, GROUP, paged_case, prefill_cache, selected_sets, reference_selection, block_keys
 
 
 @pytest.mark.parametrize("name", ["quest", "block_topk"])
@@ -194,6 +149,7 @@ def test_flows_new_then_check_passes(tmp_path):
     assert report["name"] == "my_flow" and report["full_budget_rel_err"] < 1e-6
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 @pytest.mark.parametrize("flow", ["quest", "tidal"])
 def test_engine_generous_budget_equals_dense(smollm, flow):
     from sparsetune.llm import LLM

@@ -12,41 +12,12 @@ from sparsetune.registry import build_flow
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import SelectionInputs
 from sparsetune.reuse.parts import ReuseLayout, Span, encode_parts, parse_parts
-
-DOC_A = "The secret code of the blue door is 4417. The red door has no code at all. " * 3
-DOC_B = "Paris is the capital of France. The Seine flows through it from east to west. " * 3
-
-
-def _parts(first_plain: bool = True):
-    seg = lambda t: {"text": t, "reuse": True, "namespace": "kb"}  # noqa: E731
-    body = [seg(DOC_A), "\n\n", seg(DOC_B), "\n\nQuestion: what is the secret code of the blue door? Answer:"]
-    return (["Read the documents below.\n\n"] if first_plain else []) + body
-
-
-def _reuse_logits(llm, flow: str, parts, params: dict[str, str] | None = None, warm: bool = True):
-    """Last-token logits of a reuse prefill (after a cache-building pass when `warm`), plus stats."""
-    layout = encode_parts(llm.tokenizer, parse_parts(parts), chat=False)
-    llm.set_reuse(flow, params)
-    if warm:  # the two-stage protocol: the first request stores the segments
-        llm.generate([parts], SamplingParams(max_tokens=1), chat=False)
-    seq_table = llm.block_manager.allocate(-(-layout.num_tokens // llm.kv.block_size))
-    try:
-        table = torch.tensor(seq_table, dtype=torch.int32)
-        logits, stats = llm.reuse_executor.prefill(llm.reuse_flow, layout, table)
-        layer0_k = llm.kv.gather(0, table, layout.num_tokens)[0].clone()
-    finally:
-        llm.block_manager.free_blocks(seq_table)
-        llm.set_reuse(None)
-    return logits, stats, layout, layer0_k
-
-
-def _plain_logits(llm, layout: ReuseLayout) -> torch.Tensor:
-    return llm.prompt_logits(layout.token_ids)[-1]
+from helpers import DOC_A, plain_logits, reuse_logits, reuse_parts
 
 
 def test_full_recompute_equals_plain_prefill(smollm):
-    logits, stats, layout, _ = _reuse_logits(smollm, "full_recompute", _parts())
-    ref = _plain_logits(smollm, layout)
+    logits, stats, layout, _ = reuse_logits(smollm, "full_recompute", reuse_parts())
+    ref = plain_logits(smollm, layout)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     assert stats.reused_tokens == 0 and stats.compute_fraction == 1.0
 
@@ -57,8 +28,8 @@ def test_selection_flows_at_full_ratio_equal_plain_prefill(smollm, flow, params)
     """ratio 1: every reused token is recomputed after the selection layer and every token before it,
     so the plan (selection layer, fresh-KV write, row slicing) must reproduce plain prefill
     (boundary 0: the selection layer is the first one, which still sees every token's q/k/v)."""
-    logits, stats, layout, _ = _reuse_logits(smollm, flow, _parts(), params if flow == "epic" else {"ratio": "1.0", **params})
-    torch.testing.assert_close(logits, _plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
+    logits, stats, layout, _ = reuse_logits(smollm, flow, reuse_parts(), params if flow == "epic" else {"ratio": "1.0", **params})
+    torch.testing.assert_close(logits, plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
     assert stats.segment_hits == 2 and stats.recompute_ratio == 1.0
 
 
@@ -68,17 +39,17 @@ def test_reused_prefix_with_sparse_rows_equals_plain_prefill(smollm, min_run, mo
     new tokens computed, attending with the per-row causal mask over cached + fresh KV) is exact."""
     monkeypatch.setattr("sparsetune.engine.rows._MIN_RUN", min_run)
     parts = [{"text": DOC_A, "reuse": True, "namespace": "kb"}, "\n\nWhat is the secret code of the blue door?"]
-    logits, stats, layout, _ = _reuse_logits(smollm, "pie", parts)
+    logits, stats, layout, _ = reuse_logits(smollm, "pie", parts)
     assert stats.segment_hits == 1 and 0 < stats.compute_fraction < 0.6
-    torch.testing.assert_close(logits, _plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, plain_logits(smollm, layout), rtol=1e-4, atol=1e-4)
 
 
 def test_realignment_in_the_engine_moves_keys_to_their_new_positions(smollm):
     """Layer 0's keys depend only on the token and its position: after realignment the reused segment's
     cached keys equal the keys a full prefill computes there; naive reuse leaves them at position 0."""
-    _, _, layout, full_k = _reuse_logits(smollm, "full_recompute", _parts())
-    _, _, _, pie_k = _reuse_logits(smollm, "pie", _parts())
-    _, _, _, naive_k = _reuse_logits(smollm, "naive_reuse", _parts())
+    _, _, layout, full_k = reuse_logits(smollm, "full_recompute", reuse_parts())
+    _, _, _, pie_k = reuse_logits(smollm, "pie", reuse_parts())
+    _, _, _, naive_k = reuse_logits(smollm, "naive_reuse", reuse_parts())
     seg = layout.segments[1]
     assert seg.start > 0
     sl = slice(seg.start, seg.end)
@@ -87,7 +58,7 @@ def test_realignment_in_the_engine_moves_keys_to_their_new_positions(smollm):
 
 
 def test_reuse_generation_and_pin(smollm):
-    parts = _parts()
+    parts = reuse_parts()
     parts[1] = {**parts[1], "pin": True}
     smollm.set_reuse("cacheblend")
     try:
@@ -107,7 +78,7 @@ def test_reuse_prefill_fills_the_decode_flows_fields(smollm):
     smollm.set_flow("quest", {"budget": "64"})
     smollm.set_reuse("pie")
     try:
-        layout = encode_parts(smollm.tokenizer, parse_parts(_parts()), chat=False)
+        layout = encode_parts(smollm.tokenizer, parse_parts(reuse_parts()), chat=False)
         attn, layer, bs = smollm.backends[5], 5, smollm.kv.block_size
         with torch.inference_mode():  # as the engine makes them: inference tensors
             attn.fields.pop(layer, None)
@@ -248,6 +219,7 @@ def test_reuse_sample_holds_its_answer_in_one_reusable_segment(smollm, task):
     assert len({p["namespace"] for p in segs}) == 1 and abs(final_prompt_tokens(smollm.tokenizer, s) - 1024) <= 51
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_eval_rag_with_a_reuse_flow(smollm, tmp_path):
     import json
 

@@ -63,7 +63,7 @@ from sparsetune.flow.compile.emit import p2  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.registry import build_flow  # noqa: E402
 from sparsetune.flow.attention import FlowAttention  # noqa: E402
-from test_flows import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache  # noqa: E402
+from helpers import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache  # noqa: E402
 
 # Every block-local op, non-power-of-two group (3) and slices, all three gemm forms.
 WIDE_FLOW = textwrap.dedent('''
@@ -96,7 +96,7 @@ WIDE_FLOW = textwrap.dedent('''
 
 
 def _case(block_size: int, lens: list[int], seed: int):
-    """tests/test_flows.py's random paged case, on the device the kernels run on."""
+    """tests/flow/test_flows.py's random paged case, on the device the kernels run on."""
     kv, bt, meta, q = paged_case(block_size, lens, seed)
     if DEVICE != "cpu":
         kv.k, kv.v = kv.k.to(DEVICE), kv.v.to(DEVICE)

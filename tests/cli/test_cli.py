@@ -3,28 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-
-def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "sparsetune.cli.main", *args], capture_output=True, text=True, env=full_env, timeout=600
-    )
-
-
-def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error:"), proc.stderr
-    message = " ".join(lines[lines.index(next(x for x in lines if x.startswith("error:"))):])
-    for n in needles:
-        assert n in message, message
+from helpers import assert_clean_error, run
 
 
 def test_help_lists_commands():
@@ -34,6 +15,7 @@ def test_help_lists_commands():
         assert cmd in proc.stdout
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_generate_json():
     proc = run("generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -43,6 +25,7 @@ def test_generate_json():
     assert out["random_weights"] is False
 
 
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_generate_with_reused_segments(tmp_path):
     """--parts with --reuse: the segment misses, is computed and stored, then realigned into the
     prompt; the needle inside it is still read back."""

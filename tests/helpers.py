@@ -1,0 +1,154 @@
+"""Helpers shared by the tests (fixtures are in conftest.py): running the CLI, random paged decode
+cases, HF references, tiny HF models on disk, and reuse prompts with their logits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from sparsetune.engine.attention import AttentionMetadata
+from sparsetune.engine.kv_cache import KVCache
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.flow.attention import FlowAttention
+from sparsetune.reuse.parts import ReuseLayout, encode_parts, parse_parts
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "sparsetune.cli.main", *args], capture_output=True, text=True, env=full_env, timeout=600
+    )
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error:"), proc.stderr
+    message = " ".join(lines[lines.index(next(x for x in lines if x.startswith("error:"))):])
+    for n in needles:
+        assert n in message, message
+
+
+# ---- paged decode cases (flows and their kernels) ----------------------------------------------
+
+
+HEAD_DIM, HKV, GROUP = 32, 2, 3
+
+
+def paged_case(block_size: int, lens: list[int], seed: int = 0):
+    """Random paged KV (shuffled blocks, garbage in unused table entries) and decode metadata."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-n // block_size) for n in lens]
+    kv = KVCache(1, sum(nblk) + 3, HKV, block_size, HEAD_DIM, torch.float64, "cpu")
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g, dtype=torch.float64))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g, dtype=torch.float64))
+    perm = torch.randperm(kv.num_blocks, generator=g).tolist()
+    width = max(nblk) + 2
+    tables = []
+    for n in nblk:
+        row, perm = perm[:n], perm[n:]
+        tables.append(row + [10**6] * (width - n))
+    bt = torch.tensor(tables, dtype=torch.int32)
+    meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
+                             torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), list(range(len(lens))))
+    q = torch.randn(len(lens), HKV * GROUP, HEAD_DIM, generator=g, dtype=torch.float64)
+    return kv, bt, meta, q
+
+
+def prefill_cache(attn: FlowAttention, kv: KVCache, bt: torch.Tensor, lens: list[int]) -> None:
+    bs = kv.block_size
+    blocks = torch.cat([bt[i, : n // bs] for i, n in enumerate(lens)]).long()
+    attn.run_cache(0, kv, blocks, blocks)
+
+
+def selected_sets(attn, kv, bt, meta, q) -> list[list[set[int]]]:
+    blocks, counts = attn.select(0, q, kv, meta)
+    return [[set(blocks[b, h, : counts[b, h]].tolist()) for h in range(HKV)] for b in range(blocks.shape[0])]
+
+
+def reference_selection(score: torch.Tensor, nblocks: int, budget_blocks: int, sink: int, local: int) -> set[int]:
+    """The published rule's selection: forced sink/local blocks, then the top scores of the rest."""
+    forced = set(range(min(sink, nblocks))) | set(range(max(0, nblocks - local), nblocks))
+    k = min(nblocks, max(budget_blocks, sink + local))
+    rest = [i for i in range(nblocks) if i not in forced]
+    ranked = sorted(rest, key=lambda i: -score[i].item())
+    return forced | set(ranked[: k - len(forced)])
+
+
+def block_keys(kv, bt, b: int, h: int, nfull: int) -> torch.Tensor:
+    return kv.k[0][bt[b, :nfull].long(), h]  # [nfull, bs, D]
+
+
+# ---- HF transformers references -----------------------------------------------------------------
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
+
+
+def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor, min_cos: float = 0.9999) -> None:
+    cos = torch.nn.functional.cosine_similarity(ours.double(), ref.double(), dim=-1)
+    assert cos.min().item() >= min_cos, f"min per-position cosine {cos.min().item():.6f}"
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree == 1.0, f"argmax agrees at {agree:.3f} of positions"
+
+
+def tiny_hf(kind: str, tmp_path, **extra):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    cfg_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
+    cfg = cfg_cls(**common, **extra)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # non-trivial norm weights and biases, so a dropped one shows up
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(str(tmp_path))
+    return model
+
+
+# ---- reuse prompts ------------------------------------------------------------------------------
+
+
+DOC_A = "The secret code of the blue door is 4417. The red door has no code at all. " * 3
+
+
+DOC_B = "Paris is the capital of France. The Seine flows through it from east to west. " * 3
+
+
+def reuse_parts(first_plain: bool = True):
+    seg = lambda t: {"text": t, "reuse": True, "namespace": "kb"}  # noqa: E731
+    body = [seg(DOC_A), "\n\n", seg(DOC_B), "\n\nQuestion: what is the secret code of the blue door? Answer:"]
+    return (["Read the documents below.\n\n"] if first_plain else []) + body
+
+
+def reuse_logits(llm, flow: str, parts, params: dict[str, str] | None = None, warm: bool = True):
+    """Last-token logits of a reuse prefill (after a cache-building pass when `warm`), plus stats."""
+    layout = encode_parts(llm.tokenizer, parse_parts(parts), chat=False)
+    llm.set_reuse(flow, params)
+    if warm:  # the two-stage protocol: the first request stores the segments
+        llm.generate([parts], SamplingParams(max_tokens=1), chat=False)
+    seq_table = llm.block_manager.allocate(-(-layout.num_tokens // llm.kv.block_size))
+    try:
+        table = torch.tensor(seq_table, dtype=torch.int32)
+        logits, stats = llm.reuse_executor.prefill(llm.reuse_flow, layout, table)
+        layer0_k = llm.kv.gather(0, table, layout.num_tokens)[0].clone()
+    finally:
+        llm.block_manager.free_blocks(seq_table)
+        llm.set_reuse(None)
+    return logits, stats, layout, layer0_k
+
+
+def plain_logits(llm, layout: ReuseLayout) -> torch.Tensor:
+    return llm.prompt_logits(layout.token_ids)[-1]
