@@ -6,14 +6,15 @@ granularity: the first `sink_blocks` blocks (one block of 16 covers the 4 sink t
 the last `local_blocks` blocks. Positions stay absolute (the cached keys keep their RoPE).
 """
 
-from sparsetune.flow import DecodeFlow, Param
+from sparsetune.flow import DecodeFlow, Param, Search
 from sparsetune.flow import ops as F
 
 
 class Streaming(DecodeFlow):
     name = "streaming"
     source = "StreamingLLM, arXiv 2309.17453"
-    local_blocks = Param(128, low=1, high=1 << 16, log=True, doc="recent window in blocks (2048 tokens at block 16)")
+    local_blocks = Param(128, low=1, high=1 << 16, log=True, doc="recent window in blocks (2048 tokens at block 16)",
+                         search=Search(low=4, high=512, log=True))
     inapplicable = {k: "it attends the sink blocks and a recent window only; size the window with "
                     "--param local_blocks=N (blocks)" for k in ("budget", "budget_ratio")}
 

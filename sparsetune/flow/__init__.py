@@ -1,10 +1,11 @@
 """The flow language: decode flows (cache stage + indexer stage) and their runtime.
 
-A flow program imports `DecodeFlow`, `Param` and `ops as F` from here; see `base.py`.
+A flow program imports `DecodeFlow`, `Param` (and `Search`, to set how the search samples a
+param) and `ops as F` from here; see `base.py`.
 The names load lazily, so torch-free parts (`flow.params`) import without torch.
 """
 
-__all__ = ["DecodeFlow", "Param"]
+__all__ = ["DecodeFlow", "Param", "Search"]
 
 
 def __getattr__(name: str):
@@ -12,8 +13,8 @@ def __getattr__(name: str):
         from sparsetune.flow.base import DecodeFlow
 
         return DecodeFlow
-    if name == "Param":
-        from sparsetune.flow.params import Param
+    if name in ("Param", "Search"):
+        from sparsetune.flow import params
 
-        return Param
+        return getattr(params, name)
     raise AttributeError(f"module 'sparsetune.flow' has no attribute {name!r}")

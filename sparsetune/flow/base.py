@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from sparsetune.flow.ops import FT, Selection
-from sparsetune.flow.params import Flow, Param
+from sparsetune.flow.params import Flow, Param, Search
 
 
 class BudgetRule(NamedTuple):
@@ -86,15 +86,21 @@ class DecodeFlow(Flow):
     # Which stages take `const` (found once per class, so the runtime's traced code only reads a dict).
     _takes_const: ClassVar[dict[str, bool]] = {"cache": False, "index": False}
 
-    # Every selection flow accepts these (Vortex defaults: block 16, first block + last two).
-    block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (selection granularity)")
-    budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole blocks")
-    budget_ratio = Param(None, low=0.0, high=1.0, kind=float, doc="budget as a fraction of the context (overrides budget)")
-    sink_blocks = Param(1, low=0, high=1024, doc="first blocks always kept (attention sinks)")
-    local_blocks = Param(2, low=1, high=1024, doc="last blocks always kept (recent window; includes the current block)")
-    dense_layers = Param((0,), kind=tuple, doc="layers that keep full attention (comma-separated indices)")
+    # Every selection flow accepts these (Vortex defaults: block 16, first block + last two). `search`:
+    # the budget is searched as a share of the context, the block size over what small heads need.
+    block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (selection granularity)",
+                       search=Search(choices=(2, 4, 8, 16, 32)))
+    budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole blocks",
+                   search=Search(off=True))
+    budget_ratio = Param(None, low=0.0, high=1.0, kind=float, doc="budget as a fraction of the context (overrides budget)",
+                         search=Search(low=1 / 64, high=1 / 2, log=True))
+    sink_blocks = Param(1, low=0, high=1024, doc="first blocks always kept (attention sinks)", search=Search(low=0, high=4))
+    local_blocks = Param(2, low=1, high=1024, doc="last blocks always kept (recent window; includes the current block)",
+                         search=Search(low=1, high=8))
+    dense_layers = Param((0,), kind=tuple, doc="layers that keep full attention (comma-separated indices)",
+                         search=Search(layers="first", low=0, high=4))
     select_layers = Param((), kind=tuple, doc="layers that run the indexer; other sparse layers reuse the "
-                          "latest selection (empty: every sparse layer selects)")
+                          "latest selection (empty: every sparse layer selects)", search=Search(layers="spread", low=0, high=4))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -9,8 +9,24 @@ from sparsetune.errors import SparsetuneError
 
 
 @dataclass(frozen=True)
+class Search:
+    """How `sparsetune search` samples a `Param`, where its declared choices or range are not the
+    space to search (`sparsetune.search.space`). `off`: never searched. `layers`: the param is a
+    layer set, searched by its size N in [low, high] ("first": the first N layers; "spread": N
+    layers spread evenly from the first sparse one, N = 0 meaning every sparse layer)."""
+
+    choices: tuple | None = None
+    low: float | None = None
+    high: float | None = None
+    log: bool | None = None  # None: as the Param declares
+    layers: str | None = None
+    off: bool = False
+
+
+@dataclass(frozen=True)
 class Param:
-    """One hyperparameter. `choices` or `low`/`high` give the search space; `None` default = off."""
+    """One hyperparameter. `choices` or `low`/`high` are the values it accepts, and the search space
+    unless `search` says otherwise; `None` default = off."""
 
     default: Any
     choices: tuple | None = None
@@ -19,6 +35,7 @@ class Param:
     log: bool = False
     kind: type | None = None  # inferred from the default when None
     doc: str = ""
+    search: Search | None = None
 
     @property
     def type(self) -> type:

@@ -8,7 +8,7 @@ parses the file, runs these checks, and executes it only if they pass. The rules
    Imports anywhere in the file come from `ALLOWED_MODULES` only (the flow API, the reuse helpers
    the built-ins use, `torch`, `math`, `typing`). Code that runs while the file loads (module
    level, class bodies, decorators, base classes, default values, annotations) may call only
-   `Param(...)` and the value builtins in `IMPORT_TIME_CALLS`.
+   `Param(...)`, `Search(...)` and the value builtins in `IMPORT_TIME_CALLS`.
 2. Anywhere: builtins outside `SAFE_BUILTINS` (`exec`, `eval`, `compile`, `open`, `__import__`,
    `globals`, `locals`, `vars`, `breakpoint`, ... never); `getattr`/`setattr`/`delattr` only with
    a constant, non-dunder name; dunder names and attributes outside `ALLOWED_DUNDERS` (no
@@ -71,7 +71,7 @@ DENIED_ATTRS = frozenset({
     # torch's code and pickle loaders, and its C internals
     "load", "load_library", "hub", "cpp_extension", "package", "from_file", "_C",
 })
-# What code that runs while the file loads may call, besides `Param(...)`.
+# What code that runs while the file loads may call, besides `Param(...)` and `Search(...)`.
 IMPORT_TIME_CALLS = frozenset({
     "dict", "tuple", "list", "set", "frozenset", "range", "len", "float", "int", "str", "bool", "round",
     "min", "max", "abs", "sorted", "sum", "zip", "enumerate", "reversed",
@@ -262,11 +262,11 @@ class FlowSource:
                 f = node.func
                 ok = isinstance(f, ast.Name) and f.id not in self.defined and (
                     f.id in IMPORT_TIME_CALLS and f.id not in self.imports
-                    or self._resolves_to(f.id, _PARAM_MODULES, "Param"))
+                    or any(self._resolves_to(f.id, _PARAM_MODULES, n) for n in ("Param", "Search")))
                 if not ok:
                     out.append(Problem(node.lineno, f"`{_snippet(node)}` would run when the flow file is loaded; at "
-                                                    "module or class level call only Param(...) or value builtins "
-                                                    "(dict, tuple, range, ...); move other calls into a method"))
+                                                    "module or class level call only Param(...), Search(...) or value "
+                                                    "builtins (dict, tuple, range, ...); move other calls into a method"))
             elif isinstance(node, (ast.Lambda, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
                 out.append(Problem(node.lineno, f"`{_snippet(node)}` is not allowed at module or class level; "
                                                 "write a method instead"))
