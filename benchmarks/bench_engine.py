@@ -26,48 +26,13 @@ from common import measure_copy_bandwidth, measure_matmul_flops  # noqa: E402
 
 from sparsetune.llm import LLM  # noqa: E402
 from sparsetune.engine.sequence import SamplingParams  # noqa: E402
+from sparsetune.perf.cost import decode_step_bytes  # noqa: E402
 from sparsetune.perf.step_profile import profile_call, profile_decode  # noqa: E402
 from sparsetune.perf.timing import time_call, time_calls  # noqa: E402
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in c.split("x")) for c in text.split(",") if c]  # type: ignore[misc]
-
-
-def weight_bytes_per_step(llm: LLM, batch: int) -> int:
-    """Every matrix is read once per step; of the embedding only the batch's rows."""
-    total = 0
-    for name, p in llm.model.named_parameters():
-        if "embed_tokens" in name and not llm.model_config.tie_word_embeddings:
-            total += batch * p.shape[1] * p.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    return total
-
-
-def kv_bytes(llm: LLM, tokens: int) -> int:
-    c = llm.model_config
-    return tokens * c.kv_bytes_per_token(llm.dtype.itemsize)
-
-
-def step_kv_bytes(llm: LLM, batch: int, ctx: int) -> int:
-    """KV (+ flow field) bytes one decode step must read: full context on dense layers;
-    on sparse layers the selected blocks plus every block's cached fields."""
-    c, flow = llm.model_config, llm.flow
-    per_token_layer = c.kv_bytes_per_token(llm.dtype.itemsize) // c.num_hidden_layers
-    if flow is None:
-        return batch * ctx * per_token_layer * c.num_hidden_layers
-    bs = llm.config.block_size
-    nblocks = -(-ctx // bs)
-    total = 0
-    for layer, backend in enumerate(llm.backends):
-        if getattr(backend, "flow", None) is None:
-            total += batch * ctx * per_token_layer
-            continue
-        total += batch * min(nblocks, flow.budget_blocks(nblocks)) * bs * per_token_layer
-        fields = backend.fields.get(layer, {})
-        total += batch * nblocks * sum(f[0].numel() * f.element_size() for f in fields.values())
-    return total
 
 
 def prefill_flops(llm: LLM, n: int) -> float:
@@ -96,7 +61,8 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
     for s in seqs:
         llm.abort(s)
     ctx_avg = int(ctx + 3 + steps / 2)
-    wb, kb = weight_bytes_per_step(llm, batch), step_kv_bytes(llm, batch, ctx_avg)
+    step = decode_step_bytes(llm.model_config, llm.flow, batch, ctx_avg, llm.dtype.itemsize)
+    wb, kb = step.weights, step.kv + step.fields
     return {"flow": llm.flow_name, "batch": batch, "context": ctx, "step_ms": per_step * 1e3, "graph_replay_ms": None if replay is None else replay * 1e3,
             "weight_bytes": wb, "kv_bytes": kb}
 

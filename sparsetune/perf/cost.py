@@ -1,0 +1,72 @@
+"""The bytes one decode step reads: the byte floor of the benchmarks and the modeled speed of the
+search on machines where decode speed is not measured.
+
+A decode step at batch B and context n reads every weight matrix once (of an untied embedding only
+the batch's rows), on a dense layer the K/V of all n tokens, and on a sparse layer the K/V of the
+blocks the flow attends (`DecodeFlow.budget_blocks`, or its sink and local blocks for a flow that
+scores nothing) plus, on the layers that select, every block's cached fields. Fields are stored in
+the pool's dtype, as the engine keeps them. A model figure: it ignores activations, the indexer's
+arithmetic and launch gaps, which is what the measured step adds to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.trace import field_dims, index_traits
+from sparsetune.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    weights: int
+    kv: int  # K and V read by attention
+    fields: int  # the flow's cached fields read by its indexer
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.fields
+
+
+def weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
+    """Weights one decode step reads: every matrix once; of an untied embedding, the batch's rows."""
+    emb = cfg.vocab_size * cfg.hidden_size
+    read = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else emb - batch * cfg.hidden_size)
+    return read * dtype_bytes
+
+
+def selected_blocks(flow: DecodeFlow, num_blocks: int, head_dim: int) -> int:
+    """Blocks a sparse layer attends in a sequence of `num_blocks` blocks."""
+    if index_traits(flow, head_dim, flow.const_dims(head_dim)).forced_only:
+        return min(num_blocks, flow.sink_blocks + flow.local_blocks)
+    return flow.budget_blocks(num_blocks)
+
+
+def field_bytes_per_block(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) -> int:
+    """A flow's cached fields of one block on one layer, all KV heads (what the engine stores)."""
+    dims = field_dims(flow, cfg.head_dim, flow.const_dims(cfg.head_dim))
+    return cfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * dtype_bytes
+
+
+def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, context: int, dtype_bytes: int) -> StepBytes:
+    """What one decode step reads with `flow` (None: dense) at `batch` sequences of `context` tokens."""
+    kv_token_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    layers = cfg.num_hidden_layers
+    weights = weight_bytes(cfg, batch, dtype_bytes)
+    if flow is None:
+        return StepBytes(weights, batch * context * kv_token_layer * layers, 0)
+    bs = flow.block_size
+    nb = -(-context // bs)
+    sparse = [i for i in range(layers) if i not in flow.dense_layers]
+    selecting = [i for i in sparse if not flow.select_layers or i in flow.select_layers]
+    attended = min(context, selected_blocks(flow, nb, cfg.head_dim) * bs)
+    kv = batch * kv_token_layer * (context * (layers - len(sparse)) + attended * len(sparse))
+    fields = batch * nb * field_bytes_per_block(flow, cfg, dtype_bytes) * len(selecting)
+    return StepBytes(weights, kv, fields)
+
+
+def modeled_speedup(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, context: int, dtype_bytes: int) -> float:
+    """Dense step bytes over the flow's: the decode speedup at the byte floor."""
+    return decode_step_bytes(cfg, None, batch, context, dtype_bytes).total / decode_step_bytes(
+        cfg, flow, batch, context, dtype_bytes).total

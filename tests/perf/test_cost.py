@@ -1,0 +1,53 @@
+"""The decode-step byte model against hand counts and against what the engine really holds: its
+weights (the module's parameters) and a flow's field stores."""
+
+from __future__ import annotations
+
+from sparsetune.engine.sequence import SamplingParams
+from sparsetune.flow.attention import FlowAttention
+from sparsetune.models.registry import REGISTRY
+from sparsetune.perf.cost import decode_step_bytes, field_bytes_per_block, modeled_speedup, weight_bytes
+from sparsetune.registry import build_flow
+
+CFG = REGISTRY["smollm2-135m"].config  # 30 layers, 3 KV heads, head dim 64, tied embeddings
+KV_TOKEN_LAYER = 2 * 3 * 64 * 4  # K and V, float32
+
+
+def test_weights_are_the_modules_parameters(smollm):
+    held = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
+    assert weight_bytes(smollm.model_config, batch=4, dtype_bytes=4) == held  # tied: the embedding is the lm_head
+    qwen = REGISTRY["qwen3-8b"].config  # untied: of the embedding only the batch's rows
+    emb = qwen.vocab_size * qwen.hidden_size
+    assert weight_bytes(qwen, 16, 2) == 2 * (qwen.num_parameters() - emb + 16 * qwen.hidden_size)
+
+
+def test_field_bytes_are_what_the_engine_stores(smollm):
+    try:
+        smollm.set_flow("quest", {"budget": "64"})
+        smollm.generate(["The capital of France is"], SamplingParams(max_tokens=2))
+        backend = smollm.backends[5]
+        assert isinstance(backend, FlowAttention)
+        stored = sum(t[0].numel() * t.element_size() for t in backend.fields[5].values())  # one block, all heads
+        assert field_bytes_per_block(smollm.flow, smollm.model_config, 4) == stored == 3 * 2 * 64 * 4
+    finally:
+        smollm.set_flow(None)
+
+
+def test_dense_and_quest_by_hand():
+    dense = decode_step_bytes(CFG, None, batch=2, context=4096, dtype_bytes=4)
+    assert (dense.kv, dense.fields) == (2 * 4096 * KV_TOKEN_LAYER * 30, 0)
+    quest = build_flow("quest", {"budget": "512"})  # dense layers 0 and 1; 32 blocks of 16 on the other 28
+    got = decode_step_bytes(CFG, quest, batch=2, context=4096, dtype_bytes=4)
+    assert got.kv == 2 * KV_TOKEN_LAYER * (2 * 4096 + 28 * 512)
+    assert got.fields == 2 * 256 * (3 * 2 * 64 * 4) * 28  # kmax + kmin of 256 blocks on 28 layers
+    assert got.weights == dense.weights
+    assert modeled_speedup(CFG, quest, 2, 4096, 4) == dense.total / got.total > 1
+
+
+def test_window_flows_and_shared_selection():
+    streaming = build_flow("streaming", {"local_blocks": "8", "dense_layers": ""})  # sink block + 8: no scoring
+    assert decode_step_bytes(CFG, streaming, 1, 4096, 4).kv == KV_TOKEN_LAYER * 30 * 9 * 16
+    every = build_flow("block_topk", {"budget": "512", "dense_layers": "0"})
+    shared = build_flow("block_topk", {"budget": "512", "dense_layers": "0", "select_layers": "1,15"})
+    a, b = decode_step_bytes(CFG, every, 1, 4096, 4), decode_step_bytes(CFG, shared, 1, 4096, 4)
+    assert a.kv == b.kv and b.fields * 29 == a.fields * 2  # fields read on the 2 selecting layers of 29
