@@ -1,0 +1,63 @@
+"""The Pareto frontier of a search: points that no other point beats in both accuracy and speed.
+
+One search keeps a study per flow, so the frontier is merged here from every study's points, not
+taken from one study. Accuracy comes from a few dozen samples, so each point carries a Wilson
+score interval; hypervolume (the area the frontier dominates above a reference point) measures a
+search's progress over time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class Point:
+    """One evaluated configuration: both objectives are maximized."""
+
+    name: str  # e.g. "quest#12" (flow and trial number)
+    accuracy: float  # relative to dense on the same prompts (1.0: dense)
+    speedup: float  # decode speedup over dense (measured, or modeled from the step's bytes)
+    params: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def dominates(a: Point, b: Point) -> bool:
+    """`a` is at least as good as `b` in both objectives and better in one."""
+    return a.accuracy >= b.accuracy and a.speedup >= b.speedup and (a.accuracy > b.accuracy or a.speedup > b.speedup)
+
+
+def pareto(points: Iterable[Point]) -> list[Point]:
+    """The non-dominated points, by increasing speedup (equal points: the first one given)."""
+    front: list[Point] = []
+    best_acc = -math.inf
+    # Sort by speed descending, then accuracy descending: a point is on the front iff its accuracy
+    # beats every point at least as fast.
+    ordered = sorted(enumerate(points), key=lambda ip: (-ip[1].speedup, -ip[1].accuracy, ip[0]))
+    for _, p in ordered:
+        if p.accuracy > best_acc:
+            front.append(p)
+            best_acc = p.accuracy
+    return front[::-1]
+
+
+def hypervolume(points: Sequence[Point], ref_accuracy: float = 0.0, ref_speedup: float = 1.0) -> float:
+    """Area dominated by `points` and bounded below by the reference (default: zero accuracy, dense
+    speed); points not better than the reference in both objectives add nothing."""
+    area, acc_covered = 0.0, ref_accuracy
+    for p in reversed(pareto(q for q in points if q.accuracy > ref_accuracy and q.speedup > ref_speedup)):
+        area += (p.speedup - ref_speedup) * (p.accuracy - acc_covered)  # fastest first: a staircase
+        acc_covered = p.accuracy
+    return area
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95% by default): sound at 0 and n successes, where
+    the normal approximation collapses to a point."""
+    if n <= 0:
+        raise ValueError("a proportion needs n >= 1")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

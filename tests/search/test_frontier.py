@@ -1,0 +1,57 @@
+"""The merged Pareto frontier against a brute-force reference, hypervolume on staircases computed
+by hand, and the Wilson interval against published values."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sparsetune.search.frontier import Point, dominates, hypervolume, pareto, wilson_interval
+
+
+def _brute_front(points: list[Point]) -> set[str]:
+    keep = set()
+    for i, p in enumerate(points):
+        if any(dominates(q, p) for q in points):
+            continue
+        if any(q.accuracy == p.accuracy and q.speedup == p.speedup for q in points[:i]):
+            continue  # an equal point given earlier stands for both
+        keep.add(p.name)
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pareto_equals_brute_force(seed):
+    rng = random.Random(seed)
+    grid = [0.5, 0.75, 0.9, 1.0]  # ties in each objective on purpose
+    points = [Point(f"p{i}", rng.choice(grid), rng.choice([1.0, 1.5, 2.0, 3.0])) for i in range(rng.randint(1, 25))]
+    front = pareto(points)
+    assert {p.name for p in front} == _brute_front(points)
+    assert [p.speedup for p in front] == sorted(p.speedup for p in front)
+    assert len({(p.accuracy, p.speedup) for p in front}) == len(front)
+
+
+def test_points_from_several_flows_merge():
+    quest = [Point("quest#0", 1.0, 1.2), Point("quest#1", 0.7, 3.0)]
+    topk = [Point("block_topk#0", 0.95, 2.0), Point("block_topk#1", 0.6, 2.5)]
+    assert [p.name for p in pareto(quest + topk)] == ["quest#0", "block_topk#0", "quest#1"]
+
+
+def test_hypervolume_is_the_staircase_area():
+    pts = [Point("a", 1.0, 2.0), Point("b", 0.5, 4.0), Point("c", 0.4, 3.0)]  # c is dominated by b
+    # above dense speed (1.0) and zero accuracy: a covers [1, 2] x [0, 1]; b adds [2, 4] x [0, 0.5]
+    assert hypervolume(pts) == pytest.approx(1.0 * 1.0 + 2.0 * 0.5)
+    assert hypervolume([Point("slow", 1.0, 0.9)]) == 0.0
+    assert hypervolume(pts, ref_accuracy=0.5) == pytest.approx(1.0 * 0.5)
+
+
+def test_wilson_interval():
+    lo, hi = wilson_interval(10, 20)
+    assert (round(lo, 3), round(hi, 3)) == (0.299, 0.701)
+    lo, hi = wilson_interval(0, 20)
+    assert lo == 0.0 and round(hi, 3) == 0.161
+    lo, hi = wilson_interval(20, 20)
+    assert round(lo, 3) == 0.839 and hi == 1.0
+    with pytest.raises(ValueError):
+        wilson_interval(0, 0)
