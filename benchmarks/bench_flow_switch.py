@@ -57,7 +57,7 @@ def what_changed(llm: LLM, before, after) -> str:
     if before is None or before.kernel_key() != after.kernel_key():
         return "flow"
     width = llm.runner.max_blocks_per_seq  # `FlowAttention.selection_width` of a flow that scores blocks
-    if min(width, before.budget_blocks(width)) != min(width, after.budget_blocks(width)):
+    if before.attended_blocks(width) != after.attended_blocks(width):
         return "selection width"
     if (before.dense_layers, before.select_layers) != (after.dense_layers, after.select_layers):
         return "layers"

@@ -302,7 +302,7 @@ def _budget_note(llm: LLM, context: int) -> str | None:
         return None
     blocks = -(-context // flow.block_size)
     window = "budget" in flow.inapplicable  # sinks + recent window only (streaming)
-    attended = min(blocks, flow.sink_blocks + flow.local_blocks) if window else flow.budget_blocks(blocks)
+    attended = flow.attended_blocks(blocks, scores=not window)
     if attended < blocks:
         return None
     budget = f"{flow.budget_ratio:g} of the context" if flow.budget_ratio is not None else f"{flow.budget} tokens"

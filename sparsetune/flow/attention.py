@@ -56,8 +56,6 @@ class FlowAttention(DenseAttention):
         """`calibration`: a calibrated flow's channel order per layer and KV head, most important
         first (`models.artifacts.resolve_calibration`)."""
         super().__init__(scale, use_triton)
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {EXECUTORS}")
         if flow.calibrated and calibration is None:
             raise ValueError(f"flow {flow.name!r} is calibrated: pass its channel calibration")
         self.flow = flow
@@ -101,9 +99,7 @@ class FlowAttention(DenseAttention):
     def selection_width(self, width: int, head_dim: int) -> int:
         """Blocks per row of a selection over a block table `width` blocks wide: a shape of the
         step (a captured graph holds it; a flow that changes it needs new graphs)."""
-        if self.stages.traits(head_dim).forced_only:
-            return self.flow.sink_blocks + self.flow.local_blocks
-        return min(width, self.flow.budget_blocks(width))
+        return self.flow.attended_blocks(width, scores=not self.stages.traits(head_dim).forced_only)
 
     def _generated_path(self, x: torch.Tensor) -> bool:
         """The compiled executor on the Triton path runs sparsetune's own kernels: the generated

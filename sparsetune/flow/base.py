@@ -142,6 +142,13 @@ class DecodeFlow(Flow):
         Flows with equal keys share their stages' code (kernels, compiled functions)."""
         return (type(self), tuple((k, v) for k, v in self.params().items() if k not in RUNTIME_PARAMS))
 
+    def attended_blocks(self, num_blocks: int, scores: bool = True) -> int:
+        """Blocks a sparse layer attends in a sequence of `num_blocks` blocks: the budget's, or for an
+        indexer that scores nothing (`F.keep_only_forced`, `scores=False`) the sink and local blocks."""
+        if not scores:
+            return min(num_blocks, self.sink_blocks + self.local_blocks)
+        return self.budget_blocks(num_blocks)
+
     def budget_blocks(self, num_blocks: int) -> int:
         """Blocks attended for a sequence of `num_blocks` blocks (never fewer than the forced ones)."""
         return self.budget_rule.blocks(num_blocks)

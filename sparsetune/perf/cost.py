@@ -3,8 +3,7 @@ search on machines where decode speed is not measured.
 
 A decode step at batch B and context n reads every weight matrix once (of an untied embedding only
 the batch's rows), on a dense layer the K/V of all n tokens, and on a sparse layer the K/V of the
-blocks the flow attends (`DecodeFlow.budget_blocks`, or its sink and local blocks for a flow that
-scores nothing) plus, on the layers that select, every block's cached fields. Fields are stored in
+blocks the flow attends (`DecodeFlow.attended_blocks`) plus, on the layers that select, every block's cached fields. Fields are stored in
 the pool's dtype, as the engine keeps them. A model figure: it ignores activations, the indexer's
 arithmetic and launch gaps, which is what the measured step adds to it.
 """
@@ -36,13 +35,6 @@ def weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
     return read * dtype_bytes
 
 
-def selected_blocks(flow: DecodeFlow, num_blocks: int, head_dim: int) -> int:
-    """Blocks a sparse layer attends in a sequence of `num_blocks` blocks."""
-    if index_traits(flow, head_dim, flow.const_dims(head_dim)).forced_only:
-        return min(num_blocks, flow.sink_blocks + flow.local_blocks)
-    return flow.budget_blocks(num_blocks)
-
-
 def field_bytes_per_block(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) -> int:
     """A flow's cached fields of one block on one layer, all KV heads (what the engine stores)."""
     dims = field_dims(flow, cfg.head_dim, flow.const_dims(cfg.head_dim))
@@ -60,7 +52,8 @@ def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, con
     nb = -(-context // bs)
     sparse = [i for i in range(layers) if i not in flow.dense_layers]
     selecting = [i for i in sparse if not flow.select_layers or i in flow.select_layers]
-    attended = min(context, selected_blocks(flow, nb, cfg.head_dim) * bs)
+    scores = not index_traits(flow, cfg.head_dim, flow.const_dims(cfg.head_dim)).forced_only
+    attended = min(context, flow.attended_blocks(nb, scores) * bs)
     kv = batch * kv_token_layer * (context * (layers - len(sparse)) + attended * len(sparse))
     fields = batch * nb * field_bytes_per_block(flow, cfg, dtype_bytes) * len(selecting)
     return StepBytes(weights, kv, fields)

@@ -113,15 +113,11 @@ def suggest(trial: optuna.Trial, cls: type[Flow], num_layers: int, fixed: dict[s
             sizes[dim.name] = (dim.layers, int(value))
         else:
             raw[dim.name] = str(value)
-    dense: tuple[int, ...] = ()
-    for name, (kind, n) in sorted(sizes.items(), key=lambda kv: kv[1][0]):  # "first" (dense) before "spread"
+    # The dense layers (a "first" set, or the user's) are known before the "spread" sets placed after them.
+    dense = cls.param_specs()["dense_layers"].parse("dense_layers", fixed["dense_layers"]) if "dense_layers" in fixed else ()
+    for name, (kind, n) in sorted(sizes.items(), key=lambda kv: kv[1][0]):  # "first" before "spread"
         layers = layer_set(kind, n, num_layers, dense)
         if kind == "first":
             dense = layers
         raw[name] = ",".join(map(str, layers))
-    if "dense_layers" in fixed:
-        dense = tuple(int(x) for x in fixed["dense_layers"].split(",") if x.strip())
-        for name, (kind, n) in sizes.items():
-            if kind == "spread":
-                raw[name] = ",".join(map(str, layer_set(kind, n, num_layers, dense)))
     return {**raw, **fixed}
