@@ -43,12 +43,16 @@ class LLM(Engine):
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
         self._install_flow(self.flow)
-        # Segments live in the same pool; a request short of blocks evicts idle ones (reclaim).
+        self._attach_segments()
+        self.reuse_flow = self._build_reuse(cfg.reuse, cfg.reuse_params)
+
+    def _attach_segments(self) -> None:
+        """Segments live in the same pool; a request short of blocks evicts idle ones (reclaim)."""
+        cfg, mcfg = self.config, self.model_config
         self.segments = SegmentCache(self.block_manager, cfg.block_size,
                                      salt=f"{self.resolved.name}|random={cfg.random_weights}|{self.dtype}",
                                      watermark=cfg.segment_watermark)
         self.reuse_executor = ReuseExecutor(self.model, self.kv, self.segments, mcfg.rope_scaling, mcfg.rope_theta)
-        self.reuse_flow = self._build_reuse(cfg.reuse, cfg.reuse_params)
 
     # ---- the decode flow ---------------------------------------------------------------------------
 
@@ -94,16 +98,26 @@ class LLM(Engine):
         """Switch the decode flow of a live engine (same weights and KV pool). A flow that differs
         from the current one only in budget, sink or local blocks switches in place; other changes
         of dense or select layers recapture the graphs; another flow class or kernel param builds
-        its backend (generated kernels are shared by source, so a flow seen before compiles nothing)."""
+        its backend (generated kernels are shared by source, so a flow seen before compiles nothing);
+        another block size lays the KV pool out anew (`Engine.set_block_size`; the weights stay)."""
         if self.scheduler.has_work():
             raise RuntimeError("set_flow needs an idle engine")
-        cfg = replace(self.config, flow=flow, flow_params=dict(params or {}))
+        raw = dict(params or {})
+        size = str(raw.get("block_size", ""))
+        cfg = replace(self.config, flow=flow, flow_params=raw,
+                      block_size=int(size) if size.isdigit() else self.config.block_size)
         new = _build_flow(cfg, flow, cfg.flow_params)
-        if new is not None and new.block_size != cfg.block_size:
-            raise SparsetuneError(f"the KV pool uses blocks of {cfg.block_size}; a flow with block_size "
-                                  f"{new.block_size} needs a new engine")
+        if new is not None and new.block_size != self.config.block_size:
+            self._relayout(new)
         self._install_flow(new)
-        self.config, self.flow = cfg, new
+        self.config, self.flow = replace(cfg, block_size=self.config.block_size), new
+
+    def _relayout(self, flow) -> None:
+        """A flow of another block size: the KV pool is laid out anew in its blocks (same token
+        capacity, the weights kept; cached segments are dropped), its fields sized beside it."""
+        self.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
+        self._flow_backend, self._route = None, False
+        self._attach_segments()
 
     def _sparse_layers(self, flow) -> list[int]:
         """The layers `flow` runs on (all but its dense layers), its layer params checked."""
@@ -173,12 +187,7 @@ class LLM(Engine):
         try:
             table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
             logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
-            from sparsetune.flow.attention import FlowAttention
-
-            with torch.inference_mode():  # the field stores are inference tensors
-                for layer, backend in enumerate(self.backends):  # the decode flow's per-block fields
-                    if isinstance(backend, FlowAttention):
-                        backend.rebuild_fields(layer, self.kv, table, len(ids))
+            self._rebuild_fields(table, len(ids))
         except BaseException:
             self.abort(seq)
             raise
@@ -187,6 +196,46 @@ class LLM(Engine):
         self.stats.prefill_seconds += stats.seconds
         self.admit_prefilled(seq, logits)
         return seq, stats
+
+    def add_prefilled(self, token_ids: list[int], params: SamplingParams, k: torch.Tensor, v: torch.Tensor,
+                      logits: torch.Tensor, arrival: float | None = None) -> Sequence:
+        """A prompt whose dense prefill was computed before (`k`, `v` `[layers, kv_heads, n, head_dim]`
+        and its last position's `logits`, as `prompt_kv` gives them): written into its blocks, the
+        decode flow's fields rebuilt, its first token sampled from `logits`; then decoded with the
+        others. For decode flows this is the prefill they would run (theirs is dense)."""
+        seq = self.reserve(token_ids, params, arrival)
+        try:
+            n = len(token_ids)
+            table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
+            slots = self.kv.slots(table, torch.arange(n, device=self.device))
+            with torch.inference_mode():
+                for layer in range(self.model_config.num_hidden_layers):
+                    self.kv.store(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), slots)
+            self._rebuild_fields(table, n)
+        except BaseException:
+            self.abort(seq)
+            raise
+        self.admit_prefilled(seq, logits)
+        return seq
+
+    def prompt_kv(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V `[layers, kv_heads, n, head_dim]` of a running request's prompt once it is
+        prefilled (None before, or once its blocks are gone): what `add_prefilled` takes."""
+        n = seq.num_prompt_tokens
+        if seq.num_computed < n or not seq.block_table:
+            return None
+        table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
+        kv = [self.kv.gather(layer, table, n) for layer in range(self.model_config.num_hidden_layers)]
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+    def _rebuild_fields(self, table: torch.Tensor, num_tokens: int) -> None:
+        """The decode flow's per-block fields of a prompt whose KV was written outside the step loop."""
+        from sparsetune.flow.attention import FlowAttention
+
+        with torch.inference_mode():  # the field stores are inference tensors
+            for layer, backend in enumerate(self.backends):
+                if isinstance(backend, FlowAttention):
+                    backend.rebuild_fields(layer, self.kv, table, num_tokens)
 
     def generate(
         self,

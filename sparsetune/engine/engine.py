@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence as Seq
 
 import torch
@@ -97,23 +97,49 @@ class Engine:
             load_safetensors_dir(self.model, self.resolved.weights_dir)
         self.model.eval()
 
+        self._max_len = max_len
         num_blocks = self._num_kv_blocks(max_len)
         if num_blocks < 1:
             raise SparsetuneError("the KV pool has no room for a single block; raise --kv-memory")
+        self._build_pool(num_blocks)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.stats = EngineStats()
+        if capture:
+            self.capture_graphs()
+
+    def _build_pool(self, num_blocks: int) -> None:
+        """The KV pool of `num_blocks` blocks of `config.block_size`, its block manager, scheduler and
+        runner; attention is dense on every layer."""
+        cfg, mcfg = self.config, self.model_config
         self._check_memory(num_blocks)
         self.kv = KVCache(
             mcfg.num_hidden_layers, num_blocks, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim,
             self.dtype, self.device,
         )
-        self.max_model_len = min(max_len, num_blocks * cfg.block_size)
+        self.max_model_len = min(self._max_len, num_blocks * cfg.block_size)
         self.backends: list[AttentionBackend] = [self.dense_attention()] * mcfg.num_hidden_layers
         self.block_manager = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.backends, cfg.max_num_seqs, self.max_model_len)
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self.stats = EngineStats()
-        if capture:
-            self.capture_graphs()
+
+    def set_block_size(self, block_size: int, extra_elems_per_block: int | None = None) -> None:
+        """Lay the KV pool out anew in blocks of `block_size` tokens, holding as many tokens as before
+        (the weights stay; what the pool held is dropped): an idle engine only. Attention goes back
+        to dense on every layer and captured graphs are dropped (`capture_graphs` takes new ones).
+        `extra_elems_per_block`: the per-block fields kept beside K and V at the new size."""
+        if self.scheduler.has_work():
+            raise RuntimeError("set_block_size needs an idle engine")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")
+        tokens = self.kv.num_blocks * self.kv.block_size
+        self.config = replace(self.config, block_size=block_size)
+        if extra_elems_per_block is not None:
+            self.extra_elems_per_block = extra_elems_per_block
+        self.runner.graphs.clear()
+        del self.kv, self.runner  # free the old pool before the new one is allocated
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._build_pool(-(-tokens // block_size))
 
     # ---- attention and graphs ----------------------------------------------------------------------
 

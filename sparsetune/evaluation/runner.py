@@ -23,11 +23,12 @@ import torch
 
 from sparsetune.llm import LLM
 from sparsetune.engine.config import EngineConfig
-from sparsetune.engine.sequence import SamplingParams, Status
+from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.config import (CONFIG_SCHEMA, DEFAULT_SPEED_TOKENS, EvalConfig, check_config,
                                           load_resume_config)
 from sparsetune.evaluation.fidelity import FidelityTally
+from sparsetune.evaluation.reference import DenseReference, PromptKV
 from sparsetune.evaluation.results import SCHEMA, EvalResult
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
@@ -104,9 +105,12 @@ class _Pass:
 
 
 def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: bool,
-              forced: _Pass | None = None, tick: Callable[[int], None] | None = None) -> _Pass:
+              forced: _Pass | None = None, tick: Callable[[int], None] | None = None,
+              reference: DenseReference | None = None, record: bool = False) -> _Pass:
     """Greedy turns for a chunk of samples; multi-turn samples feed back their own earlier replies
-    (or, when `forced`, the dense pass's replies and tokens). `tick(n)`: n more turns finished."""
+    (or, when `forced`, the dense pass's replies and tokens). `tick(n)`: n more turns finished.
+    `reference`: first turns start from its stored prompt KV; `record` (the dense pass, keeping
+    logits): store each first turn's prompt KV there once it is prefilled."""
     tok = llm.tokenizer
     n = len(samples)
     out = _Pass([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [None] * n)
@@ -132,15 +136,22 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
                 llm.cache_segments(layout)
         seqs = []
         for i, ids, p, layout in zip(rows, prompts, params, layouts):
-            if layout is None:
+            stored = reference.prompt(ids) if reference is not None and turn == 0 and not record else None
+            if stored is not None and layout is None:  # a decode flow's prefill is the dense one
+                seqs.append(llm.add_prefilled(ids, p, stored.k, stored.v, stored.logits))
+            elif layout is None:
                 seqs.append(llm.add_request(ids, p))
             else:  # stage 2: the measured request reuses them (prefilled now, decoded with the rest)
                 seq, stats = llm.add_reuse_request(layout, p)
                 seqs.append(seq)
                 out.reuse[i] = stats.to_dict()
         pending = list(seqs)
+        unrecorded = [(q, ids) for q, ids, layout in zip(seqs, prompts, layouts)
+                      if record and keep_logits and turn == 0 and layout is None and reference.wants(ids)]
         while llm.scheduler.has_work():
             llm.step()
+            if unrecorded:
+                unrecorded = [(q, ids) for q, ids in unrecorded if not _record_prompt(llm, q, ids, reference)]
             if tick is not None:
                 done = [q for q in pending if q.status == Status.FINISHED]
                 if done:
@@ -152,6 +163,18 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
             out.texts[i].append(tok.decode(s.completion_ids))
             out.logits[i].append(s.logits)
     return out
+
+
+def _record_prompt(llm: LLM, seq: Sequence, ids: list[int], reference: DenseReference) -> bool:
+    """Store a first turn's prompt KV once it is prefilled; True when done with it (stored, or
+    finished without its blocks)."""
+    if seq.status == Status.FINISHED:
+        return True
+    kv = llm.prompt_kv(seq) if seq.logits else None
+    if kv is None:
+        return False
+    reference.keep_prompt(ids, PromptKV(kv[0], kv[1], seq.logits[0]))
+    return True
 
 
 def _is_plain(llm: LLM) -> bool:
@@ -168,8 +191,35 @@ def _passes(plain: bool, dense_needed: bool, fidelity: bool) -> int:
     return int(dense_needed) + int(not (plain and dense_needed)) + int(dense_needed and fidelity and not plain)
 
 
+_PASS_FIELDS = ("texts", "tokens", "logits", "prompts", "reuse")
+
+
+def _dense_pass(llm: LLM, chunk: list[Sample], cfg: EvalConfig, tick: Callable[[int], None],
+                reference: DenseReference | None) -> _Pass:
+    """The dense reference pass over a chunk: full attention, every prompt token computed (no
+    reuse); taken from `reference` when it holds every sample of the chunk, else run and stored."""
+    if reference is not None and all((s.task, s.index) in reference.samples for s in chunk):
+        kept = [reference.samples[(s.task, s.index)] for s in chunk]
+        tick(sum(len(s.turns) for s in chunk))
+        return _Pass(*([k[name] for k in kept] for name in _PASS_FIELDS))
+    reuse_flow = llm.reuse_flow
+    llm.set_reuse(None)
+    llm.set_flow(None)
+    try:
+        dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity, tick=tick, reference=reference,
+                          record=reference is not None)
+    finally:
+        llm.set_flow(cfg.engine.flow, cfg.engine.flow_params)
+        llm.set_reuse(reuse_flow)
+    if reference is not None:
+        for i, s in enumerate(chunk):
+            reference.samples[(s.task, s.index)] = {name: getattr(dense, name)[i] for name in _PASS_FIELDS}
+    return dense
+
+
 def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed: bool,
-                   on_turns: Callable[[float], None] | None = None) -> list[dict[str, Any]]:
+                   on_turns: Callable[[float], None] | None = None,
+                   reference: DenseReference | None = None) -> list[dict[str, Any]]:
     """Records of a chunk of samples; `on_turns(fraction)`: the share of the chunk's work done."""
     plain = _is_plain(llm)
     units = _passes(plain, dense_needed, cfg.fidelity) * sum(len(s.turns) for s in chunk)
@@ -180,18 +230,10 @@ def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed:
         if on_turns is not None:
             on_turns(min(1.0, state["done"] / units))
 
-    dense = None
-    if dense_needed:  # the reference: full attention, every prompt token computed (no reuse)
-        reuse_flow = llm.reuse_flow
-        llm.set_reuse(None)
-        llm.set_flow(None)
-        try:
-            dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity, tick=tick)
-        finally:
-            llm.set_flow(cfg.engine.flow, cfg.engine.flow_params)
-            llm.set_reuse(reuse_flow)
-    main = dense if plain and dense is not None else _run_pass(llm, chunk, cfg, keep_logits=False, tick=tick)
-    forced = (_run_pass(llm, chunk, cfg, True, forced=dense, tick=tick)
+    dense = _dense_pass(llm, chunk, cfg, tick, reference) if dense_needed else None
+    main = (dense if plain and dense is not None
+            else _run_pass(llm, chunk, cfg, keep_logits=False, tick=tick, reference=reference))
+    forced = (_run_pass(llm, chunk, cfg, True, forced=dense, tick=tick, reference=reference)
               if dense is not None and cfg.fidelity and not plain else None)
     records = []
     for i, s in enumerate(chunk):
@@ -320,13 +362,16 @@ def evaluate(
     llm: LLM | None = None,
     on_progress: ProgressFn | None = None,
     on_start: Callable[[Path, EvalResult], None] | None = None,
+    reference: DenseReference | None = None,
 ) -> EvalResult:
     """Evaluate `config`; returns its `results.json` record (also written to the run directory under `out`).
 
     `resume`: the run directory of an interrupted run, with `config` its own (`load_resume_config`);
     finished samples are kept. `llm`: an idle engine of the config's model to reuse (sweeps): its
     flows are switched to the config's; engine options (device, dtype, batch limits, KV memory) are
-    then the engine's own. Everything is checked before an engine is built or a run directory is created.
+    then the engine's own. `reference`: a `DenseReference` kept across evaluations of `llm` on the
+    same prompts (a search's trials): the dense pass runs once and decode flows start from the
+    stored prompt KV. Everything is checked before an engine is built or a run directory is created.
     """
     check_config(config)
     if resume is None:
@@ -362,6 +407,9 @@ def evaluate(
             if built:
                 task_totals[built[0].task] = task_size(name, cfg.samples)
         _check_samples_fit(llm, all_samples, cfg)
+        if reference is not None:  # what determines the prompts and the dense answers
+            reference.bind((llm.resolved.name, llm.resolved.random_weights, str(llm.dtype), tuple(task_names),
+                            cfg.context, cfg.samples, e.seed, cfg.limit, cfg.max_new_tokens, cfg.fidelity))
     if speed_on:
         check_fits(llm, cfg.batch, cfg.context, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS)
 
@@ -430,7 +478,7 @@ def evaluate(
                     if on_progress:  # whole samples are counted once their records are written
                         on_progress(base + min(fraction, 0.99) * n, total, "samples")
 
-                new = _chunk_records(llm, chunk, cfg, dense_needed, partial)
+                new = _chunk_records(llm, chunk, cfg, dense_needed, partial, reference)
                 for r in new:
                     f.write(json.dumps(r, default=str) + "\n")
                 f.flush()

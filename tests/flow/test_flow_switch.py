@@ -98,3 +98,23 @@ def test_compiled_stages_do_not_recompile_on_retune():
     comp.retune(build_flow("block_topk", {"budget": "160", "dense_layers": ""}))  # 10 blocks: a new shape
     comp.select(0, q, kv, meta)
     assert counters["stats"]["unique_graphs"] == graphs + 1
+
+
+def test_a_flow_of_another_block_size_relays_the_pool_and_keeps_the_weights():
+    """A search moves between block sizes on one engine: the pool is laid out anew in the flow's
+    blocks (same token capacity, same weight tensors), and the engine then decodes exactly like
+    one built for that flow; dense attention on the new layout still matches the old one."""
+    llm = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8)
+    weight = llm.model.lm_head.weight
+    ptr, tokens = weight.data_ptr(), llm.kv.num_blocks * llm.kv.block_size
+    dense = _greedy(llm)
+    params = {"block_size": "4", "budget": "64"}
+    llm.set_flow("quest", params)
+    assert (llm.kv.block_size, llm.config.block_size, llm.block_manager.block_size) == (4, 4, 4)
+    assert llm.kv.num_blocks * 4 == tokens and weight.data_ptr() == ptr
+    got = _greedy(llm)
+    assert got == _greedy(LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow="quest", flow_params=params))
+    llm.set_flow("block_topk", {"budget": "64"})  # no block size given: the pool's
+    assert llm.flow.block_size == 4 and llm.kv.block_size == 4
+    llm.set_flow(None)
+    assert _greedy(llm) == dense
