@@ -147,3 +147,40 @@ def list_models() -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def search(flows: str | list[str] | tuple[str, ...] | None = None, *, resume: bool = False, evaluator: Any = None,
+           on_event: Callable[[str, dict[str, Any]], None] | None = None, **options: Any) -> dict[str, Any]:
+    """`sparsetune.search`: a multi-objective search over `flows` and their params (any
+    `search.config.SearchConfig` field as a keyword: `trials`, `hours`, `context`, `min_accuracy`,
+    `study`, `storage`, ...); returns frontier.json's object (the confirmed frontier, the defaults,
+    dense). Rerunning with the same `study` continues it; `resume=True` requires that it exists."""
+    from sparsetune.search.config import DEFAULT_FLOWS, SearchConfig, check_search
+
+    if isinstance(flows, str):
+        flows = [f.strip() for f in flows.split(",") if f.strip()]
+    study = options.pop("study", None) or time.strftime("search-%Y%m%d-%H%M%S")
+    cfg = SearchConfig(flows=tuple(flows or DEFAULT_FLOWS), study=study, **options)
+    check_search(cfg)  # before torch loads
+    from sparsetune.search.storage import open_storage, stored_config
+
+    if resume and stored_config(open_storage(cfg.storage_url()), study) is None:
+        raise SparsetuneError(f"--resume: no search {study!r} in {cfg.storage_url()}; drop --resume to start it")
+    from sparsetune.search.study import run_search
+
+    return run_search(cfg, evaluator, on_event)
+
+
+def search_worker(study: str, storage: str, *, out: str | None = None, evaluator: Any = None,
+                  on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Join a running search (its config is in `storage`) and run trials until its budget is spent."""
+    from sparsetune.search.study import run_worker
+
+    return run_worker(study, storage, out, evaluator, on_event)
+
+
+def search_show(run_dir: str | Path | None = None, *, study: str | None = None, storage: str | None = None) -> dict[str, Any]:
+    """A search's frontier and trials as its studies hold them now."""
+    from sparsetune.search.study import show
+
+    return show(run_dir, study=study, storage=storage)

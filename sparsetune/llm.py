@@ -187,7 +187,7 @@ class LLM(Engine):
         try:
             table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
             logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
-            self._rebuild_fields(table, len(ids))
+            self.rebuild_fields(table, len(ids))
         except BaseException:
             self.abort(seq)
             raise
@@ -211,7 +211,7 @@ class LLM(Engine):
             with torch.inference_mode():
                 for layer in range(self.model_config.num_hidden_layers):
                     self.kv.store(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), slots)
-            self._rebuild_fields(table, n)
+            self.rebuild_fields(table, n)
         except BaseException:
             self.abort(seq)
             raise
@@ -228,8 +228,9 @@ class LLM(Engine):
         kv = [self.kv.gather(layer, table, n) for layer in range(self.model_config.num_hidden_layers)]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
-    def _rebuild_fields(self, table: torch.Tensor, num_tokens: int) -> None:
-        """The decode flow's per-block fields of a prompt whose KV was written outside the step loop."""
+    def rebuild_fields(self, table: torch.Tensor, num_tokens: int) -> None:
+        """The decode flow's per-block fields of a prompt whose KV was written outside the step loop
+        (`table`: its block table on the device)."""
         from sparsetune.flow.attention import FlowAttention
 
         with torch.inference_mode():  # the field stores are inference tensors

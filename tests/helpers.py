@@ -152,3 +152,48 @@ def reuse_logits(llm, flow: str, parts, params: dict[str, str] | None = None, wa
 
 def plain_logits(llm, layout: ReuseLayout) -> torch.Tensor:
     return llm.prompt_logits(layout.token_ids)[-1]
+
+
+class SyntheticEvaluator:
+    """A search evaluator without an engine, for the study loop's own tests: speed is the real cost
+    model (modeled); accuracy a fixed function of the params (small blocks and larger budgets keep
+    more), reported in two chunks so the cascade can stop a trial after the first. `fail`: params
+    for which a trial raises (a crash); `sleep`: seconds per trial; `calls`: every point evaluated."""
+
+    def __init__(self, cfg, fail=None, sleep: float = 0.0) -> None:
+        self.cfg, self.fail, self.sleep, self.calls = cfg, fail, sleep, []
+
+    @staticmethod
+    def relative(params: dict) -> float:
+        import math
+
+        bs = int(params.get("block_size", 16))
+        ratio = float(params.get("budget_ratio", 0.125))
+        return round(max(0.0, min(1.02, 1.05 - 0.12 * math.log2(bs) * (0.125 / ratio) ** 0.5 + 0.01 * int(params.get("local_blocks", 2)))), 4)
+
+    def speedup(self, flow, params):
+        from sparsetune.models.resolve import model_config
+        from sparsetune.perf.cost import modeled_speedup
+        from sparsetune.registry import build_flow
+
+        mcfg = model_config(self.cfg.model, False)[1]
+        return round(modeled_speedup(mcfg, build_flow(flow, params), self.cfg.batch, self.cfg.context, 2), 4), {"kind": "modeled"}
+
+    def accuracy(self, flow, params, *, samples, seed, out, on_chunk=None):
+        import time as _time
+
+        from sparsetune.search.trial import Accuracy, Hopeless
+
+        self.calls.append((flow, dict(params), samples, seed))
+        if self.fail is not None and self.fail(params):
+            raise RuntimeError("CUDA out of memory (synthetic)")
+        _time.sleep(self.sleep)
+        rel = self.relative(params) - (0.01 if seed != self.cfg.seed else 0.0)  # fresh prompts: a little lower
+        n = 8 * samples
+        make = lambda k, done: Accuracy(rel, 0.5 * rel, 0.5, k, {"top1": 0.9}, str(out), done)  # noqa: E731
+        if on_chunk is not None:
+            try:
+                on_chunk({"relative_accuracy": rel, "samples_done": n // 2})
+            except Hopeless:
+                return make(n // 2, False)
+        return make(n, True)

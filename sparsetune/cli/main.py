@@ -42,15 +42,14 @@ def _root(
 
 # Commands that are not built yet: each says so in one line and exits non-zero.
 _NOT_BUILT = {
-    "search": "Multi-objective search over flows and their hyperparameters (not built yet).",
     "export": "Export a tuned flow as a bundle that runs inside SGLang (not built yet).",
 }
 
 
 def _not_built_command(name: str):
     def command() -> None:
-        raise SparsetuneError(f"`sparsetune {name}` is not built yet; today `sparsetune eval` measures a flow "
-                              "and `sparsetune profile` breaks down its decode step")
+        raise SparsetuneError(f"`sparsetune {name}` is not built yet; today `sparsetune search` tunes flows, "
+                              "`sparsetune eval` measures one and `sparsetune profile` breaks down its decode step")
 
     return command
 
@@ -64,12 +63,14 @@ for _name, _help in _NOT_BUILT.items():
 def _register() -> None:
     from sparsetune.cli import eval as eval_cli
     from sparsetune.cli import flows, generate, models, profile
+    from sparsetune.cli import search as search_cli
 
     app.command(name="generate")(generate.generate)
     app.command(name="eval")(eval_cli.eval_command)
     app.command(name="profile")(profile.profile)
     app.add_typer(models.app, name="models")
     app.add_typer(flows.app, name="flows")
+    app.add_typer(search_cli.app, name="search")
 
 
 _register()

@@ -3,8 +3,9 @@
 Every trial of a search evaluates a flow on the same prompts. Two things are then the same each
 time: the dense pass over those prompts (the answers accuracy is relative to, and the logits
 fidelity compares against), and each prompt's KV, since a decode flow prefills with full
-attention. `DenseReference` keeps both: the dense pass runs once, and a decode flow's first turns
-start from the stored prompt KV (`LLM.add_prefilled`: written into the flow's blocks, its fields
+attention. `DenseReference` keeps both: the dense pass runs once, and a decode flow's turns start
+from the stored prompt KV when their prompt is one the dense pass prefilled (every first turn; a
+later turn when the history is the dense one: the forced pass, or a flow that answered as dense did) (`LLM.add_prefilled`: written into the flow's blocks, its fields
 rebuilt by its cache stage, the first token from the stored logits), so a trial pays for decoding
 only. An evaluation with a reference gives the figures it gives without one (tested).
 """

@@ -109,8 +109,9 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
               reference: DenseReference | None = None, record: bool = False) -> _Pass:
     """Greedy turns for a chunk of samples; multi-turn samples feed back their own earlier replies
     (or, when `forced`, the dense pass's replies and tokens). `tick(n)`: n more turns finished.
-    `reference`: first turns start from its stored prompt KV; `record` (the dense pass, keeping
-    logits): store each first turn's prompt KV there once it is prefilled."""
+    `reference`: a turn whose prompt it holds starts from the stored KV (first turns; later turns
+    whose history equals the dense pass's: the forced pass's, and a flow's that answered as dense
+    did); `record` (the dense pass, keeping logits): store each turn's prompt KV once prefilled."""
     tok = llm.tokenizer
     n = len(samples)
     out = _Pass([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [None] * n)
@@ -136,7 +137,7 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
                 llm.cache_segments(layout)
         seqs = []
         for i, ids, p, layout in zip(rows, prompts, params, layouts):
-            stored = reference.prompt(ids) if reference is not None and turn == 0 and not record else None
+            stored = reference.prompt(ids) if reference is not None and not record else None
             if stored is not None and layout is None:  # a decode flow's prefill is the dense one
                 seqs.append(llm.add_prefilled(ids, p, stored.k, stored.v, stored.logits))
             elif layout is None:
@@ -147,7 +148,7 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
                 out.reuse[i] = stats.to_dict()
         pending = list(seqs)
         unrecorded = [(q, ids) for q, ids, layout in zip(seqs, prompts, layouts)
-                      if record and keep_logits and turn == 0 and layout is None and reference.wants(ids)]
+                      if record and keep_logits and layout is None and reference.wants(ids)]
         while llm.scheduler.has_work():
             llm.step()
             if unrecorded:
@@ -166,8 +167,8 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
 
 
 def _record_prompt(llm: LLM, seq: Sequence, ids: list[int], reference: DenseReference) -> bool:
-    """Store a first turn's prompt KV once it is prefilled; True when done with it (stored, or
-    finished without its blocks)."""
+    """Store a turn's prompt KV once it is prefilled; True when done with it (stored, or finished
+    without its blocks)."""
     if seq.status == Status.FINISHED:
         return True
     kv = llm.prompt_kv(seq) if seq.logits else None

@@ -78,3 +78,29 @@ def measure_speed(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int
     out.update(batch=batch, context=context, gen_tokens=gen_tokens,
                preemptions=llm.scheduler.num_preemptions - preempted)
     return out
+
+
+def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int = 16, warmup: int = 3, seed: int = 0) -> float:
+    """Median seconds of one decode step of `batch` requests at `context` tokens, without a prefill:
+    the requests take blocks holding whatever KV the pool has (the step reads the same bytes and
+    runs the same kernels), the decode flow's fields are built over them, and steps are timed as
+    the engine runs them (CUDA graphs where captured). The engine is idle again afterwards."""
+    from sparsetune.perf.timing import time_calls
+
+    if llm.scheduler.has_work():
+        raise RuntimeError("decode_step_seconds needs an idle engine")
+    check_fits(llm, batch, context, warmup + steps + 1)
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.model_config.vocab_size
+    params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True)
+    seqs = []
+    try:
+        for _ in range(batch):
+            seq = llm.reserve(torch.randint(0, vocab, (context,), generator=g).tolist(), params)
+            seqs.append(seq)
+            llm.rebuild_fields(torch.tensor(seq.block_table, dtype=torch.int32, device=llm.device), context)
+            llm.admit_prefilled(seq)
+        return statistics.median(time_calls(llm.step, llm.device, steps, warmup))
+    finally:
+        for seq in seqs:
+            llm.abort(seq)

@@ -61,3 +61,21 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+# ---- trial records (a search's `trials.jsonl` lines) ----------------------------------------------
+
+def eligible(rec: dict[str, Any], min_accuracy: float | None) -> bool:
+    """A finished trial that passed every stage and the accuracy constraint."""
+    acc = rec.get("accuracy") or {}
+    return (rec["state"] == "COMPLETE" and rec.get("stage") == "full" and acc.get("relative_accuracy") is not None
+            and (min_accuracy is None or acc["relative_accuracy"] >= min_accuracy))
+
+
+def point_of(rec: dict[str, Any], confirmed: bool = False) -> Point:
+    acc = rec["confirm"]["relative_accuracy"] if confirmed else rec["accuracy"]["relative_accuracy"]
+    return Point(f"{rec['flow']}#{rec['number']}", acc, rec["speed"]["speedup"], rec.get("params", {}))
+
+
+def search_frontier(records: list[dict[str, Any]], min_accuracy: float | None) -> list[Point]:
+    return pareto(point_of(r) for r in records if eligible(r, min_accuracy))

@@ -97,7 +97,7 @@ def test_prompt_longer_than_context():
 
 
 def test_unbuilt_command_says_so():
-    assert_clean_error(run("search", "--hours", "1"), "not built yet")
+    assert_clean_error(run("export", "--out", "x"), "not built yet")
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -78,7 +78,10 @@ BEFORE_TORCH = [
     (("eval", "--context", "abc"), ("Invalid value for '--context'", "sparsetune eval --help")),
     (("eval", "-n", "2"), ("No such option: -n", "sparsetune eval --help")),
     (("models", "list", "--json", "true"), ("unexpected extra argument", "sparsetune models list --help")),
-    (("search", "--hours", "1"), ("not built yet",)),
+    (("search", "--min-accuracy", "2"), ("--min-accuracy is a share of dense accuracy in (0, 1]",)),
+    (("search", "--study", "a/b"), ("--study 'a/b': use letters",)),
+    (("search", "--reuse", "sparsex"), ("searching reuse flows is not built yet",)),
+    (("search", "show", "nowhere"), ("not a search folder",)),
     (("export",), ("not built yet",)),
 ]
 

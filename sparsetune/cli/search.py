@@ -1,0 +1,226 @@
+"""`sparsetune search`: multi-objective search over flows and their params; `search worker` joins
+one; `search show` prints a search's frontier and trials."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from sparsetune.cli import options as opt
+from sparsetune.cli.options import apply_threads
+from sparsetune.cli.output import emit_json, err
+from sparsetune.errors import SparsetuneError
+
+app = typer.Typer(help="Search flows and their params for the accuracy/speed frontier (Optuna, multi-objective).",
+                  invoke_without_command=True, no_args_is_help=False, rich_markup_mode=None)
+
+
+def _params(param: list[str] | None) -> dict[str, str]:
+    out = {}
+    for p in param or []:
+        key, sep, value = p.partition("=")
+        if not sep or not key.strip():
+            raise SparsetuneError(f"--param {p!r}: write key=value, e.g. --param block_size=4")
+        out[key.strip()] = value.strip()
+    return out
+
+
+_SHORT = {"block_size": "block", "budget_ratio": "ratio", "sink_blocks": "sink", "local_blocks": "local",
+          "dense_layers": "dense", "select_layers": "select"}
+
+
+def _short(params: dict[str, Any]) -> str:
+    """Params as a compact line: short names, floats to 3 digits, layer runs as a-b."""
+    def fmt(v: Any) -> str:
+        text = str(v)
+        if "," in text or text == "":
+            layers = [int(x) for x in text.split(",") if x.strip()]
+            if not layers:
+                return "-"
+            runs, start = [], layers[0]
+            for a, b in zip(layers, layers[1:] + [None]):
+                if b != a + 1:
+                    runs.append(str(start) if start == a else f"{start}-{a}")
+                    start = b
+            return ",".join(runs)
+        try:
+            f = float(text)
+        except ValueError:
+            return text
+        return text if "." not in text and "e" not in text else f"{f:.3g}"
+
+    return " ".join(f"{_SHORT.get(k, k)}={fmt(v)}" for k, v in params.items())
+
+
+class _Live:
+    """What a running search shows on stderr: one line per trial, the frontier as it moves."""
+
+    def __init__(self, trials: int | None, hours: float | None) -> None:
+        self.trials, self.hours, self.t0, self.done = trials, hours, time.time(), 0
+
+    def _clock(self) -> str:
+        el = time.time() - self.t0
+        left = ""
+        if self.hours is not None:
+            left = f", {max(0.0, self.hours * 3600 - el) / 60:.0f} min left"
+        elif self.trials and self.done:
+            left = f", ETA {(self.trials - self.done) * el / self.done / 60:.1f} min"
+        return f"{el / 60:.1f} min{left}"
+
+    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "start":
+            role = " (defaults)" if data["role"] == "defaults" else ""
+            err.print(f"[dim]trial {data['flow']}#{data['number']}{role}: {_short(data['params'])}[/]")
+        elif kind == "done":
+            self.done += 1
+            rec = data["record"]
+            acc = (rec.get("accuracy") or {}).get("relative_accuracy")
+            speed = rec["speed"]
+            what = f"accuracy {100 * acc:.0f}% of dense, " if acc is not None else ""
+            stop = f" [yellow]stopped: {rec['reason']}[/]" if rec.get("reason") else ""
+            err.print(f"  {what}speedup {speed['speedup']:.2f}× ({speed['kind']}), {rec['seconds']:.0f} s{stop}"
+                      f"  [{self.done}{'/' + str(self.trials) if self.trials else ''} trials, {self._clock()}]")
+        elif kind == "failed":
+            self.done += 1
+            err.print(f"  [red]failed:[/] {data['reason']}")
+        elif kind == "expired":
+            err.print(f"[yellow]expired {data['trial']} (its worker stopped); its params are enqueued again[/]")
+        elif kind == "trial":
+            front = data["summary"]["frontier"]
+            if front:
+                err.print("  frontier: " + ", ".join(f"{r['trial']} {100 * r['relative_accuracy']:.0f}%/{r['speedup']:.2f}×"
+                                                      for r in front))
+        elif kind == "confirm":
+            err.print(f"confirming {data['flow']}#{data['number']} on fresh prompts ({data['index'] + 1}/{data['total']})")
+
+
+@app.callback()
+def search(
+    ctx: typer.Context,
+    flow: str = typer.Option(None, "--flow", "-f", help="Decode flows to search, comma-separated (default: quest,block_topk)."),
+    reuse: str = typer.Option(None, "--reuse", help="Reuse flows to search (not built yet)."),
+    model: str = opt.model_option(),
+    task: list[str] = typer.Option(None, "--task", "-t", help="Task name or .jsonl file (repeatable; default: the standard suite)."),
+    context: int = typer.Option(1024, "--context", "-c", help="Prompt length of the accuracy tasks."),
+    samples: int = typer.Option(1, "--samples", help="Samples per task in each trial (the search set)."),
+    confirm_samples: int = typer.Option(3, "--confirm-samples", help="Samples per task, on fresh prompts, to confirm each frontier point."),
+    batch: int = typer.Option(8, "--batch", "-b", help="Requests run together."),
+    param: list[str] = opt.param_option(),
+    objectives: str = typer.Option("accuracy,speed", "--objectives", help="What is maximized (accuracy,speed)."),
+    min_accuracy: float = typer.Option(None, "--min-accuracy", help="Constraint: at least this share of dense accuracy, e.g. 0.95."),
+    hours: float = typer.Option(None, "--hours", help="Time budget; no trial starts that cannot finish in it."),
+    trials: int = typer.Option(None, "--trials", help="Trial budget across every flow and worker (default: 8 without --hours)."),
+    study: str = typer.Option(None, "--study", help="Study name: runs/<study>/ (rerun with the same name to continue it)."),
+    storage: str = typer.Option(None, "--storage", help="postgresql://... for workers on several hosts (default: a journal file in the run folder)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue --study (refused if it does not exist or its settings differ)."),
+    seed: int = opt.seed_option("Seed for prompts and the samplers."),
+    speed: str = typer.Option("auto", "--speed", help="measured (GPU), modeled (the step's bytes) or auto (measured on a GPU)."),
+    speed_model: str = typer.Option(None, "--speed-model", help="Measure speed on this architecture with random weights."),
+    speed_batch: int = typer.Option(None, "--speed-batch", help="Batch for speed (default: --batch)."),
+    speed_context: int = typer.Option(None, "--speed-context", help="Context for speed (default: --context)."),
+    workers: int = typer.Option(1, "--workers", help="Processes on this host (one engine each; more than one needs one GPU each)."),
+    device: str = opt.device_option(),
+    dtype: str = opt.dtype_option(),
+    out: Path = opt.out_option("Directory for search folders."),
+    threads: int = opt.threads_option(),
+    json_out: bool = opt.json_option("Print the final frontier (frontier.json) to stdout."),
+) -> None:
+    """Search flows and their params for the accuracy/speed frontier."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if reuse is not None:
+        raise SparsetuneError("searching reuse flows is not built yet; search decode flows with --flow")
+    if [o.strip() for o in objectives.split(",")] != ["accuracy", "speed"]:
+        raise SparsetuneError(f"--objectives {objectives!r}: accuracy,speed is the one supported pair")
+    if workers != 1:
+        raise SparsetuneError("--workers N on one host is not built yet; start `sparsetune search worker --study NAME "
+                              "--storage URL` once per GPU instead")
+    if trials is None and hours is None:
+        trials = 8
+    from sparsetune import api
+
+    options = dict(model=model, tasks=task, context=context, samples=samples, confirm_samples=confirm_samples,
+                   batch=batch, params=_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
+                   study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
+                   speed_batch=speed_batch, speed_context=speed_context,
+                   device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
+    apply_threads(threads)
+    result = api.search(flow, resume=resume, on_event=_Live(trials, hours), **options)
+    _report(result, json_out)
+
+
+@app.command("worker")
+def worker(
+    study: str = typer.Option(..., "--study", help="The search to join."),
+    storage: str = typer.Option(..., "--storage", help="Its storage (postgresql://..., or the journal file)."),
+    out: Path = opt.out_option("Directory for this worker's copy of the search folder."),
+    threads: int = opt.threads_option(),
+    json_out: bool = opt.json_option("Print the frontier when the budget is spent."),
+) -> None:
+    """Join a search and run its trials (one per GPU or host)."""
+    from sparsetune import api
+
+    apply_threads(threads)
+    result = api.search_worker(study, storage, out=str(out), on_event=_Live(None, None))
+    _report(result, json_out)
+
+
+@app.command("show")
+def show(
+    run_dir: Path = typer.Argument(None, help="A search folder (runs/<study>)."),
+    study: str = typer.Option(None, "--study", help="Or: the search's name ..."),
+    storage: str = typer.Option(None, "--storage", help="... and its storage."),
+    json_out: bool = opt.json_option("Print frontier.json's object with every trial's record."),
+) -> None:
+    """A search's frontier and trials, as its studies hold them now (also while it runs)."""
+    from sparsetune import api
+
+    result = api.search_show(run_dir, study=study, storage=storage)
+    if json_out:
+        emit_json(result)
+        return
+    _report(result, False)
+
+
+def _report(s: dict[str, Any], json_out: bool) -> None:
+    """The confirmed frontier next to the defaults and dense (stderr when stdout carries JSON)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if json_out:
+        emit_json({k: v for k, v in s.items() if k != "records"})
+    console = err if json_out else Console(highlight=False)
+    t = Table(title=f"search {s['study']}: {', '.join(s['flows'])} on {s['model']}, context {s['context']} "
+                    f"(accuracy relative to dense; speed {s['speed']})")
+    for col in ("", "trial", "params", "acc.", "top-1", "speedup", "confirmed [95%]"):
+        t.add_column(col, overflow="fold", min_width=14 if col == "params" else None)
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    def add(label: str, r: dict[str, Any]) -> None:
+        lo, hi = r.get("interval") or (None, None)
+        conf = "-" if r.get("confirmed_accuracy") is None else (
+            f"{pct(r['confirmed_accuracy'])} [{pct(lo)}, {pct(hi)}]" + ("" if r.get("holds") else " ✗"))
+        t.add_row(label, r["trial"], _short(r["params"] or {}), pct(r["relative_accuracy"]), pct(r["fidelity_top1"]),
+                  f"{r['speedup']:.2f}×", conf)
+
+    t.add_row("dense", "", "", "100%", "100%", "1.00×", f"(absolute accuracy {pct(s['dense']['accuracy'])})")
+    for r in s["defaults"]:
+        add("defaults", r)
+    rows = s["confirmed_frontier"] or s["frontier"]
+    for r in rows:
+        add("frontier" if s["confirmed_frontier"] else "frontier (unconfirmed)", r)
+    for r in s["not_confirmed"]:
+        add("did not hold", r)
+    console.print(t)
+    if s["not_confirmed"] or any(not r.get("holds", True) for r in s["defaults"] if r.get("confirmed_accuracy") is not None):
+        console.print("✗: below the bar on fresh prompts" if s.get("min_accuracy") else
+                      "✗: the fresh-prompt figure is outside the search figure's interval")
+    tr = s["trials"]
+    console.print(f"{tr['finished']} trials ({tr['stopped_by_cascade']} stopped by the cascade), {tr['failed']} failed; "
+                  f"{'stopped: ' + s['stopped'] if s.get('stopped') else ''}")
+    console.print(f"[dim]{s['run_dir']}/: frontier.md, frontier.json, frontier.png, hypervolume.png, trials.jsonl[/]")

@@ -1,0 +1,123 @@
+"""What determines a search (`SearchConfig`), checked before torch loads.
+
+A search keeps one Optuna study per flow under one name (Optuna cannot grow a categorical list
+inside a study, and a flow's params are its own), all in one storage: by default a journal file
+in the run folder (`runs/<study>/study.journal`, safe for several processes on one host), or an
+RDB URL (`postgresql://...`) for workers on several hosts. The config is stored with the studies,
+so `--resume` and `sparsetune search worker` read it back, and a rerun that changes what the
+figures depend on is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.records import DEFAULT_RUNS_DIR
+
+DEFAULT_FLOWS = ("quest", "block_topk")
+SPEEDS = ("auto", "measured", "modeled")
+# What the figures depend on: a resumed study must agree on these.
+FINGERPRINT = ("model", "flows", "tasks", "context", "samples", "batch", "seed", "params", "speed", "speed_model",
+               "speed_batch", "speed_context", "min_accuracy")
+
+
+class SearchConfig(BaseModel):
+    """Everything that determines a search; stored in the study and read back by resume and workers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = "smollm2-135m"
+    flows: tuple[str, ...] = DEFAULT_FLOWS
+    tasks: tuple[str, ...] | None = None  # None: the default suite
+    context: int = 1024
+    samples: int = 1  # per generated task, for each trial (the search set)
+    confirm_samples: int = 3  # per task, on fresh prompts, for each frontier point at the end
+    batch: int = 8
+    params: dict[str, str] = {}  # fixed for every flow (--param): not searched
+    min_accuracy: float | None = None  # relative to dense; a constraint
+    trials: int | None = None  # across every flow's study and every worker
+    hours: float | None = None
+    study: str | None = None  # None: search-<timestamp>
+    storage: str | None = None  # None: a journal file in the run folder
+    out: str = str(DEFAULT_RUNS_DIR)
+    seed: int = 0
+    speed: str = "auto"  # measured on a GPU, modeled (the step's bytes) on CPU
+    speed_model: str | None = None  # architecture speed is measured on (random weights); None: model
+    speed_batch: int | None = None  # None: batch
+    speed_context: int | None = None  # None: context
+    device: str | None = None
+    dtype: str | None = None
+    quick_floor: float = 0.5  # the cascade: a point below this share of min_accuracy (or of dense) on the quick set stops there
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _no_tasks_is_default(cls, tasks: Any) -> Any:
+        return tasks or None
+
+    @model_validator(mode="after")
+    def _check(self) -> SearchConfig:
+        if not self.flows:
+            raise SparsetuneError("--flow: name at least one decode flow (e.g. --flow quest,block_topk)")
+        for name, value, low in (("--context", self.context, 64), ("--samples", self.samples, 1),
+                                 ("--confirm-samples", self.confirm_samples, 1), ("--batch", self.batch, 1),
+                                 ("--trials", self.trials, 1), ("--speed-batch", self.speed_batch, 1),
+                                 ("--speed-context", self.speed_context, 64)):
+            if value is not None and value < low:
+                raise SparsetuneError(f"{name} must be at least {low} (got {value})")
+        if self.min_accuracy is not None and not 0 < self.min_accuracy <= 1:
+            raise SparsetuneError(f"--min-accuracy is a share of dense accuracy in (0, 1] (got {self.min_accuracy}); "
+                                  "e.g. --min-accuracy 0.95")
+        if self.hours is not None and not self.hours > 0:
+            raise SparsetuneError(f"--hours must be positive (got {self.hours})")
+        if self.speed not in SPEEDS:
+            raise SparsetuneError(f"--speed {self.speed!r}: use one of {', '.join(SPEEDS)}")
+        if self.study is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.study):
+            raise SparsetuneError(f"--study {self.study!r}: use letters, digits, '.', '_' and '-' (a folder name)")
+        if not 0 <= self.quick_floor <= 1:
+            raise SparsetuneError(f"quick_floor must be in [0, 1] (got {self.quick_floor})")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out) / (self.study or "search")
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump(mode="json").items() if k in FINGERPRINT}
+
+    def storage_url(self) -> str:
+        """The storage's URL: the config's, or the journal file in the run folder."""
+        return self.storage or str(self.run_dir / "study.journal")
+
+
+def check_search(cfg: SearchConfig) -> None:
+    """Every check that needs neither torch nor weights: flows and their params, tasks, the model
+    and its context, the speed model."""
+    from sparsetune.evaluation.config import EvalConfig, check_config
+    from sparsetune.models.resolve import model_config
+    from sparsetune.registry import flow_kind, flow_path, load_file
+    from sparsetune.search.space import dimensions
+
+    _name, mcfg = model_config(cfg.model, False)
+    for flow in cfg.flows:
+        cls = load_file(flow_path(flow))
+        if flow_kind(cls) == "reuse":
+            raise SparsetuneError(f"--flow {flow}: a reuse flow; searching reuse flows is not built yet "
+                                  "(search decode flows with --flow)")
+        if getattr(cls, "full_attention", False):
+            raise SparsetuneError(f"--flow {flow}: full attention has nothing to search (dense is every search's baseline)")
+        specs = cls.param_specs()
+        for key, value in cfg.params.items():
+            if key not in specs:
+                raise SparsetuneError(f"--param {key}: {flow} has no such param (it has {', '.join(specs)})")
+            specs[key].parse(key, value)
+        if not any(d.name not in cfg.params for d in dimensions(cls, mcfg.num_hidden_layers)):
+            raise SparsetuneError(f"--flow {flow}: every searched param is fixed by --param; nothing to search")
+    check_config(EvalConfig.of(model=cfg.model, tasks=cfg.tasks, context=cfg.context, samples=cfg.samples,
+                               batch=cfg.batch, device=cfg.device, dtype=cfg.dtype))
+    if cfg.speed_model is not None:
+        model_config(cfg.speed_model, True)

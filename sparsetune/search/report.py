@@ -1,0 +1,157 @@
+"""A search's run folder, rewritten after every trial from what the studies hold.
+
+- `trials.jsonl`: one line per finished trial (flow, params, stage, accuracy and fidelity, speed
+  and how it was taken, seconds, worker, failure reason, confirmation);
+- `frontier.json` / `frontier.md`: dense, each flow's defaults, the search-set frontier, and the
+  confirmed frontier (fresh prompts, 95% intervals, whether each point held up);
+- `frontier.png` (every trial, the frontier, dense and the defaults marked) and `hypervolume.png`
+  (the search-set frontier's hypervolume over finished trials).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sparsetune.records import write_json
+from sparsetune.search.config import SearchConfig
+from sparsetune.search.frontier import eligible, hypervolume, pareto, point_of, search_frontier
+
+SCHEMA = "sparsetune.search/1"
+
+
+def _row(rec: dict[str, Any]) -> dict[str, Any]:
+    acc = rec.get("accuracy") or {}
+    conf = rec.get("confirm") or {}
+    return {
+        "trial": f"{rec['flow']}#{rec['number']}", "flow": rec["flow"], "role": rec["role"], "params": rec.get("params"),
+        "relative_accuracy": acc.get("relative_accuracy"), "fidelity_top1": (acc.get("fidelity") or {}).get("top1"),
+        "speedup": (rec.get("speed") or {}).get("speedup"), "speed_kind": (rec.get("speed") or {}).get("kind"),
+        "confirmed_accuracy": conf.get("relative_accuracy"), "interval": conf.get("interval"), "holds": conf.get("holds"),
+    }
+
+
+def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool, stopped: str | None) -> dict[str, Any]:
+    """frontier.json: what a user reads first."""
+    finished = [r for r in records if r["state"] == "COMPLETE"]
+    dense_acc = next((r["accuracy"].get("dense_accuracy") for r in finished if r.get("accuracy")), None)
+    front = search_frontier(records, cfg.min_accuracy)
+    by_name = {f"{r['flow']}#{r['number']}": r for r in records}
+    confirmed = [r for r in records if r.get("confirm") and r["confirm"].get("relative_accuracy") is not None
+                 and f"{r['flow']}#{r['number']}" in {p.name for p in front}]
+    held = [r for r in confirmed if r["confirm"]["holds"]]
+    confirmed_front = pareto(point_of(r, confirmed=True) for r in held)
+    speed_kind = next((r["speed"]["kind"] for r in records if r.get("speed")), None)
+    return {
+        "schema": SCHEMA, "study": cfg.study, "run_dir": str(cfg.run_dir), "model": cfg.model, "flows": list(cfg.flows), "context": cfg.context,
+        "samples_per_task": cfg.samples, "confirm_samples_per_task": cfg.confirm_samples, "min_accuracy": cfg.min_accuracy,
+        "speed": speed_kind, "speed_note": "modeled: dense decode-step bytes / the flow's (weights, KV read, fields)"
+        if speed_kind == "modeled" else "measured: dense decode step time / the flow's, on the GPU",
+        "complete": complete, "stopped": stopped,
+        "trials": {"finished": len(finished), "failed": sum(r["state"] == "FAIL" for r in records),
+                   "stopped_by_cascade": sum(r.get("stage") in ("speed", "quick") for r in finished)},
+        "dense": {"relative_accuracy": 1.0, "speedup": 1.0, "accuracy": dense_acc},
+        "defaults": [_row(r) for r in records if r["role"] == "defaults" and r["state"] == "COMPLETE"],
+        "frontier": [_row(by_name[p.name]) for p in front],
+        "confirmed_frontier": [_row(by_name[p.name]) for p in confirmed_front],
+        "not_confirmed": [_row(r) for r in confirmed if not r["confirm"]["holds"]],
+        "hypervolume": round(hypervolume(front), 6),
+    }
+
+
+def markdown(s: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{100 * x:.0f}%"
+
+    def table(rows: list[dict[str, Any]], confirmed: bool) -> list[str]:
+        head = "| trial | params | accuracy (search) | top-1 | speedup |" + (" confirmed | 95% interval | holds |" if confirmed else "")
+        out = [head, "|" + "---|" * (head.count("|") - 1)]
+        for r in rows:
+            params = ", ".join(f"{k}={v}" for k, v in (r["params"] or {}).items())
+            line = f"| {r['trial']} | {params} | {pct(r['relative_accuracy'])} | {pct(r['fidelity_top1'])} | {r['speedup']}× |"
+            if confirmed:
+                lo, hi = r["interval"] or (None, None)
+                line += f" {pct(r['confirmed_accuracy'])} | {pct(lo)}–{pct(hi)} | {'yes' if r['holds'] else 'no'} |"
+            out.append(line)
+        return out
+
+    lines = [f"# Search `{s['study']}`: {', '.join(s['flows'])} on {s['model']} at {s['context']} tokens", "",
+             f"Accuracy is relative to dense on the same prompts (dense: {pct(s['dense']['accuracy'])} absolute). "
+             f"Speed is {s['speed_note']}.", ""]
+    if s["min_accuracy"] is not None:
+        lines += [f"Constraint: at least {pct(s['min_accuracy'])} of dense accuracy.", ""]
+    lines += ["## Confirmed frontier (fresh prompts)", ""]
+    lines += table(s["confirmed_frontier"], True) if s["confirmed_frontier"] else ["(none confirmed yet)"]
+    if s["not_confirmed"]:
+        lines += ["", "Did not hold up on fresh prompts:", ""] + table(s["not_confirmed"], True)
+    lines += ["", "## Each flow's defaults", ""] + table(s["defaults"], True)
+    lines += ["", "## Search-set frontier", ""] + table(s["frontier"], False)
+    t = s["trials"]
+    lines += ["", f"{t['finished']} trials finished ({t['stopped_by_cascade']} stopped by the cascade), {t['failed']} failed; "
+              f"hypervolume {s['hypervolume']}; {'complete' if s['complete'] else 'stopped: ' + str(s['stopped'])}.", ""]
+    return "\n".join(lines)
+
+
+def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in records if r["state"] == "COMPLETE" and (r.get("accuracy") or {}).get("relative_accuracy") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    flows = sorted({r["flow"] for r in done})
+    for i, flow in enumerate(flows):
+        pts = [r for r in done if r["flow"] == flow]
+        ax.scatter([r["speed"]["speedup"] for r in pts], [r["accuracy"]["relative_accuracy"] for r in pts],
+                   s=18, alpha=0.45, color=f"C{i}", label=f"{flow} trials")
+        for r in pts:
+            if r["role"] == "defaults":
+                ax.scatter([r["speed"]["speedup"]], [r["accuracy"]["relative_accuracy"]], marker="s", s=70,
+                           facecolors="none", edgecolors=f"C{i}", linewidths=2, label=f"{flow} defaults")
+    front = search_frontier(records, min_accuracy)
+    if front:
+        ax.step([p.speedup for p in front], [p.accuracy for p in front], where="post", color="k", lw=1.2)
+        ax.scatter([p.speedup for p in front], [p.accuracy for p in front], color="k", s=30, label="frontier")
+    ax.scatter([1.0], [1.0], marker="*", s=160, color="gold", edgecolors="k", label="dense", zorder=5)
+    if min_accuracy is not None:
+        ax.axhline(min_accuracy, color="grey", ls="--", lw=0.8)
+    kind = next((r["speed"]["kind"] for r in records if r.get("speed")), "")
+    ax.set_xlabel(f"decode speedup over dense ({kind})")
+    ax.set_ylabel("accuracy relative to dense")
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "frontier.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs, ys, seen = [], [], []
+    for i, r in enumerate(sorted(records, key=lambda r: r["finished"] or "")):
+        if eligible(r, min_accuracy):
+            seen.append(point_of(r))
+        xs.append(i + 1)
+        ys.append(hypervolume(seen))
+    ax.plot(xs, ys, drawstyle="steps-post")
+    ax.set_xlabel("finished trials")
+    ax.set_ylabel("hypervolume (accuracy × (speedup − 1))")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "hypervolume.png", dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool = False,
+                  stopped: str | None = None) -> dict[str, Any]:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "trials.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in records))
+    tmp.replace(run_dir / "trials.jsonl")
+    s = summary(cfg, records, complete=complete, stopped=stopped)
+    write_json(run_dir / "frontier.json", s)
+    (run_dir / "frontier.md").write_text(markdown(s))
+    plots(run_dir, records, cfg.min_accuracy)
+    return s
+

@@ -1,0 +1,469 @@
+"""The search loop: trials of every flow's study on one engine, a merged frontier, confirmation.
+
+A worker (the `search` command itself, or `search worker` joining it) repeats: expire stale
+trials, pick a flow, `ask` its study, run the trial's cascade, `tell` the result, rewrite the run
+folder's files. The coordinator then re-evaluates the frontier on fresh prompts.
+
+**Allocation between flows.** Each flow's study starts with its defaults (enqueued) and gets
+trials round-robin until every flow has `WARM_TRIALS`; after that each trial goes to the flow with
+the largest share of the merged frontier's hypervolume (the area only its points cover), ties to
+the flow with fewer trials, and every third trial still round-robin. A flow whose points are all
+dominated stops drawing trials except the round-robin ones, so no flow is written off on a few
+noisy early trials.
+
+**The cascade** (multi-objective studies cannot prune): (1) speed first, from the cost model or
+the GPU: a point not faster than dense (speedup <= 1) cannot be on the frontier and stops there;
+(2) accuracy on the first chunk of samples: below `quick_floor` x the bar (min-accuracy, or dense)
+it stops; (3) the rest of the samples. Stopped trials are told with the figures they have and a
+violated "cascade" constraint, so the sampler learns from them and the frontier never holds them.
+
+**Time, failure, resume.** No trial starts that cannot finish before `--hours` runs out (the
+slowest trial so far is the estimate; time for confirmation is kept back). A trial that raises
+is told FAIL with its reason. Ctrl-C stops the running trial, tells it FAIL ("interrupted") and
+enqueues its params again, so a resumed study redoes it. A RUNNING trial whose heartbeat is older
+than the lease (a killed worker) is told FAIL and its params enqueued again, once, by whichever
+worker sees it first (the tell is the lock).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.search.config import SearchConfig
+from sparsetune.search.frontier import eligible, hypervolume, point_of, search_frontier, wilson_interval
+from sparsetune.search.space import dimensions, suggest
+from sparsetune.search.storage import (flow_key, open_storage, record_of, stored_config, study_name,
+                                       trial_count)
+
+WARM_TRIALS = 4
+CONFIRM_SEED_OFFSET = 1000
+HEARTBEAT_S = float(os.environ.get("SPARSETUNE_HEARTBEAT_S", "20"))
+LEASE_S = 6 * HEARTBEAT_S
+DEFAULT_BUDGET_RATIO = 0.125  # the defaults' budget, as a share of the context (the search's budget coordinate)
+
+EventFn = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class Flows:
+    """The search's flows: study per flow, class, number of layers."""
+
+    studies: dict[str, optuna.Study]
+    classes: dict[str, type]
+    num_layers: int
+
+
+def _num_layers(model: str) -> int:
+    from sparsetune.models.resolve import model_config
+
+    return model_config(model, False)[1].num_hidden_layers
+
+
+def default_trial_params(cls: type, num_layers: int, fixed: dict[str, str]) -> dict[str, Any]:
+    """A flow's defaults as values of its search dimensions (layer sets as their size; a fixed
+    token budget as `DEFAULT_BUDGET_RATIO` of the context)."""
+    from optuna.distributions import CategoricalDistribution
+
+    specs, out = cls.param_specs(), {}
+    for dim in dimensions(cls, num_layers):
+        if dim.name in fixed:
+            continue
+        default = specs[dim.name].default
+        if dim.layers is not None:
+            value: Any = len(default or ())
+        elif dim.name == "budget_ratio" and default is None:
+            value = DEFAULT_BUDGET_RATIO
+        else:
+            value = default
+        d = dim.distribution
+        ok = value in d.choices if isinstance(d, CategoricalDistribution) else (
+            value is not None and d.low <= value <= d.high)
+        if ok:
+            out[dim.name] = value
+    return out
+
+
+def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
+    """Every flow's study in the search's storage; `create`: make missing ones (the coordinator),
+    each seeded with its defaults, and refuse a stored search whose figures depend on other settings."""
+    from optuna.samplers import TPESampler
+
+    from sparsetune.registry import get_flow_class
+
+    storage = open_storage(cfg.storage_url())
+    stored = stored_config(storage, cfg.study)
+    if stored is not None and stored.fingerprint() != cfg.fingerprint():
+        diff = [k for k, v in cfg.fingerprint().items() if stored.fingerprint().get(k) != v]
+        raise SparsetuneError(f"study {cfg.study!r} was run with other settings ({', '.join(diff)} differ); "
+                              f"rerun with the same ones, or pass a new --study name")
+    num_layers = _num_layers(cfg.model)
+    studies, classes = {}, {}
+    for i, flow in enumerate(cfg.flows):
+        key = flow_key(flow)
+        classes[key] = get_flow_class(flow)
+        name = study_name(cfg.study, flow)
+        sampler = TPESampler(seed=cfg.seed + i + (os.getpid() if not create else 0))
+        if create:
+            study = optuna.create_study(study_name=name, storage=storage, directions=["maximize", "maximize"],
+                                        sampler=sampler, load_if_exists=True)
+            if "search" not in study.user_attrs:
+                with warnings.catch_warnings():  # experimental in Optuna 5, and only labels
+                    warnings.simplefilter("ignore")
+                    study.set_metric_names(["relative_accuracy", "speedup"])
+                study.set_user_attr("search", cfg.model_dump(mode="json"))
+                study.enqueue_trial(default_trial_params(classes[key], num_layers, cfg.params),
+                                    user_attrs={"role": "defaults"})
+        else:
+            try:
+                study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+            except KeyError:
+                raise SparsetuneError(f"study {name!r} is not in {cfg.storage_url()}; start the search first") from None
+        studies[key] = study
+    return Flows(studies, classes, num_layers)
+
+
+# ---- stale trials ---------------------------------------------------------------------------------
+
+def expire_stale(flows: Flows, now: float | None = None, lease: float = LEASE_S) -> list[str]:
+    """Tell FAIL every RUNNING trial whose heartbeat is older than `lease` (its worker is gone) and
+    enqueue its params again; returns what was expired."""
+    now = time.time() if now is None else now
+    expired = []
+    for key, study in flows.studies.items():
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            beat = t.user_attrs.get("heartbeat")
+            if beat is None or now - beat <= lease:
+                continue
+            try:
+                for attr, value in (("failure", f"expired: no heartbeat for {now - beat:.0f} s (its worker stopped)"),
+                                    ("retried", True)):
+                    study._storage.set_trial_user_attr(t._trial_id, attr, value)
+                study.tell(t.number, state=TrialState.FAIL)
+            except (RuntimeError, ValueError):  # another worker expired it first
+                continue
+            study.enqueue_trial(t.params, user_attrs={"role": t.user_attrs.get("role", "search"), "retry_of": t.number})
+            expired.append(f"{key}#{t.number}")
+    return expired
+
+
+class Heartbeat:
+    """Writes the trial's heartbeat every `HEARTBEAT_S` while it runs (a background thread)."""
+
+    def __init__(self, trial: optuna.Trial) -> None:
+        self.trial, self._stop = trial, threading.Event()
+        trial.set_user_attr("heartbeat", time.time())
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.trial.set_user_attr("heartbeat", time.time())
+            except Exception:  # the trial was finished (or expired) meanwhile
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ---- points ----------------------------------------------------------------------------------
+
+def trial_records(flows: Flows) -> list[dict[str, Any]]:
+    """Every finished trial's record, in start order."""
+    out = []
+    for key, study in flows.studies.items():
+        confirmed = study.user_attrs
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+            rec = dict(record_of(t) or {})
+            rec.update(flow=key, number=t.number, state=t.state.name, role=t.user_attrs.get("role", "search"),
+                       failure=t.user_attrs.get("failure"), confirm=confirmed.get(f"confirm:{t.number}"),
+                       started=t.datetime_start.isoformat() if t.datetime_start else None,
+                       finished=t.datetime_complete.isoformat() if t.datetime_complete else None)
+            out.append(rec)
+    return sorted(out, key=lambda r: (r["started"] or "", r["flow"], r["number"]))
+
+
+# ---- one trial ------------------------------------------------------------------------------------
+
+def run_trial(cfg: SearchConfig, evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
+    """The cascade for one point; returns its record (stage: "speed", "quick" or "full")."""
+    from sparsetune.search.trial import Hopeless
+
+    t0 = time.perf_counter()
+    speedup, speed = evaluator.speedup(flow, params)
+    rec: dict[str, Any] = {"params": params, "speed": {"speedup": speedup, **speed}, "stage": "speed"}
+    if speedup <= 1.0:
+        rec["reason"] = f"{speed['kind']} speedup {speedup:g} <= 1: dense is as fast"
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        return rec
+    bar = cfg.min_accuracy or 1.0
+    floor = cfg.quick_floor * bar
+
+    def on_chunk(partial: dict[str, Any]) -> None:
+        rel = partial.get("relative_accuracy")
+        if rel is not None and rel < floor:
+            raise Hopeless(f"relative accuracy {rel:.3f} on the first {partial.get('samples_done')} samples < {floor:.3f}")
+
+    acc = evaluator.accuracy(flow, params, samples=cfg.samples, seed=cfg.seed, out=out, on_chunk=on_chunk)
+    rec["accuracy"] = acc.to_dict()
+    if acc.complete:
+        rec["stage"] = "full"
+    else:
+        rec["stage"] = "quick"
+        rec["reason"] = f"relative accuracy {acc.relative} on the first {acc.samples} samples < {floor:.3f} (cascade)"
+    rec["seconds"] = round(time.perf_counter() - t0, 3)
+    return rec
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, rec: dict[str, Any], cfg: SearchConfig) -> None:
+    acc = (rec.get("accuracy") or {}).get("relative_accuracy")
+    values = [0.0 if acc is None else float(acc), float(rec["speed"]["speedup"])]
+    trial.set_constraint("cascade", 0.0 if rec["stage"] == "full" else 1.0)
+    if cfg.min_accuracy is not None:
+        trial.set_constraint("accuracy", cfg.min_accuracy - values[0])
+    trial.set_user_attr("record", rec)
+    study.tell(trial, values)
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+class Budget:
+    """`--trials` across every study and worker, and `--hours` for this process."""
+
+    def __init__(self, cfg: SearchConfig, start: float) -> None:
+        self.cfg, self.start = cfg, start
+        self.deadline = None if cfg.hours is None else start + cfg.hours * 3600
+        self.slowest = 0.0
+
+    def left_s(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.time()
+
+    def reason_to_stop(self, flows: Flows, reserve_s: float = 0.0) -> str | None:
+        if self.cfg.trials is not None and trial_count(flows.studies) >= self.cfg.trials:
+            return f"{self.cfg.trials} trials done"
+        left = self.left_s()
+        if left is not None and left < self.slowest + reserve_s:
+            return f"--hours {self.cfg.hours:g} spent (no trial fits in the {max(0.0, left):.0f} s left)"
+        if self.cfg.trials is None and self.cfg.hours is None:
+            return "no --trials or --hours"
+        return None
+
+
+def pick_flow(flows: Flows, records: list[dict[str, Any]], turn: int, min_accuracy: float | None) -> str:
+    """Which flow's study runs the next trial (module docstring: allocation)."""
+    counts = {k: len(s.get_trials(deepcopy=False)) for k, s in flows.studies.items()}
+    keys = list(flows.studies)
+    retries = [k for k in keys if flows.studies[k].get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    if retries:  # enqueued points (defaults, interrupted or expired trials) run first
+        return retries[0]
+    cold = [k for k in keys if counts[k] < WARM_TRIALS]
+    if cold or turn % 3 == 2:
+        pool = cold or keys
+        return min(pool, key=lambda k: (counts[k], keys.index(k)))
+    points = [point_of(r) for r in records if eligible(r, min_accuracy)]
+    total = hypervolume(points)
+
+    def share(k: str) -> float:
+        return total - hypervolume([p for p in points if not p.name.startswith(f"{k}#")])
+
+    return max(keys, key=lambda k: (share(k), -counts[k], -keys.index(k)))
+
+
+def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event: EventFn | None = None,
+         reserve_s: Callable[[], float] = lambda: 0.0, worker: str | None = None) -> str:
+    """Run trials until the budget is spent; returns why it stopped. Ctrl-C: the running trial is
+    told FAIL and enqueued again, then KeyboardInterrupt propagates."""
+    emit = on_event or (lambda kind, data: None)
+    worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+    turn = 0
+    while True:
+        for name in expire_stale(flows):
+            emit("expired", {"trial": name})
+        stop = budget.reason_to_stop(flows, reserve_s())
+        if stop is not None:
+            return stop
+        records = trial_records(flows)
+        key = pick_flow(flows, records, turn, cfg.min_accuracy)
+        turn += 1
+        study = flows.studies[key]
+        trial = study.ask()
+        trial.set_user_attr("worker", worker)
+        role = trial.user_attrs.get("role", "search")
+        beat = Heartbeat(trial)
+        t0 = time.time()
+        params: dict[str, str] = {}
+        try:
+            params = suggest(trial, flows.classes[key], flows.num_layers, cfg.params)
+            emit("start", {"flow": key, "number": trial.number, "params": params, "role": role})
+            rec = run_trial(cfg, evaluator, _flow_arg(cfg, key), params, cfg.run_dir / "trials" / f"{key}-{trial.number}")
+            rec["worker"] = worker
+            beat.stop()
+            _tell(study, trial, rec, cfg)
+            emit("done", {"flow": key, "number": trial.number, "record": rec, "role": role})
+        except KeyboardInterrupt:
+            beat.stop()
+            trial.set_user_attr("failure", "interrupted (Ctrl-C); enqueued again")
+            trial.set_user_attr("retried", True)
+            study.tell(trial, state=TrialState.FAIL)
+            study.enqueue_trial(trial.params, user_attrs={"role": role, "retry_of": trial.number})
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed trial is recorded and the search goes on
+            beat.stop()
+            reason = f"{type(e).__name__}: {e}".strip().splitlines()[0][:500]
+            trial.set_user_attr("failure", reason)
+            trial.set_user_attr("record", {"params": params, "stage": "failed", "worker": worker})
+            study.tell(trial, state=TrialState.FAIL)
+            emit("failed", {"flow": key, "number": trial.number, "reason": reason, "params": params})
+        budget.slowest = max(budget.slowest, time.time() - t0)
+        emit("trial", {})
+
+
+def _flow_arg(cfg: SearchConfig, key: str) -> str:
+    return next(f for f in cfg.flows if flow_key(f) == key)
+
+
+# ---- confirmation ---------------------------------------------------------------------------------
+
+def confirm(cfg: SearchConfig, flows: Flows, evaluator, on_event: EventFn | None = None) -> None:
+    """Re-evaluate each frontier point and each flow's defaults on fresh prompts (another seed,
+    `confirm_samples` per task); the figures go into the study (`user_attrs["confirm:<trial>"]`)."""
+    emit = on_event or (lambda kind, data: None)
+    records = trial_records(flows)
+    front = {p.name for p in search_frontier(records, cfg.min_accuracy)}
+    todo = [r for r in records if r.get("confirm") is None and r["state"] == "COMPLETE" and r.get("stage") == "full"
+            and (f"{r['flow']}#{r['number']}" in front or r["role"] == "defaults")]
+    for i, rec in enumerate(todo):
+        emit("confirm", {"flow": rec["flow"], "number": rec["number"], "index": i, "total": len(todo)})
+        acc = evaluator.accuracy(_flow_arg(cfg, rec["flow"]), rec["params"], samples=cfg.confirm_samples,
+                                 seed=cfg.seed + CONFIRM_SEED_OFFSET, out=cfg.run_dir / "confirm")
+        conf = confirmation(acc.to_dict(), rec["accuracy"], cfg.min_accuracy)
+        flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", conf)  # a finished trial is read-only
+
+
+def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: float | None) -> dict[str, Any]:
+    """Confirmed figures with a 95% interval (Wilson on the flow's accuracy over its samples, as a
+    share of dense on the same prompts), and whether the search-set figure holds up."""
+    rel, dense, n = acc.get("relative_accuracy"), acc.get("dense_accuracy"), acc.get("samples") or 0
+    low = high = None
+    if rel is not None and dense and n:
+        lo, hi = wilson_interval(acc["accuracy"] * n, n)
+        low, high = round(lo / dense, 4), round(hi / dense, 4)
+    search_rel = search_acc.get("relative_accuracy")
+    if rel is None:
+        holds = False
+    elif min_accuracy is not None:
+        holds = rel >= min_accuracy
+    else:
+        holds = low is not None and low <= search_rel and (high is None or search_rel <= high + 1e-9) or \
+            abs(rel - search_rel) <= 0.05
+    return {**acc, "interval": [low, high], "holds": bool(holds)}
+
+
+def confirm_reserve(cfg: SearchConfig, slowest: float) -> float:
+    """Time kept back for confirmation: the frontier points and the defaults at `confirm_samples`."""
+    return slowest * (3 + len(cfg.flows)) * math.ceil(cfg.confirm_samples / cfg.samples)
+
+
+# ---- entry points ---------------------------------------------------------------------------------
+
+def _writer(cfg: SearchConfig, flows: Flows, on_event: EventFn | None) -> EventFn:
+    """Events go to `on_event`; after every trial the run folder is rewritten."""
+    from sparsetune.search.report import write_outputs
+
+    def emit(kind: str, data: dict[str, Any]) -> None:
+        if kind == "trial":
+            data = {"summary": write_outputs(cfg, trial_records(flows))}
+        if on_event is not None:
+            on_event(kind, data)
+
+    return emit
+
+
+def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = None) -> dict[str, Any]:
+    """Run (or continue) the search `cfg.study`: trials until `--trials`/`--hours`, then confirmation;
+    returns frontier.json's object. Ctrl-C leaves the study consistent and the files written."""
+    from sparsetune.search.report import write_outputs
+    from sparsetune.search.trial import EngineEvaluator
+
+    flows = open_flows(cfg, create=True)
+    write_json_config(cfg)
+    evaluator = evaluator or EngineEvaluator(cfg)
+    budget = Budget(cfg, time.time())
+    emit = _writer(cfg, flows, on_event)
+    stopped = "interrupted"
+    try:
+        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, budget.slowest))
+        confirm(cfg, flows, evaluator, on_event)
+    finally:
+        result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
+    return result
+
+
+def run_worker(study: str, storage: str, out: str | None = None, evaluator=None,
+               on_event: EventFn | None = None) -> dict[str, Any]:
+    """Join the search `study` in `storage`: run its trials until its budget is spent (no confirmation:
+    the coordinator does that). The search's config comes from the storage."""
+    from sparsetune.search.report import write_outputs
+    from sparsetune.search.trial import EngineEvaluator
+
+    stored = stored_config(open_storage(storage), study)
+    if stored is None:
+        raise SparsetuneError(f"no search {study!r} in {storage}; start it with sparsetune search --study {study} "
+                              f"--storage {storage}")
+    cfg = stored.model_copy(update={"storage": storage, **({"out": out} if out else {})})
+    flows = open_flows(cfg, create=False)
+    evaluator = evaluator or EngineEvaluator(cfg)
+    budget = Budget(cfg, time.time())
+    stopped = "interrupted"
+    try:
+        stopped = work(cfg, flows, evaluator, budget, on_event=_writer(cfg, flows, on_event))
+    finally:
+        result = write_outputs(cfg, trial_records(flows), complete=False, stopped=stopped)
+    return result
+
+
+def show(run_dir: str | Path | None = None, *, study: str | None = None, storage: str | None = None) -> dict[str, Any]:
+    """frontier.json's object for a search, from its studies now (a run folder, or study + storage)."""
+    from sparsetune.search.report import summary
+
+    if run_dir is not None:
+        path = Path(run_dir)
+        conf = path / "search.json"
+        if not conf.is_file():
+            raise SparsetuneError(f"{path}: not a search folder (no search.json); pass runs/<study>")
+        cfg = SearchConfig.model_validate(json.loads(conf.read_text())["search"])
+        cfg = cfg.model_copy(update={"out": str(path.parent)})
+    else:
+        if study is None or storage is None:
+            raise SparsetuneError("pass a run folder (runs/<study>), or --study and --storage")
+        stored = stored_config(open_storage(storage), study)
+        if stored is None:
+            raise SparsetuneError(f"no search {study!r} in {storage}")
+        cfg = stored.model_copy(update={"storage": storage})
+    flows = open_flows(cfg, create=False)
+    records = trial_records(flows)
+    s = summary(cfg, records, complete=False, stopped=None)
+    s["records"] = records
+    return s
+
+
+def write_json_config(cfg: SearchConfig) -> None:
+    from sparsetune.records import env_info, write_json
+
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(cfg.run_dir / "search.json", {"schema": "sparsetune.search.config/1", "search": cfg.model_dump(mode="json"),
+                                             "storage": cfg.storage_url(), "env": env_info()})

@@ -1,0 +1,187 @@
+"""What one trial measures, on engines a worker keeps for the whole search.
+
+`EngineEvaluator` holds the accuracy engine (the search's model; block-size changes lay its KV
+pool out anew, the weights stay) with a `DenseReference` per prompt set, so dense runs once per
+prompt set and each trial decodes only; and, for measured speed, a second engine of the speed
+model (random weights when it is another architecture) at the speed batch and context.
+
+- accuracy: `evaluate` (the evaluation `sparsetune eval` runs) on the search set, relative to
+  dense on the same prompts, with fidelity beside it; each trial's run folder is kept.
+- speed: measured decode speedup over dense (median step times, side by side on one engine), or
+  modeled: dense step bytes over the flow's (weights, KV read, the flow's fields; `perf.cost`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.search.config import SearchConfig
+
+# A partial result after each chunk of samples: may raise `Hopeless` to stop the trial there.
+ChunkFn = Callable[[dict[str, Any]], None]
+
+
+class Hopeless(Exception):
+    """The cascade stopped a trial: its figures so far cannot reach the frontier's bar."""
+
+
+@dataclass
+class Accuracy:
+    relative: float | None  # flow accuracy / dense accuracy on the same prompts
+    accuracy: float | None
+    dense_accuracy: float | None
+    samples: int
+    fidelity: dict[str, Any] | None
+    run_dir: str | None
+    complete: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"relative_accuracy": self.relative, "accuracy": self.accuracy, "dense_accuracy": self.dense_accuracy,
+                "samples": self.samples, "fidelity": self.fidelity, "run_dir": self.run_dir, "complete": self.complete,
+                **self.extra}
+
+
+def accuracy_of(result: dict[str, Any]) -> Accuracy:
+    """The figures a trial keeps of an eval's results.json object."""
+    return Accuracy(result.get("relative_accuracy"), result.get("accuracy"), result.get("dense_accuracy"),
+                    int(result.get("samples_done") or 0), result.get("fidelity"), result.get("run_dir"),
+                    bool(result.get("complete")),
+                    {"tasks": {k: v.get("accuracy") for k, v in (result.get("tasks") or {}).items()},
+                     "note": result.get("note")})
+
+
+class EngineEvaluator:
+    """Accuracy and speed of flows on engines kept for the whole search (one per worker)."""
+
+    def __init__(self, cfg: SearchConfig) -> None:
+        from sparsetune.evaluation.reference import DenseReference
+
+        self.cfg = cfg
+        self._llm = None
+        self._speed_llm = None
+        self._dense_step: dict[int, float] = {}  # block size -> dense step seconds on the speed engine
+        self.references: dict[tuple[int, int], DenseReference] = {}  # (samples, seed) -> reference
+        self.setup_seconds = 0.0
+
+    # ---- engines ---------------------------------------------------------------------------------
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            from sparsetune.evaluation.runner import eval_kv_memory
+            from sparsetune.llm import LLM
+
+            cfg, t0 = self.cfg, time.perf_counter()
+            kv = eval_kv_memory(cfg.model, cfg.batch, cfg.context, 512, cfg.device, cfg.dtype)
+            self._llm = LLM(model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.batch,
+                            kv_memory=2 * kv, seed=cfg.seed,  # room for the fields of small blocks
+                            cuda_graph_batch_sizes=tuple(sorted({1 << i for i in range(cfg.batch.bit_length())} | {cfg.batch})))
+            self.setup_seconds += time.perf_counter() - t0
+        return self._llm
+
+    def speed_kind(self) -> str:
+        if self.cfg.speed != "auto":
+            return self.cfg.speed
+        from sparsetune.device import resolve_device
+
+        return "measured" if resolve_device(self.cfg.device).type == "cuda" else "modeled"
+
+    def speed_shape(self) -> tuple[str, bool, int, int]:
+        """The model speed is taken on (random weights when it is not the search's), batch, context."""
+        cfg = self.cfg
+        model = cfg.speed_model or cfg.model
+        return model, cfg.speed_model is not None and cfg.speed_model != cfg.model, cfg.speed_batch or cfg.batch, \
+            cfg.speed_context or cfg.context
+
+    def _speed_engine(self):
+        if self._speed_llm is None:
+            from sparsetune.evaluation.runner import eval_kv_memory
+            from sparsetune.llm import LLM
+
+            model, random, batch, context = self.speed_shape()
+            t0 = time.perf_counter()
+            kv = eval_kv_memory(model, batch, context, 64, self.cfg.device, None, random)
+            self._speed_llm = LLM(model=model, random_weights=random, device=self.cfg.device, max_num_seqs=batch,
+                                  kv_memory=int(1.6 * kv), seed=self.cfg.seed, cuda_graph_batch_sizes=(batch,))
+            self.setup_seconds += time.perf_counter() - t0
+        return self._speed_llm
+
+    # ---- objectives ------------------------------------------------------------------------------
+
+    def speedup(self, flow: str, params: dict[str, str]) -> tuple[float, dict[str, Any]]:
+        """Decode speedup over dense and how it was taken."""
+        from sparsetune.models.resolve import model_config
+        from sparsetune.perf.cost import modeled_speedup
+        from sparsetune.registry import build_flow
+
+        model, random, batch, context = self.speed_shape()
+        info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context}
+        built = build_flow(flow, params)
+        if self.speed_kind() == "modeled":
+            _name, mcfg = model_config(model, random)
+            value = modeled_speedup(mcfg, built, batch, context, 2)
+            return round(value, 4), {"kind": "modeled", "what": "dense step bytes / flow step bytes (16-bit)", **info}
+        from sparsetune.perf.speed import decode_step_seconds
+
+        llm = self._speed_engine()
+        llm.set_flow(flow, params)
+        flow_s = decode_step_seconds(llm, batch, context)
+        bs = llm.kv.block_size
+        if bs not in self._dense_step:
+            llm.set_flow(None)
+            self._dense_step[bs] = decode_step_seconds(llm, batch, context)
+        dense_s = self._dense_step[bs]
+        return round(dense_s / flow_s, 4), {"kind": "measured", "device": str(llm.device), "flow_step_ms": round(1e3 * flow_s, 4),
+                                             "dense_step_ms": round(1e3 * dense_s, 4), **info}
+
+    def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
+                 on_chunk: ChunkFn | None = None) -> Accuracy:
+        """`evaluate` of the flow on the prompt set (`samples` per task, `seed`), relative to dense;
+        `on_chunk(partial results)` after each chunk (raising `Hopeless` stops it: the partial figures
+        come back, `complete` False)."""
+        from sparsetune.evaluation.config import EvalConfig
+        from sparsetune.evaluation.reference import DenseReference
+        from sparsetune.evaluation.results import EvalResult
+        from sparsetune.evaluation.runner import evaluate
+
+        cfg = self.cfg
+        ecfg = EvalConfig.of(model=cfg.model, flow=flow or "dense", params=params, tasks=cfg.tasks, context=cfg.context,
+                             samples=samples, batch=cfg.batch, seed=seed, mode="accuracy", device=cfg.device,
+                             dtype=cfg.dtype)
+        reference = self.references.setdefault((samples, seed), DenseReference())
+        state: dict[str, Any] = {}
+
+        def started(run_dir: Path, _res: EvalResult) -> None:
+            state["run_dir"] = run_dir
+
+        def progress(done: float, total: int, what: str) -> None:
+            results = state["run_dir"] / "results.json"
+            if on_chunk is None or what != "samples" or not 0 < done < total or not results.is_file():
+                return
+            partial = EvalResult.read(results).dump()
+            if partial.get("samples_done", 0) > state.get("seen", 0):  # a chunk's records are written
+                state["seen"] = partial["samples_done"]
+                on_chunk(partial)
+
+        llm = self.llm
+        try:
+            result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_start=started, on_progress=progress).dump()
+        except Hopeless:
+            result = EvalResult.read(state["run_dir"]).dump()
+        except BaseException:
+            _drain(llm)
+            raise
+        return accuracy_of(result)
+
+
+def _drain(llm) -> None:
+    """Drop every request an interrupted evaluation left, so the engine is idle for the next trial."""
+    for seq in list(llm.scheduler.waiting) + list(llm.scheduler.running):
+        llm.abort(seq)
+    if llm.scheduler.has_work():
+        raise SparsetuneError("the engine could not be drained after a failed trial")

@@ -1,0 +1,51 @@
+"""A real search on the embedded model (CPU): one engine for every trial (block-size changes lay
+its pool out anew, the weights stay), dense computed once per prompt set, each trial's figures
+those `sparsetune eval` gives for its params; and the CLI end to end with --json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparsetune.evaluation.config import EvalConfig
+from sparsetune.evaluation.runner import evaluate
+from sparsetune.search.config import SearchConfig
+from sparsetune.search.study import open_flows, run_search, trial_records
+from sparsetune.search.trial import EngineEvaluator
+from helpers import run
+
+SMALL = dict(model="smollm2-135m", tasks=("niah_single",), context=256, samples=2, batch=4, confirm_samples=1)
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_trials_share_one_engine_and_match_sparsetune_eval(tmp_path):
+    cfg = SearchConfig(study="e", out=str(tmp_path), flows=("quest",), trials=3, device="cpu", **SMALL)
+    ev = EngineEvaluator(cfg)
+    run_search(cfg, ev)
+    llm = ev.llm
+    records = [r for r in trial_records(open_flows(cfg, create=False)) if r.get("accuracy")]
+    assert len(records) >= 2 and {r["params"]["block_size"] for r in records} >= {"16", "4"}  # defaults, then TPE's
+    assert set(ev.references) == {(2, 0), (1, 1000)}  # the search set and the confirmation set: dense once each
+    # A trial's figures are the ones a standalone eval of its params gives
+    rec = records[-1]
+    alone = evaluate(EvalConfig.of(flow="quest", params=rec["params"], tasks=SMALL["tasks"], context=256, samples=2,
+                                   batch=4, mode="accuracy", device="cpu"), out=tmp_path / "alone")
+    alone = alone.dump()
+    assert (alone["relative_accuracy"], alone["fidelity"]) == (rec["accuracy"]["relative_accuracy"], rec["accuracy"]["fidelity"])
+    assert ev.llm is llm and rec["speed"]["kind"] == "modeled"
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_search_cli_prints_the_frontier_as_json_and_the_trials_as_it_goes(tmp_path):
+    proc = run("search", "--flow", "block_topk", "--task", "niah_single", "--context", "256", "--samples", "1",
+               "--confirm-samples", "1", "--batch", "4", "--trials", "2", "--study", "cli", "--out", str(tmp_path),
+               "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["study"] == "cli" and out["speed"] == "modeled" and out["trials"]["finished"] == 2
+    assert out["defaults"][0]["params"]["block_size"] == "16" and out["defaults"][0]["confirmed_accuracy"] is not None
+    assert "trial block_topk#0 (defaults)" in proc.stderr and "speedup" in proc.stderr
+    shown = run("search", "show", str(Path(tmp_path) / "cli"), "--json")
+    assert shown.returncode == 0 and len(json.loads(shown.stdout)["records"]) == 2

@@ -1,0 +1,171 @@
+"""The search loop on a synthetic evaluator (the real cost model for speed, a fixed function of the
+params for accuracy): defaults first, the cascade, failed trials, interrupt and resume, stale-trial
+expiry, refused resumes, and the run folder. The engine-backed evaluator is tested on the real
+model in test_search_engine.py."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.registry import get_flow_class
+from sparsetune.search.config import SearchConfig
+from sparsetune.search.study import (CONFIRM_SEED_OFFSET, default_trial_params, expire_stale, open_flows, run_search,
+                                     run_trial, trial_records)
+from helpers import SyntheticEvaluator
+
+
+def _cfg(tmp_path, **kw) -> SearchConfig:
+    base = dict(study="s", out=str(tmp_path), trials=10, context=2048, min_accuracy=0.9, confirm_samples=2)
+    return SearchConfig(**{**base, **kw})
+
+
+def test_search_starts_from_the_defaults_and_writes_a_confirmed_frontier(tmp_path):
+    cfg = _cfg(tmp_path)
+    ev = SyntheticEvaluator(cfg)
+    result = run_search(cfg, ev)
+    flows = open_flows(cfg, create=False)
+    for key, study in flows.studies.items():  # each flow's first trial is its defaults
+        first = study.get_trials()[0]
+        assert first.user_attrs["role"] == "defaults"
+        assert first.params == default_trial_params(get_flow_class(key), 30, {})
+        assert first.params["block_size"] == 16 and first.params["budget_ratio"] == 0.125
+    records = trial_records(flows)
+    assert len(records) == 10 == result["trials"]["finished"] + result["trials"]["failed"]
+    eligible = [r for r in records if r["stage"] == "full" and r["accuracy"]["relative_accuracy"] >= 0.9]
+    front = result["frontier"]
+    assert front and {r["trial"] for r in front} <= {f"{r['flow']}#{r['number']}" for r in eligible}
+    for r in front:  # no eligible trial beats a frontier point in both objectives
+        assert not any(e["accuracy"]["relative_accuracy"] >= r["relative_accuracy"] and e["speed"]["speedup"] >= r["speedup"]
+                       and (e["accuracy"]["relative_accuracy"], e["speed"]["speedup"]) != (r["relative_accuracy"], r["speedup"])
+                       for e in eligible)
+    # confirmation: every frontier point and both defaults, on fresh prompts (another seed, more samples)
+    confirm_calls = [c for c in ev.calls if c[3] == cfg.seed + CONFIRM_SEED_OFFSET]
+    assert len(confirm_calls) == len(front) + 2 and all(c[2] == 2 for c in confirm_calls)
+    assert result["confirmed_frontier"] and all(r["holds"] and r["confirmed_accuracy"] is not None
+                                                for r in result["confirmed_frontier"])
+    assert len(result["defaults"]) == 2 and all(r["confirmed_accuracy"] is not None for r in result["defaults"])
+    run_dir = tmp_path / "s"
+    assert {p.name for p in run_dir.iterdir()} >= {"study.journal", "search.json", "trials.jsonl", "frontier.json",
+                                                  "frontier.md", "frontier.png", "hypervolume.png"}
+    assert len((run_dir / "trials.jsonl").read_text().splitlines()) == 10
+    assert json.loads((run_dir / "frontier.json").read_text()) == result
+    assert "## Confirmed frontier" in (run_dir / "frontier.md").read_text()
+
+
+def test_the_cascade_stops_slow_points_before_accuracy_and_hopeless_ones_after_a_chunk(tmp_path):
+    cfg = _cfg(tmp_path, context=256)
+    ev = SyntheticEvaluator(cfg)
+    slow = run_trial(cfg, ev, "quest", {"block_size": "2", "budget_ratio": "0.5"}, tmp_path / "t")
+    assert slow["stage"] == "speed" and slow["speed"]["speedup"] <= 1 and "dense is as fast" in slow["reason"]
+    assert ev.calls == []  # no accuracy was run for it
+    bad = run_trial(cfg, ev, "quest", {"block_size": "32", "budget_ratio": "0.02"}, tmp_path / "t")
+    assert bad["stage"] == "quick" and not bad["accuracy"]["complete"] and bad["accuracy"]["samples"] == 4
+    good = run_trial(cfg, ev, "quest", {"block_size": "2", "budget_ratio": "0.125"}, tmp_path / "t")
+    assert good["stage"] == "full" and good["accuracy"]["complete"]
+
+
+def test_cascade_stops_are_told_infeasible_so_the_sampler_learns_and_the_frontier_skips_them(tmp_path):
+    cfg = _cfg(tmp_path, trials=12)
+    run_search(cfg, SyntheticEvaluator(cfg))
+    flows = open_flows(cfg, create=False)
+    stopped = 0
+    for study in flows.studies.values():
+        for t in study.get_trials(states=(TrialState.COMPLETE,)):
+            stage = t.user_attrs["record"]["stage"]
+            assert t.constraints["cascade"] == (0.0 if stage == "full" else 1.0)
+            stopped += stage != "full"
+            best = {b.number for b in study.best_trials}
+            assert stage == "full" or t.number not in best
+    assert stopped > 0  # the synthetic landscape has hopeless corners; this seed reaches some
+
+
+def test_a_crashing_trial_is_recorded_failed_and_the_search_goes_on(tmp_path):
+    cfg = _cfg(tmp_path, trials=8, min_accuracy=None)
+    ev = SyntheticEvaluator(cfg, fail=lambda p: p.get("block_size") == "4")
+    result = run_search(cfg, ev)
+    records = trial_records(open_flows(cfg, create=False))
+    failed = [r for r in records if r["state"] == "FAIL"]
+    assert failed and all(r["failure"] == "RuntimeError: CUDA out of memory (synthetic)" for r in failed)
+    assert all(r["params"]["block_size"] == "4" for r in failed)
+    assert len(records) == 8 and result["trials"]["failed"] == len(failed) and result["complete"]
+
+
+class _Interrupting(SyntheticEvaluator):
+    def __init__(self, cfg, at: int) -> None:
+        super().__init__(cfg)
+        self.at = at
+
+    def accuracy(self, flow, params, **kw):
+        if len(self.calls) + 1 == self.at:
+            self.calls.append(("interrupted", dict(params), 0, 0))
+            raise KeyboardInterrupt
+        return super().accuracy(flow, params, **kw)
+
+
+def test_ctrl_c_leaves_a_consistent_study_that_resumes_without_losing_the_trial(tmp_path):
+    cfg = _cfg(tmp_path, trials=6)
+    ev = _Interrupting(cfg, at=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(cfg, ev)
+    lost = ev.calls[-1][1]
+    flows = open_flows(cfg, create=False)
+    states = [t.state for s in flows.studies.values() for t in s.get_trials()]
+    assert TrialState.RUNNING not in states and states.count(TrialState.WAITING) == 1
+    summary = json.loads((tmp_path / "s" / "frontier.json").read_text())
+    assert summary["complete"] is False and summary["stopped"] == "interrupted"
+    assert len((tmp_path / "s" / "trials.jsonl").read_text().splitlines()) == 3  # 2 done, 1 interrupted
+    again = SyntheticEvaluator(cfg)
+    result = run_search(cfg, again)  # the same study: it continues
+    assert again.calls[0][1] == lost  # the interrupted point runs first
+    records = trial_records(open_flows(cfg, create=False))
+    done = [r for r in records if r["state"] == "COMPLETE"]
+    assert len(done) == 6 and result["complete"]
+    assert [r["failure"] for r in records if r["state"] == "FAIL"] == ["interrupted (Ctrl-C); enqueued again"]
+
+
+def test_a_stale_running_trial_is_expired_and_enqueued_again_once(tmp_path):
+    cfg = _cfg(tmp_path)
+    flows = open_flows(cfg, create=True)
+    study = flows.studies["quest"]
+    trial = study.ask()  # a worker took it (the defaults) and died
+    trial.set_user_attr("heartbeat", 1000.0)
+    fresh = flows.studies["block_topk"].ask()
+    fresh.set_user_attr("heartbeat", 5000.0)
+    assert expire_stale(flows, now=1000.0 + 3600, lease=60 * 60 * 2) == []  # within the lease
+    assert expire_stale(flows, now=5000.0 + 60) == ["quest#0"]
+    assert expire_stale(flows, now=5000.0 + 60) == []  # told once, enqueued once
+    t = study.get_trials()[0]
+    assert t.state == TrialState.FAIL and t.user_attrs["retried"] and t.user_attrs["failure"].startswith("expired")
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert len(waiting) == 1 and waiting[0].params == t.params and waiting[0].user_attrs["retry_of"] == 0
+    assert flows.studies["block_topk"].get_trials()[0].state == TrialState.RUNNING
+
+
+def test_a_study_run_with_other_settings_is_refused(tmp_path):
+    cfg = _cfg(tmp_path, trials=2)
+    run_search(cfg, SyntheticEvaluator(cfg))
+    with pytest.raises(SparsetuneError, match=r"study 's' was run with other settings \(context differ\)"):
+        open_flows(_cfg(tmp_path, trials=2, context=1024), create=True)
+    open_flows(_cfg(tmp_path, trials=20), create=True)  # more trials or hours: the same search
+
+
+def test_hours_budget_starts_no_trial_that_cannot_finish(tmp_path):
+    cfg = _cfg(tmp_path, trials=None, hours=1.5 / 3600, confirm_samples=1)
+    ev = SyntheticEvaluator(cfg, sleep=0.4)
+    result = run_search(cfg, ev)
+    assert "--hours" in result["stopped"] and 1 <= result["trials"]["finished"] <= 4
+
+
+def test_optuna_storage_is_one_study_per_flow(tmp_path):
+    cfg = _cfg(tmp_path, trials=3)
+    run_search(cfg, SyntheticEvaluator(cfg))
+    storage = open_flows(cfg, create=False).studies["quest"]._storage
+    names = sorted(s.study_name for s in optuna.get_all_study_summaries(storage))
+    assert names == ["s/block_topk", "s/quest"]
+    study = open_flows(cfg, create=False).studies["quest"]
+    assert study.metric_names == ["relative_accuracy", "speedup"] and len(study.directions) == 2
