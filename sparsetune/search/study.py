@@ -49,6 +49,7 @@ from sparsetune.search.storage import (flow_key, open_storage, record_of, stored
                                        trial_count)
 
 WARM_TRIALS = 4
+STARTUP_TRIALS = 5  # per flow's study, the defaults included
 CONFIRM_SEED_OFFSET = 1000
 HEARTBEAT_S = float(os.environ.get("SPARSETUNE_HEARTBEAT_S", "20"))
 LEASE_S = 6 * HEARTBEAT_S
@@ -115,7 +116,9 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
         key = flow_key(flow)
         classes[key] = get_flow_class(flow)
         name = study_name(cfg.study, flow)
-        sampler = TPESampler(seed=cfg.seed + i + (os.getpid() if not create else 0))
+        # TPE (Optuna 5's multi-objective default) after STARTUP_TRIALS random ones, not its 10:
+        # a search of tens of trials over several flows would otherwise be mostly random.
+        sampler = TPESampler(seed=cfg.seed + i + (os.getpid() if not create else 0), n_startup_trials=STARTUP_TRIALS)
         if create:
             study = optuna.create_study(study_name=name, storage=storage, directions=["maximize", "maximize"],
                                         sampler=sampler, load_if_exists=True)
