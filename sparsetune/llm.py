@@ -108,16 +108,22 @@ class LLM(Engine):
                       block_size=int(size) if size.isdigit() else self.config.block_size)
         new = _build_flow(cfg, flow, cfg.flow_params)
         if new is not None and new.block_size != self.config.block_size:
-            self._relayout(new)
+            try:
+                self._relayout(new)
+            except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
+                self._install_flow(self.flow)
+                raise
         self._install_flow(new)
         self.config, self.flow = replace(cfg, block_size=self.config.block_size), new
 
     def _relayout(self, flow) -> None:
         """A flow of another block size: the KV pool is laid out anew in its blocks (same token
         capacity, the weights kept; cached segments are dropped), its fields sized beside it."""
-        self.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
-        self._flow_backend, self._route = None, False
-        self._attach_segments()
+        try:
+            self.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
+        finally:  # a new pool either way (the old layout again when the new one did not fit)
+            self._flow_backend, self._route = None, False
+            self._attach_segments()
 
     def _sparse_layers(self, flow) -> list[int]:
         """The layers `flow` runs on (all but its dense layers), its layer params checked."""

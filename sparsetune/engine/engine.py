@@ -132,6 +132,7 @@ class Engine:
         if block_size < 1 or block_size & (block_size - 1):
             raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")
         tokens = self.kv.num_blocks * self.kv.block_size
+        before = (self.config, self.extra_elems_per_block, self.kv.num_blocks)
         self.config = replace(self.config, block_size=block_size)
         if extra_elems_per_block is not None:
             self.extra_elems_per_block = extra_elems_per_block
@@ -139,7 +140,12 @@ class Engine:
         del self.kv, self.runner  # free the old pool before the new one is allocated
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._build_pool(-(-tokens // block_size))
+        try:
+            self._build_pool(-(-tokens // block_size))
+        except BaseException:  # out of memory: the engine keeps its old layout and stays usable
+            self.config, self.extra_elems_per_block, num_blocks = before
+            self._build_pool(num_blocks)
+            raise
 
     # ---- attention and graphs ----------------------------------------------------------------------
 

@@ -118,3 +118,25 @@ def test_a_flow_of_another_block_size_relays_the_pool_and_keeps_the_weights():
     assert llm.flow.block_size == 4 and llm.kv.block_size == 4
     llm.set_flow(None)
     assert _greedy(llm) == dense
+
+
+def test_a_relayout_that_does_not_fit_leaves_the_engine_as_it_was(monkeypatch):
+    """A search trial whose block size needs more memory than there is fails alone: the engine
+    keeps its layout and decodes as before."""
+    from sparsetune.errors import SparsetuneError
+
+    llm = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow="block_topk", flow_params={"budget": "64"})
+    before = _greedy(llm)
+    check = llm._check_memory
+
+    def refuse_small_blocks(num_blocks: int) -> None:
+        if llm.config.block_size == 2:
+            raise SparsetuneError("the KV pool needs more memory than there is")
+        check(num_blocks)
+
+    monkeypatch.setattr(llm, "_check_memory", refuse_small_blocks)
+    with pytest.raises(SparsetuneError, match="needs more memory"):
+        llm.set_flow("quest", {"block_size": "2", "budget": "64"})
+    assert llm.kv.block_size == 16 and llm.config.block_size == 16 and llm.flow.name == "block_topk"
+    assert isinstance(llm.backends[5], FlowAttention) and llm.backends[5].flow.name == "block_topk"
+    assert _greedy(llm) == before
