@@ -62,35 +62,39 @@ class FlowStages:
         self.select_fn, self.score_fn, self.cache_fn = self.select_tensors, self.score_tensors, self.cache_tensors
         if executor == "compiled":
             self.select_fn, self.score_fn, self.cache_fn = map(_compile, (self.select_fn, self.score_fn, self.cache_fn))
-        # The generated kernels (indexer, cache stage), built on first use; None: not block-local.
-        self.generated: dict[str, IndexerKernel | CacheKernel | None] = {}
+        # The generated kernels by (stage, shapes...), built on first use; None: not block-local.
+        self.generated: dict[tuple, IndexerKernel | CacheKernel | None] = {}
         self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
         self._traits: dict[int, IndexTraits] = {}  # head_dim -> what the indexer does
 
     def indexer_kernel(self, group: int, head_dim: int) -> IndexerKernel | None:
-        """The generated indexer (None: not block-local; the compiled torch indexer runs), built once."""
-        if "index" not in self.generated:
+        """The generated indexer for these shapes (None: not block-local; the compiled torch indexer
+        runs), built once per shape: engines of different models share these stages."""
+        key = ("index", group, head_dim)
+        if key not in self.generated:
             try:
-                self.generated["index"] = build_indexer(self.flow, group, head_dim)
+                self.generated[key] = build_indexer(self.flow, group, head_dim)
                 self.paths["index"] = "generated Triton kernel + radix-select top-k"
             except ForcedOnly:
-                self.generated["index"] = None
+                self.generated[key] = None
                 self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
             except NotBlockLocal as e:
-                self.generated["index"] = None
+                self.generated[key] = None
                 self.paths["index"] = f"torch.compile (not block-local: {e}) + radix-select top-k"
-        return self.generated["index"]  # type: ignore[return-value]
+        return self.generated[key]  # type: ignore[return-value]
 
     def cache_kernel(self, head_dim: int) -> CacheKernel | None:
-        """The generated cache stage (None: not block-local; the compiled torch stage runs), built once."""
-        if "cache" not in self.generated:
+        """The generated cache stage for this head dimension (None: not block-local; the compiled
+        torch stage runs), built once per head dimension."""
+        key = ("cache", head_dim)
+        if key not in self.generated:
             try:
-                self.generated["cache"] = build_cache(self.flow, head_dim)
+                self.generated[key] = build_cache(self.flow, head_dim)
                 self.paths["cache"] = "generated Triton kernel"
             except NotBlockLocal as e:
-                self.generated["cache"] = None
+                self.generated[key] = None
                 self.paths["cache"] = f"torch.compile (not block-local: {e})"
-        return self.generated["cache"]  # type: ignore[return-value]
+        return self.generated[key]  # type: ignore[return-value]
 
     def traits(self, head_dim: int) -> IndexTraits:
         """Whether the indexer saves state and whether it keeps only the always-kept blocks."""

@@ -93,3 +93,29 @@ def test_gpu_retune_keeps_graphs_and_decodes_like_a_fresh_engine(flow, tmp_path)
     assert retuned == [o.token_ids for o in LLM(flow=flow, flow_params=second, **opts).generate(prompts, params)]
     llm.set_flow(flow, {"budget": "96", "dense_layers": ""})
     assert llm.decode_graph(4) is not graph
+
+
+def test_gpu_eval_with_a_dense_reference_equals_one_without(tmp_path):
+    """A search's trials on the GPU (compiled stages, CUDA graphs): starting from the stored prompt
+    KV gives the outputs an evaluation without the reference gives (embedded model, float32)."""
+    from pathlib import Path
+
+    from sparsetune.evaluation.config import EvalConfig
+    from sparsetune.evaluation.reference import DenseReference
+    from sparsetune.evaluation.runner import evaluate, read_records
+
+    llm = LLM(model="smollm2-135m", dtype="float32", max_num_seqs=8)
+    opts = dict(model="smollm2-135m", tasks=("niah_single", "niah_multikey", "multiturn"), context=2048, samples=2,
+                batch=8, mode="accuracy", dtype="float32")
+    cfg = EvalConfig.of(flow="block_topk", params={"budget_ratio": "0.25"}, **opts)
+    plain = evaluate(cfg, out=tmp_path / "plain", llm=llm)
+    ref = DenseReference()
+    evaluate(EvalConfig.of(flow="quest", params={"budget_ratio": "0.125"}, **opts), out=tmp_path / "fill", llm=llm,
+             reference=ref)
+    again = evaluate(cfg, out=tmp_path / "again", llm=llm, reference=ref)
+    keys = ("task", "index", "output", "dense")
+    got = [{k: r[k] for k in keys} for r in read_records(Path(again.run_dir))]
+    want = [{k: r[k] for k in keys} for r in read_records(Path(plain.run_dir))]
+    print("plain", plain.relative_accuracy, "again", again.relative_accuracy)
+    assert got == want
+    assert again.relative_accuracy == plain.relative_accuracy and again.relative_accuracy > 0

@@ -140,3 +140,12 @@ def test_a_relayout_that_does_not_fit_leaves_the_engine_as_it_was(monkeypatch):
     assert llm.kv.block_size == 16 and llm.config.block_size == 16 and llm.flow.name == "block_topk"
     assert isinstance(llm.backends[5], FlowAttention) and llm.backends[5].flow.name == "block_topk"
     assert _greedy(llm) == before
+
+
+def test_stages_generate_a_kernel_per_shape():
+    """Engines of different models share a flow's stages (a search's accuracy and speed engines):
+    the generated kernels are per head dimension and group, never the first engine's."""
+    stages = flow_stages(build_flow("quest"), "compiled")
+    small, big = stages.indexer_kernel(3, 64), stages.indexer_kernel(4, 128)
+    assert small is not big and stages.indexer_kernel(3, 64) is small
+    assert stages.cache_kernel(64) is not stages.cache_kernel(128) and stages.cache_kernel(64) is stages.cache_kernel(64)
