@@ -18,7 +18,8 @@ it stops; (3) the rest of the samples. Stopped trials are told with the figures 
 violated "cascade" constraint, so the sampler learns from them and the frontier never holds them.
 
 **Time, failure, resume.** No trial starts that cannot finish before `--hours` runs out (the
-slowest trial so far is the estimate; time for confirmation is kept back). A trial that raises
+slowest trial so far, after the first, which pays for loading engines and the dense pass, is the
+estimate; time to confirm the frontier and the defaults is kept back). A trial that raises
 is told FAIL with its reason. Ctrl-C stops the running trial, tells it FAIL ("interrupted") and
 enqueues its params again, so a resumed study redoes it. A RUNNING trial whose heartbeat is older
 than the lease (a killed worker) is told FAIL and its params enqueued again, once, by whichever
@@ -28,7 +29,6 @@ worker sees it first (the tell is the lock).
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import threading
@@ -250,7 +250,19 @@ class Budget:
     def __init__(self, cfg: SearchConfig, start: float) -> None:
         self.cfg, self.start = cfg, start
         self.deadline = None if cfg.hours is None else start + cfg.hours * 3600
-        self.slowest = 0.0
+        self.durations: list[float] = []  # this process's trials, in order
+
+    @property
+    def trial_s(self) -> float:
+        """What the next trial may take: the slowest after the first (the first loads the engines
+        and runs the dense pass), or half the first while it is the only one."""
+        d = self.durations
+        return max(d[1:]) if len(d) > 1 else (d[0] / 2 if d else 0.0)
+
+    @property
+    def typical_s(self) -> float:
+        d = sorted(self.durations[1:] or self.durations)
+        return d[len(d) // 2] if d else 0.0
 
     def left_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
@@ -259,7 +271,7 @@ class Budget:
         if self.cfg.trials is not None and trial_count(flows.studies) >= self.cfg.trials:
             return f"{self.cfg.trials} trials done"
         left = self.left_s()
-        if left is not None and left < self.slowest + reserve_s:
+        if left is not None and left < self.trial_s + reserve_s:
             return f"--hours {self.cfg.hours:g} spent (no trial fits in the {max(0.0, left):.0f} s left)"
         if self.cfg.trials is None and self.cfg.hours is None:
             return "no --trials or --hours"
@@ -331,7 +343,7 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
             trial.set_user_attr("record", {"params": params, "stage": "failed", "worker": worker})
             study.tell(trial, state=TrialState.FAIL)
             emit("failed", {"flow": key, "number": trial.number, "reason": reason, "params": params})
-        budget.slowest = max(budget.slowest, time.time() - t0)
+        budget.durations.append(time.time() - t0)
         emit("trial", {})
 
 
@@ -376,9 +388,11 @@ def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: 
     return {**acc, "interval": [low, high], "holds": bool(holds)}
 
 
-def confirm_reserve(cfg: SearchConfig, slowest: float) -> float:
-    """Time kept back for confirmation: the frontier points and the defaults at `confirm_samples`."""
-    return slowest * (3 + len(cfg.flows)) * math.ceil(cfg.confirm_samples / cfg.samples)
+def confirm_reserve(cfg: SearchConfig, flows: Flows, typical_s: float) -> float:
+    """Time kept back for confirmation: the frontier points so far plus one, each flow's defaults,
+    and the dense pass on the fresh prompts, each about a trial at `confirm_samples`."""
+    points = len(search_frontier(trial_records(flows), cfg.min_accuracy)) + 1 + len(cfg.flows) + 1
+    return points * typical_s * cfg.confirm_samples / cfg.samples
 
 
 # ---- entry points ---------------------------------------------------------------------------------
@@ -409,7 +423,7 @@ def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = Non
     emit = _writer(cfg, flows, on_event)
     stopped = "interrupted"
     try:
-        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, budget.slowest))
+        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget.typical_s))
         confirm(cfg, flows, evaluator, on_event)
     finally:
         result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
