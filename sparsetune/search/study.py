@@ -261,8 +261,13 @@ class Budget:
 
     @property
     def typical_s(self) -> float:
-        d = sorted(self.durations[1:] or self.durations)
-        return d[len(d) // 2] if d else 0.0
+        """A trial's median time after the first (half the first while it is the only one)."""
+        d = sorted(self.durations[1:])
+        return d[len(d) // 2] if d else self.trial_s
+
+    @property
+    def first_s(self) -> float:
+        return self.durations[0] if self.durations else 0.0
 
     def left_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
@@ -388,11 +393,12 @@ def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: 
     return {**acc, "interval": [low, high], "holds": bool(holds)}
 
 
-def confirm_reserve(cfg: SearchConfig, flows: Flows, typical_s: float) -> float:
-    """Time kept back for confirmation: the frontier points so far plus one, each flow's defaults,
-    and the dense pass on the fresh prompts, each about a trial at `confirm_samples`."""
-    points = len(search_frontier(trial_records(flows), cfg.min_accuracy)) + 1 + len(cfg.flows) + 1
-    return points * typical_s * cfg.confirm_samples / cfg.samples
+def confirm_reserve(cfg: SearchConfig, flows: Flows, budget: Budget) -> float:
+    """Time kept back for confirmation, scaled to `confirm_samples`: the dense pass on the fresh
+    prompts (about the first trial, which ran the search set's), then the frontier points so far
+    plus one and each flow's defaults (about a typical trial each)."""
+    points = len(search_frontier(trial_records(flows), cfg.min_accuracy)) + 1 + len(cfg.flows)
+    return (budget.first_s + points * budget.typical_s) * cfg.confirm_samples / cfg.samples
 
 
 # ---- entry points ---------------------------------------------------------------------------------
@@ -423,7 +429,7 @@ def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = Non
     emit = _writer(cfg, flows, on_event)
     stopped = "interrupted"
     try:
-        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget.typical_s))
+        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget))
         confirm(cfg, flows, evaluator, on_event)
     finally:
         result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
