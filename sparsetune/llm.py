@@ -111,7 +111,8 @@ class LLM(Engine):
             try:
                 self._relayout(new)
             except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
-                self._install_flow(self.flow)
+                if hasattr(self, "runner"):
+                    self._install_flow(self.flow)
                 raise
         self._install_flow(new)
         self.config, self.flow = replace(cfg, block_size=self.config.block_size), new
@@ -119,11 +120,12 @@ class LLM(Engine):
     def _relayout(self, flow) -> None:
         """A flow of another block size: the KV pool is laid out anew in its blocks (same token
         capacity, the weights kept; cached segments are dropped), its fields sized beside it."""
+        self._flow_backend, self._route = None, False  # its field stores go with the old pool
         try:
             self.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
         finally:  # a new pool either way (the old layout again when the new one did not fit)
-            self._flow_backend, self._route = None, False
-            self._attach_segments()
+            if hasattr(self, "runner"):
+                self._attach_segments()
 
     def _sparse_layers(self, flow) -> list[int]:
         """The layers `flow` runs on (all but its dense layers), its layer params checked."""

@@ -136,15 +136,21 @@ class Engine:
         self.config = replace(self.config, block_size=block_size)
         if extra_elems_per_block is not None:
             self.extra_elems_per_block = extra_elems_per_block
+        # Free the old pool, the graphs and the backends (with a flow's field stores) first.
         self.runner.graphs.clear()
-        del self.kv, self.runner  # free the old pool before the new one is allocated
+        del self.kv, self.runner
+        self.backends = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         try:
             self._build_pool(-(-tokens // block_size))
-        except BaseException:  # out of memory: the engine keeps its old layout and stays usable
+        except BaseException as e:  # out of memory: the engine keeps its old layout and stays usable
             self.config, self.extra_elems_per_block, num_blocks = before
-            self._build_pool(num_blocks)
+            try:
+                self._build_pool(num_blocks)
+            except BaseException:
+                raise SparsetuneError(f"the KV pool in blocks of {block_size} did not fit ({e}) and the old "
+                                      "one could not be rebuilt; start a new engine") from None
             raise
 
     # ---- attention and graphs ----------------------------------------------------------------------

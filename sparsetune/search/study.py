@@ -20,7 +20,8 @@ violated "cascade" constraint, so the sampler learns from them and the frontier 
 **Time, failure, resume.** No trial starts that cannot finish before `--hours` runs out (the
 slowest trial so far, after the first, which pays for loading engines and the dense pass, is the
 estimate; time to confirm the frontier and the defaults is kept back). A trial that raises
-is told FAIL with its reason. Ctrl-C stops the running trial, tells it FAIL ("interrupted") and
+is told FAIL with its reason (five in a row stop the search: the engine, not the point, is
+broken). Ctrl-C stops the running trial, tells it FAIL ("interrupted") and
 enqueues its params again, so a resumed study redoes it. A RUNNING trial whose heartbeat is older
 than the lease (a killed worker) is told FAIL and its params enqueued again, once, by whichever
 worker sees it first (the tell is the lock).
@@ -50,6 +51,7 @@ from sparsetune.search.storage import (flow_key, open_storage, record_of, stored
 
 WARM_TRIALS = 4
 STARTUP_TRIALS = 5  # per flow's study, the defaults included
+FAILURES_IN_A_ROW = 5  # then the search stops: something other than the points is wrong
 CONFIRM_SEED_OFFSET = 1000
 HEARTBEAT_S = float(os.environ.get("SPARSETUNE_HEARTBEAT_S", "20"))
 LEASE_S = 6 * HEARTBEAT_S
@@ -309,7 +311,7 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
     told FAIL and enqueued again, then KeyboardInterrupt propagates."""
     emit = on_event or (lambda kind, data: None)
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
-    turn = 0
+    turn, failures = 0, []
     while True:
         for name in expire_stale(flows):
             emit("expired", {"trial": name})
@@ -348,6 +350,11 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
             trial.set_user_attr("record", {"params": params, "stage": "failed", "worker": worker})
             study.tell(trial, state=TrialState.FAIL)
             emit("failed", {"flow": key, "number": trial.number, "reason": reason, "params": params})
+            failures.append(reason)
+            if len(failures) >= FAILURES_IN_A_ROW:  # the engine, not the point, is broken
+                return f"{len(failures)} trials in a row failed (last: {reason})"
+        else:
+            failures = []
         budget.durations.append(time.time() - t0)
         emit("trial", {})
 

@@ -100,15 +100,19 @@ class EngineEvaluator:
 
     def _speed_engine(self):
         if self._speed_llm is None:
-            from sparsetune.evaluation.runner import eval_kv_memory
+            from sparsetune.device import resolve_device, resolve_dtype
             from sparsetune.llm import LLM
+            from sparsetune.models.resolve import model_config
 
             model, random, batch, context = self.speed_shape()
             t0 = time.perf_counter()
-            # K and V for the work (flows' fields come on top: a block-size change keeps the tokens)
-            kv = eval_kv_memory(model, batch, context, 64, self.cfg.device, None, random)
+            # K and V for the timed steps (a flow's fields come on top: a block-size change keeps the
+            # tokens, so a flow whose fields do not fit beside them fails as a trial, with the reason)
+            dtype = resolve_dtype(None, resolve_device(self.cfg.device), "bfloat16")
+            per_token = model_config(model, random)[1].kv_bytes_per_token(dtype.itemsize)
             self._speed_llm = LLM(model=model, random_weights=random, device=self.cfg.device, max_num_seqs=batch,
-                                  kv_memory=kv, seed=self.cfg.seed, cuda_graph_batch_sizes=(batch,))
+                                  kv_memory=batch * (context + 64) * per_token, seed=self.cfg.seed,
+                                  cuda_graph_batch_sizes=(batch,))
             self.setup_seconds += time.perf_counter() - t0
         return self._speed_llm
 

@@ -169,3 +169,10 @@ def test_optuna_storage_is_one_study_per_flow(tmp_path):
     assert names == ["s/block_topk", "s/quest"]
     study = open_flows(cfg, create=False).studies["quest"]
     assert study.metric_names == ["relative_accuracy", "speedup"] and len(study.directions) == 2
+
+
+def test_trials_failing_in_a_row_stop_the_search_with_the_reason(tmp_path):
+    cfg = _cfg(tmp_path, trials=None, hours=1.0)
+    result = run_search(cfg, SyntheticEvaluator(cfg, fail=lambda p: True))
+    assert result["stopped"] == "5 trials in a row failed (last: RuntimeError: CUDA out of memory (synthetic))"
+    assert result["trials"]["failed"] == 5 and result["trials"]["finished"] == 0
