@@ -120,7 +120,10 @@ class LLM(Engine):
     def _relayout(self, flow) -> None:
         """A flow of another block size: the KV pool is laid out anew in its blocks (same token
         capacity, the weights kept; cached segments are dropped), its fields sized beside it."""
-        self._flow_backend, self._route = None, False  # its field stores go with the old pool
+        # Nothing may keep the old pool alive: the flow backend's field stores, the segment cache
+        # and the reuse executor (which holds the pool) go with it.
+        self._flow_backend, self._route = None, False
+        self.segments = self.reuse_executor = None
         try:
             self.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
         finally:  # a new pool either way (the old layout again when the new one did not fit)

@@ -134,7 +134,12 @@ class EngineEvaluator:
         from sparsetune.perf.speed import decode_step_seconds
 
         llm = self._speed_engine()
-        llm.set_flow(flow, params)
+        try:
+            llm.set_flow(flow, params)
+        except BaseException:
+            if not hasattr(llm, "runner"):  # its pool could not be laid out again: a new engine next time
+                self._speed_llm = None
+            raise
         flow_s = decode_step_seconds(llm, batch, context)
         bs = llm.kv.block_size
         if bs not in self._dense_step:
@@ -174,6 +179,9 @@ class EngineEvaluator:
                 on_chunk(partial)
 
         llm = self.llm
+        if not hasattr(llm, "runner"):  # a relayout that left no pool: a new engine
+            self._llm = None
+            llm = self.llm
         try:
             result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_start=started, on_progress=progress).dump()
         except Hopeless:
