@@ -138,9 +138,9 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
         seqs = []
         for i, ids, p, layout in zip(rows, prompts, params, layouts):
             stored = reference.prompt(ids) if reference is not None and not record else None
-            if stored is not None and layout is None:  # a decode flow's prefill is the dense one
-                seqs.append(llm.add_prefilled(ids, p, stored.k, stored.v, stored.logits))
-            elif layout is None:
+            if stored is not None and layout is None and llm.block_manager.num_free * llm.kv.block_size > len(ids):
+                seqs.append(llm.add_prefilled(ids, p, stored.k, stored.v, stored.logits))  # decode flows prefill densely
+            elif layout is None:  # queued: the scheduler admits it when blocks are free
                 seqs.append(llm.add_request(ids, p))
             else:  # stage 2: the measured request reuses them (prefilled now, decoded with the rest)
                 seq, stats = llm.add_reuse_request(layout, p)

@@ -76,8 +76,11 @@ class EngineEvaluator:
             from sparsetune.evaluation.runner import eval_kv_memory
             from sparsetune.llm import LLM
 
+            from sparsetune.device import resolve_device
+
             cfg, t0 = self.cfg, time.perf_counter()
-            kv = eval_kv_memory(cfg.model, cfg.batch, cfg.context, 512, cfg.device, cfg.dtype)
+            chunk = cfg.batch * (4 if resolve_device(cfg.device).type == "cuda" else 1)  # an eval's chunk
+            kv = eval_kv_memory(cfg.model, chunk, cfg.context, 512, cfg.device, cfg.dtype)
             self._llm = LLM(model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.batch,
                             kv_memory=2 * kv, seed=cfg.seed,  # room for the fields of small blocks
                             cuda_graph_batch_sizes=tuple(sorted({1 << i for i in range(cfg.batch.bit_length())} | {cfg.batch})))
