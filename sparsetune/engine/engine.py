@@ -12,6 +12,7 @@ benchmark's synthetic context), `eager` to bypass captured CUDA graphs, and on e
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from contextlib import contextmanager
@@ -140,6 +141,7 @@ class Engine:
         self.runner.graphs.clear()
         del self.kv, self.runner
         self.backends = []
+        gc.collect()  # captured graphs and compiled stages can sit in reference cycles with the pool
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         try:
