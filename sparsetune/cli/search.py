@@ -106,13 +106,13 @@ def search(
     task: list[str] = typer.Option(None, "--task", "-t", help="Task name or .jsonl file (repeatable; default: the standard suite)."),
     context: int = typer.Option(1024, "--context", "-c", help="Prompt length of the accuracy tasks."),
     samples: int = typer.Option(1, "--samples", help="Samples per task in each trial (the search set)."),
-    confirm_samples: int = typer.Option(3, "--confirm-samples", help="Samples per task, on fresh prompts, to confirm each frontier point."),
+    confirm_samples: int = typer.Option(2, "--confirm-samples", help="Samples per task, on fresh prompts, to confirm each frontier point."),
     batch: int = typer.Option(8, "--batch", "-b", help="Requests run together."),
     param: list[str] = opt.param_option(),
     objectives: str = typer.Option("accuracy,speed", "--objectives", help="What is maximized (accuracy,speed)."),
     min_accuracy: float = typer.Option(None, "--min-accuracy", help="Constraint: at least this share of dense accuracy, e.g. 0.95."),
     hours: float = typer.Option(None, "--hours", help="Time budget; no trial starts that cannot finish in it."),
-    trials: int = typer.Option(None, "--trials", help="Trial budget across every flow and worker (default: 8 without --hours)."),
+    trials: int = typer.Option(None, "--trials", help="Trial budget across every flow and worker (default: 6 without --hours)."),
     study: str = typer.Option(None, "--study", help="Study name: runs/<study>/ (rerun with the same name to continue it)."),
     storage: str = typer.Option(None, "--storage", help="postgresql://... for workers on several hosts (default: a journal file in the run folder)."),
     resume: bool = typer.Option(False, "--resume", help="Continue --study (refused if it does not exist or its settings differ)."),
@@ -139,7 +139,7 @@ def search(
         raise SparsetuneError("--workers N on one host is not built yet; start `sparsetune search worker --study NAME "
                               "--storage URL` once per GPU instead")
     if trials is None and hours is None:
-        trials = 8
+        trials = 6
     from sparsetune import api
 
     options = dict(model=model, tasks=task, context=context, samples=samples, confirm_samples=confirm_samples,
@@ -211,9 +211,12 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
     t.add_row("dense", "", "", "100%", "100%", "1.00×", f"(absolute accuracy {pct(s['dense']['accuracy'])})")
     for r in s["defaults"]:
         add("defaults", r)
-    rows = s["confirmed_frontier"] or s["frontier"]
-    for r in rows:
-        add("frontier" if s["confirmed_frontier"] else "frontier (unconfirmed)", r)
+    failed = {r["trial"] for r in s["not_confirmed"]}
+    for r in s["confirmed_frontier"]:
+        add("frontier", r)
+    for r in s["frontier"]:  # search-set points not (yet) confirmed, e.g. after Ctrl-C
+        if r["confirmed_accuracy"] is None and r["trial"] not in failed:
+            add("unconfirmed", r)
     for r in s["not_confirmed"]:
         add("did not hold", r)
     console.print(t)
