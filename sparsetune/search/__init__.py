@@ -1,2 +1,8 @@
-"""`sparsetune search`: multi-objective search over flows and their parameters (issue #14; the
-search space and the frontier are built, the study loop is not yet)."""
+"""Multi-objective search over flows and their params (`sparsetune search`); calling the package
+runs one: `sparsetune.search(["quest", "block_topk"], trials=20)` (`sparsetune.api.search`)."""
+
+import sys
+
+from sparsetune import SearchModule
+
+sys.modules[__name__].__class__ = SearchModule

@@ -176,3 +176,15 @@ def test_trials_failing_in_a_row_stop_the_search_with_the_reason(tmp_path):
     result = run_search(cfg, SyntheticEvaluator(cfg, fail=lambda p: True))
     assert result["stopped"] == "5 trials in a row failed (last: RuntimeError: CUDA out of memory (synthetic))"
     assert result["trials"]["failed"] == 5 and result["trials"]["finished"] == 0
+
+
+def test_sparsetune_search_is_the_python_api(tmp_path):
+    import sparsetune
+    import sparsetune.search.study  # noqa: F401  (the package stays callable once its modules are loaded)
+
+    cfg = _cfg(tmp_path, trials=3)
+    out = sparsetune.search("quest,block_topk", evaluator=SyntheticEvaluator(cfg), study="s", out=str(tmp_path),
+                            trials=3, context=2048, min_accuracy=0.9, confirm_samples=2)
+    assert out["study"] == "s" and out["trials"]["finished"] == 3 and out["complete"]
+    with pytest.raises(SparsetuneError, match="--resume: no search 'new'"):
+        sparsetune.search("quest", resume=True, study="new", out=str(tmp_path))
