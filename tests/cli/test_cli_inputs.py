@@ -108,6 +108,11 @@ AFTER_TORCH = [
     (("generate", "--prompt", "hi", "--flow", "quest", "--param", "budget_ratio=2"), ("must be in [0.0, 1.0]",)),
     (("flows", "show", "nosuch"), ("unknown flow 'nosuch'",)),
     (("generate", "--prompt", "hi", "--kv-memory", "100TiB"), ("the KV pool needs", "lower --batch or --context")),
+    (("search", "--flow", "nosuch"), ("unknown flow 'nosuch'",)),
+    (("search", "--flow", "quest", "--param", "nosuch=1"), ("--param nosuch: quest has no such param",)),
+    (("search", "--flow", "sparsex"), ("a reuse flow; searching reuse flows is not built yet",)),
+    (("search", "--storage", "postgresql://u@127.0.0.1:1/x"), ("cannot open it", "check the URL and that the server runs")),
+    (("search", "--workers", "2"), ("--workers N on one host is not built yet",)),
 ]
 
 
@@ -115,6 +120,7 @@ AFTER_TORCH = [
 def test_refused_without_a_run_directory(args, needles, tmp_path):
     out = tmp_path / "runs"
     extra = ["--out", str(out), "--task", "niah_single", "--samples", "1", "--context", "256"] if args[0] == "eval" else []
+    extra += ["--out", str(out)] if args[0] == "search" else []
     proc = run(*args, *extra)
     assert proc.returncode == 2, proc.stderr
     assert_clean_error(proc, *needles)
