@@ -150,6 +150,8 @@ def expire_stale(flows: Flows, now: float | None = None, lease: float = LEASE_S)
     for key, study in flows.studies.items():
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             beat = t.user_attrs.get("heartbeat")
+            if beat is None and t.datetime_start is not None:  # stopped before its first heartbeat
+                beat = t.datetime_start.timestamp()  # naive local time, as Optuna 5 returns it
             if beat is None or now - beat <= lease:
                 continue
             try:

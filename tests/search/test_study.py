@@ -6,6 +6,7 @@ model in test_search_engine.py."""
 from __future__ import annotations
 
 import json
+import time
 
 import optuna
 import pytest
@@ -144,6 +145,9 @@ def test_a_stale_running_trial_is_expired_and_enqueued_again_once(tmp_path):
     waiting = study.get_trials(states=(TrialState.WAITING,))
     assert len(waiting) == 1 and waiting[0].params == t.params and waiting[0].user_attrs["retry_of"] == 0
     assert flows.studies["block_topk"].get_trials()[0].state == TrialState.RUNNING
+    silent = flows.studies["block_topk"].ask()  # its worker stopped before the first heartbeat
+    assert expire_stale(flows, now=time.time() + 3 * 3600) == ["block_topk#0", "block_topk#1"]
+    assert silent.number == 1
 
 
 def test_a_study_run_with_other_settings_is_refused(tmp_path):
