@@ -222,7 +222,7 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
     console.print(t)
     if s["not_confirmed"] or any(not r.get("holds", True) for r in s["defaults"] if r.get("confirmed_accuracy") is not None):
         console.print("✗: below the bar on fresh prompts" if s.get("min_accuracy") else
-                      "✗: the fresh-prompt figure is outside the search figure's interval")
+                      "✗: the search-set figure is above the fresh prompts' 95% interval")
     tr = s["trials"]
     console.print(f"{tr['finished']} trials ({tr['stopped_by_cascade']} stopped by the cascade), {tr['failed']} failed; "
                   f"{'stopped: ' + s['stopped'] if s.get('stopped') else ''}")

@@ -394,11 +394,10 @@ def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: 
     search_rel = search_acc.get("relative_accuracy")
     if rel is None:
         holds = False
-    elif min_accuracy is not None:
+    elif min_accuracy is not None:  # the bar, on fresh prompts
         holds = rel >= min_accuracy
-    else:
-        holds = low is not None and low <= search_rel and (high is None or search_rel <= high + 1e-9) or \
-            abs(rel - search_rel) <= 0.05
+    else:  # the search figure is not above what fresh prompts allow (a better figure holds)
+        holds = high is not None and search_rel <= high + 1e-9
     return {**acc, "interval": [low, high], "holds": bool(holds)}
 
 

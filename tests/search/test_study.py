@@ -192,3 +192,16 @@ def test_sparsetune_search_is_the_python_api(tmp_path):
     assert out["study"] == "s" and out["trials"]["finished"] == 3 and out["complete"]
     with pytest.raises(SparsetuneError, match="--resume: no search 'new'"):
         sparsetune.search("quest", resume=True, study="new", out=str(tmp_path))
+
+
+def test_a_confirmed_point_holds_unless_fresh_prompts_put_it_below_the_bar_or_its_search_figure():
+    from sparsetune.search.study import confirmation
+
+    fresh = {"relative_accuracy": 0.8, "accuracy": 0.4, "dense_accuracy": 0.5, "samples": 40}
+    lo, hi = confirmation(fresh, {"relative_accuracy": 0.9}, None)["interval"]
+    assert 0 < lo < 0.8 < hi < 1.2  # Wilson on 16 of 40, over dense
+    assert confirmation(fresh, {"relative_accuracy": 0.5}, None)["holds"]  # fresh prompts did better
+    assert confirmation(fresh, {"relative_accuracy": hi - 0.01}, None)["holds"]
+    assert not confirmation(fresh, {"relative_accuracy": hi + 0.01}, None)["holds"]
+    assert not confirmation(fresh, {"relative_accuracy": 0.8}, 0.95)["holds"]  # below the bar
+    assert confirmation({**fresh, "relative_accuracy": 0.96}, {"relative_accuracy": 1.1}, 0.95)["holds"]
