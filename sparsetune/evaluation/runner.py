@@ -66,12 +66,16 @@ def run_engine_config(cfg: EvalConfig) -> EngineConfig:
     """The engine a run builds: the config's, with `batch` as its request limit and CUDA-graph batch
     sizes, and a KV pool sized to the work unless `kv_memory` is given."""
     e = cfg.engine
-    sizes = tuple(sorted({1 << i for i in range(cfg.batch.bit_length())} | {cfg.batch}))
     kv_memory = e.kv_memory
     if kv_memory is None:
         kv_memory = eval_kv_memory(e.model, cfg.batch, cfg.context, max(512, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS),
                                    e.device, e.dtype, e.random_weights)
-    return replace(e, kv_memory=kv_memory, max_num_seqs=cfg.batch, cuda_graph_batch_sizes=sizes)
+    return replace(e, kv_memory=kv_memory, max_num_seqs=cfg.batch, cuda_graph_batch_sizes=graph_batch_sizes(cfg.batch))
+
+
+def graph_batch_sizes(batch: int) -> tuple[int, ...]:
+    """CUDA-graph batch sizes for runs of at most `batch` requests: powers of two, and `batch`."""
+    return tuple(sorted({1 << i for i in range(batch.bit_length())} | {batch}))
 
 
 def _resolve_flow(cfg: EvalConfig) -> EvalConfig:

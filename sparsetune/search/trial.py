@@ -13,7 +13,6 @@ model (random weights when it is another architecture) at the speed batch and co
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -66,25 +65,22 @@ class EngineEvaluator:
         self._speed_llm = None
         self._dense_step: dict[int, float] = {}  # block size -> dense step seconds on the speed engine
         self.references: dict[tuple[int, int], DenseReference] = {}  # (samples, seed) -> reference
-        self.setup_seconds = 0.0
 
     # ---- engines ---------------------------------------------------------------------------------
 
     @property
     def llm(self):
         if self._llm is None:
-            from sparsetune.evaluation.runner import eval_kv_memory
+            from sparsetune.device import resolve_device
+            from sparsetune.evaluation.runner import eval_kv_memory, graph_batch_sizes
             from sparsetune.llm import LLM
 
-            from sparsetune.device import resolve_device
-
-            cfg, t0 = self.cfg, time.perf_counter()
+            cfg = self.cfg
             chunk = cfg.batch * (4 if resolve_device(cfg.device).type == "cuda" else 1)  # an eval's chunk
             kv = eval_kv_memory(cfg.model, chunk, cfg.context, 512, cfg.device, cfg.dtype)
             self._llm = LLM(model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.batch,
                             kv_memory=2 * kv, seed=cfg.seed,  # room for the fields of small blocks
-                            cuda_graph_batch_sizes=tuple(sorted({1 << i for i in range(cfg.batch.bit_length())} | {cfg.batch})))
-            self.setup_seconds += time.perf_counter() - t0
+                            cuda_graph_batch_sizes=graph_batch_sizes(cfg.batch))
         return self._llm
 
     def speed_kind(self) -> str:
@@ -108,7 +104,6 @@ class EngineEvaluator:
             from sparsetune.models.resolve import model_config
 
             model, random, batch, context = self.speed_shape()
-            t0 = time.perf_counter()
             # K and V for the timed steps (a flow's fields come on top: a block-size change keeps the
             # tokens, so a flow whose fields do not fit beside them fails as a trial, with the reason)
             dtype = resolve_dtype(None, resolve_device(self.cfg.device), "bfloat16")
@@ -116,7 +111,6 @@ class EngineEvaluator:
             self._speed_llm = LLM(model=model, random_weights=random, device=self.cfg.device, max_num_seqs=batch,
                                   kv_memory=batch * (context + 64) * per_token, seed=self.cfg.seed,
                                   cuda_graph_batch_sizes=(batch,))
-            self.setup_seconds += time.perf_counter() - t0
         return self._speed_llm
 
     # ---- objectives ------------------------------------------------------------------------------
