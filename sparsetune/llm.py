@@ -111,7 +111,7 @@ class LLM(Engine):
             try:
                 self._relayout(new)
             except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
-                if hasattr(self, "runner"):
+                if self.has_pool:
                     self._install_flow(self.flow)
                 raise
         self._install_flow(new)
@@ -127,7 +127,7 @@ class LLM(Engine):
         try:
             self.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
         finally:  # a new pool either way (the old layout again when the new one did not fit)
-            if hasattr(self, "runner"):
+            if self.has_pool:
                 self._attach_segments()
 
     def _sparse_layers(self, flow) -> list[int]:

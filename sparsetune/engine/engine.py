@@ -123,6 +123,11 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv, self.backends, cfg.max_num_seqs, self.max_model_len)
 
+    @property
+    def has_pool(self) -> bool:
+        """False only after `set_block_size` could rebuild neither layout: the engine cannot run."""
+        return hasattr(self, "runner")
+
     def set_block_size(self, block_size: int, extra_elems_per_block: int | None = None) -> None:
         """Lay the KV pool out anew in blocks of `block_size` tokens, holding as many tokens as before
         (the weights stay; what the pool held is dropped): an idle engine only. Attention goes back

@@ -134,7 +134,7 @@ class EngineEvaluator:
         try:
             llm.set_flow(flow, params)
         except BaseException:
-            if not hasattr(llm, "runner"):  # its pool could not be laid out again: a new engine next time
+            if not llm.has_pool:  # its pool could not be laid out again: a new engine next time
                 self._speed_llm = None
             raise
         flow_s = decode_step_seconds(llm, batch, context)
@@ -176,7 +176,7 @@ class EngineEvaluator:
                 on_chunk(partial)
 
         llm = self.llm
-        if not hasattr(llm, "runner"):  # a relayout that left no pool: a new engine
+        if not llm.has_pool:  # a relayout that left no pool: a new engine
             self._llm = None
             llm = self.llm
         try:
