@@ -7,7 +7,7 @@ persistence), so most layers pay no selection cost. Defaults follow the paper's 
 setup: layers 0-1 dense, selection at layer 2 and a correction at layer 13.
 """
 
-from sparsetune.flow import DecodeFlow, Param
+from sparsetune.flow import DecodeFlow, Param, Search
 from sparsetune.flow import ops as F
 
 
@@ -16,7 +16,8 @@ class Tidal(DecodeFlow):
     source = "TidalDecode, arXiv 2410.05076"
     uses_keys = True
     dense_layers = Param((0, 1), kind=tuple, doc="layers that keep full attention (TidalDecode: the first two)")
-    select_layers = Param((2, 13), kind=tuple, doc="layers that select by exact attention; the others reuse it")
+    select_layers = Param((2, 13), kind=tuple, doc="layers that select by exact attention; the others reuse it",
+                          search=Search(layers="spread", low=1, high=4))  # searched: 1-4 selecting layers
 
     def index(self, q, fields):
         logits = F.gemm(fields["k"], q)  # [S, block, G]

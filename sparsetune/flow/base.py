@@ -87,7 +87,9 @@ class DecodeFlow(Flow):
     _takes_const: ClassVar[dict[str, bool]] = {"cache": False, "index": False}
 
     # Every selection flow accepts these (Vortex defaults: block 16, first block + last two). `search`:
-    # the budget is searched as a share of the context, the block size over what small heads need.
+    # the budget is searched as a share of the context, the block size over what small heads need;
+    # `select_layers` only by flows built to share a selection across layers (TidalDecode declares
+    # it): for the others it is one more dimension whose every non-empty value costs accuracy.
     block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (selection granularity)",
                        search=Search(choices=(2, 4, 8, 16, 32)))
     budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole blocks",
@@ -100,7 +102,7 @@ class DecodeFlow(Flow):
     dense_layers = Param((0,), kind=tuple, doc="layers that keep full attention (comma-separated indices)",
                          search=Search(layers="first", low=0, high=4))
     select_layers = Param((), kind=tuple, doc="layers that run the indexer; other sparse layers reuse the "
-                          "latest selection (empty: every sparse layer selects)", search=Search(layers="spread", low=0, high=4))
+                          "latest selection (empty: every sparse layer selects)", search=Search(off=True))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

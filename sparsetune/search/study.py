@@ -4,8 +4,9 @@ A worker (the `search` command itself, or `search worker` joining it) repeats: e
 trials, pick a flow, `ask` its study, run the trial's cascade, `tell` the result, rewrite the run
 folder's files. The coordinator then re-evaluates the frontier on fresh prompts.
 
-**Allocation between flows.** Each flow's study starts with its defaults (enqueued) and gets
-trials round-robin until every flow has `WARM_TRIALS`; after that each trial goes to the flow with
+**Allocation between flows.** Each flow's study starts with its seeds (enqueued, `seed_trials`:
+the defaults, then each categorical's other levels at the defaults), the flows interleaved, and
+gets trials round-robin until every flow has `WARM_TRIALS`; after that each trial goes to the flow with
 the largest share of the merged frontier's hypervolume (the area only its points cover), ties to
 the flow with fewer trials, and every third trial still round-robin. A flow whose points are all
 dominated stops drawing trials except the round-robin ones, so no flow is written off on a few
@@ -22,7 +23,7 @@ slowest trial so far, after the first, which pays for loading engines and the de
 estimate; time to confirm the frontier and the defaults is kept back). A trial that raises
 is told FAIL with its reason (five in a row stop the search: the engine, not the point, is
 broken). Ctrl-C stops the running trial, tells it FAIL ("interrupted") and
-enqueues its params again, so a resumed study redoes it. A RUNNING trial whose heartbeat is older
+enqueues its params again, so a resumed study redoes it (in its turn among the enqueued points). A RUNNING trial whose heartbeat is older
 than the lease (a killed worker) is told FAIL and its params enqueued again, once, by whichever
 worker sees it first (the tell is the lock).
 """
@@ -50,7 +51,7 @@ from sparsetune.search.storage import (flow_key, open_storage, record_of, stored
                                        trial_count)
 
 WARM_TRIALS = 4
-STARTUP_TRIALS = 5  # per flow's study, the defaults included
+STARTUP_TRIALS = 2  # random trials per flow's study, after the seeded ones (`seed_trials`)
 FAILURES_IN_A_ROW = 5  # then the search stops: something other than the points is wrong
 CONFIRM_SEED_OFFSET = 1000
 HEARTBEAT_S = float(os.environ.get("SPARSETUNE_HEARTBEAT_S", "20"))
@@ -99,6 +100,22 @@ def default_trial_params(cls: type, num_layers: int, fixed: dict[str, str]) -> d
     return out
 
 
+def seed_trials(cls: type, num_layers: int, fixed: dict[str, str]) -> list[tuple[dict[str, Any], str]]:
+    """What a flow's study runs before sampling: its defaults, then every other choice of each
+    categorical dimension with the rest at the defaults (one factor at a time). Random startup
+    trials rarely cover a categorical's every level, and a level can change everything (blocks of
+    2 tokens against 16 on a head-dimension-64 model), so each is measured once."""
+    from optuna.distributions import CategoricalDistribution
+
+    base = default_trial_params(cls, num_layers, fixed)
+    out: list[tuple[dict[str, Any], str]] = [(base, "defaults")]
+    for dim in dimensions(cls, num_layers):
+        if dim.name in fixed or dim.name not in base or not isinstance(dim.distribution, CategoricalDistribution):
+            continue
+        out += [({**base, dim.name: c}, "sweep") for c in dim.distribution.choices if c != base[dim.name]]
+    return out
+
+
 def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
     """Every flow's study in the search's storage; `create`: make missing ones (the coordinator),
     each seeded with its defaults, and refuse a stored search whose figures depend on other settings."""
@@ -118,9 +135,11 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
         key = flow_key(flow)
         classes[key] = get_flow_class(flow)
         name = study_name(cfg.study, flow)
-        # TPE (Optuna 5's multi-objective default) after STARTUP_TRIALS random ones, not its 10:
-        # a search of tens of trials over several flows would otherwise be mostly random.
-        sampler = TPESampler(seed=cfg.seed + i + (os.getpid() if not create else 0), n_startup_trials=STARTUP_TRIALS)
+        seeds = seed_trials(classes[key], num_layers, cfg.params)
+        # TPE (Optuna 5's multi-objective default) after the seeded trials and STARTUP_TRIALS random
+        # ones, not its 10: a search of tens of trials over several flows would otherwise be mostly random.
+        sampler = TPESampler(seed=cfg.seed + i + (os.getpid() if not create else 0),
+                             n_startup_trials=len(seeds) + STARTUP_TRIALS)
         if create:
             study = optuna.create_study(study_name=name, storage=storage, directions=["maximize", "maximize"],
                                         sampler=sampler, load_if_exists=True)
@@ -129,8 +148,8 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
                     warnings.simplefilter("ignore")
                     study.set_metric_names(["relative_accuracy", "speedup"])
                 study.set_user_attr("search", cfg.model_dump(mode="json"))
-                study.enqueue_trial(default_trial_params(classes[key], num_layers, cfg.params),
-                                    user_attrs={"role": "defaults"})
+                for params, role in seeds:
+                    study.enqueue_trial(params, user_attrs={"role": role})
         else:
             try:
                 study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
@@ -292,8 +311,8 @@ def pick_flow(flows: Flows, records: list[dict[str, Any]], turn: int, min_accura
     counts = {k: len(s.get_trials(deepcopy=False)) for k, s in flows.studies.items()}
     keys = list(flows.studies)
     retries = [k for k in keys if flows.studies[k].get_trials(deepcopy=False, states=(TrialState.WAITING,))]
-    if retries:  # enqueued points (defaults, interrupted or expired trials) run first
-        return retries[0]
+    if retries:  # enqueued points (seeds, interrupted or expired trials) run first, flows interleaved
+        return min(retries, key=lambda k: (counts[k], keys.index(k)))
     cold = [k for k in keys if counts[k] < WARM_TRIALS]
     if cold or turn % 3 == 2:
         pool = cold or keys

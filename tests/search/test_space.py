@@ -21,14 +21,16 @@ def _dims(name: str) -> dict:
 
 def test_quest_space_is_its_declared_params():
     dims = _dims("quest")
-    assert list(dims) == ["block_size", "budget_ratio", "sink_blocks", "local_blocks", "dense_layers", "select_layers"]
+    assert list(dims) == ["block_size", "budget_ratio", "sink_blocks", "local_blocks", "dense_layers"]
     assert dims["block_size"].distribution == CategoricalDistribution((2, 4, 8, 16, 32))
     assert dims["budget_ratio"].distribution == FloatDistribution(1 / 64, 1 / 2, log=True)  # budget itself: off
     assert dims["sink_blocks"].distribution == IntDistribution(0, 4)
     assert dims["local_blocks"].distribution == IntDistribution(1, 8)
     # quest redeclares dense_layers (default: the first two) and inherits how it is searched
     assert dims["dense_layers"].layers == "first" and dims["dense_layers"].distribution == IntDistribution(0, 4)
-    assert dims["select_layers"].layers == "spread"
+    # select_layers is searched only by flows that share a selection across layers (tidal)
+    tidal = _dims("tidal")["select_layers"]
+    assert tidal.layers == "spread" and tidal.distribution == IntDistribution(1, 4)
 
 
 def test_flow_specific_params_and_inapplicable_ones():
@@ -67,16 +69,19 @@ def test_layer_sets_by_size():
 
 
 def test_suggest_gives_param_strings_of_a_valid_flow():
-    cls = get_flow_class("quest")
+    cls = get_flow_class("tidal")
     raw = suggest(FixedTrial({"block_size": 2, "budget_ratio": 0.125, "sink_blocks": 0, "local_blocks": 3,
                               "dense_layers": 2, "select_layers": 2}), cls, LAYERS)
     flow = cls.from_strings(raw)
     assert (flow.block_size, flow.budget_ratio, flow.sink_blocks, flow.local_blocks) == (2, 0.125, 0, 3)
     assert flow.dense_layers == (0, 1) and flow.select_layers == (2, 16)
+    quest = get_flow_class("quest").from_strings(suggest(FixedTrial({"block_size": 2, "budget_ratio": 0.125, "sink_blocks": 0,
+                                                                     "local_blocks": 3, "dense_layers": 2}), get_flow_class("quest"), LAYERS))
+    assert quest.select_layers == ()  # not a dimension of quest: every sparse layer selects
 
 
 def test_fixed_params_are_not_sampled_and_move_the_spread_layers():
-    cls = get_flow_class("block_topk")
+    cls = get_flow_class("tidal")
     trial = FixedTrial({"block_size": 4, "budget_ratio": 0.25, "sink_blocks": 1, "local_blocks": 2, "select_layers": 2})
     raw = suggest(trial, cls, LAYERS, fixed={"dense_layers": "0,1,2,3", "budget_ratio": "0.0625"})
     assert raw["dense_layers"] == "0,1,2,3" and raw["budget_ratio"] == "0.0625"
