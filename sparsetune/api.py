@@ -37,6 +37,7 @@ class GenerateResult:
     ttft_seconds: float | None
     decode_tokens_per_second: float | None
     reuse: dict[str, Any] | None = None  # the reuse flow's name, params and prefill stats (prompts as parts)
+    defaults: dict[str, Any] | None = None  # the model's tuned flow defaults the run took (`flow.defaults`)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -104,6 +105,7 @@ def generate(
         ttft_seconds=None if ttft is None else round(ttft, 4),
         decode_tokens_per_second=None if tps is None else round(tps, 2),
         reuse=None if out.reuse is None else {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **out.reuse},
+        defaults=llm.config.tuned,
     )
 
 

@@ -35,6 +35,7 @@ def eval_command(
     random_weights: bool = opt.random_weights_option("Seeded random weights (speed only)."),
     kv_memory: str = opt.kv_memory_option("KV pool size, e.g. 8GiB."),
     flow_executor: str = opt.flow_executor_option(),
+    defaults: str = opt.defaults_option(),
     no_cuda_graph: bool = opt.no_cuda_graph_option(),
     out: Path = opt.out_option("Directory for run records.", "-o"),
     resume: Path = typer.Option(None, "--resume", help="Continue an interrupted run directory (its config wins)."),
@@ -47,10 +48,11 @@ def eval_command(
         _list_tasks(json_out)
         return
     from sparsetune.evaluation.config import EvalConfig, check_config, load_resume_config
+    from sparsetune.flow.defaults import describe
 
     engine = opt.engine_config(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
                                dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
-                               flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed)
+                               flow_executor=flow_executor, defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed)
     if resume is not None:  # its config wins
         cfg = load_resume_config(resume)
     else:
@@ -67,6 +69,9 @@ def eval_command(
         def on_start(run_dir: Path, res: EvalResult) -> None:
             where["run_dir"] = run_dir
             err.print(f"[dim]run directory: {run_dir}[/]")
+            said = describe(res.flow if res.flow != "dense" else None, res.model, res.defaults)
+            if said:
+                err.print(f"[dim]{said}[/]")
             if res.note:
                 err.print(f"[yellow]note: {res.note}[/]")
 

@@ -56,12 +56,14 @@ def generate(
     flow: str = opt.flow_option(),
     param: list[str] = opt.param_option(),
     flow_executor: str = opt.flow_executor_option(),
+    defaults: str = opt.defaults_option(),
     threads: int = opt.threads_option(),
     json_out: bool = opt.json_option("Print a JSON object to stdout."),
 ) -> None:
     """Generate a completion for one prompt."""
     from sparsetune.api import generate as run
     from sparsetune.errors import SparsetuneError
+    from sparsetune.flow.defaults import describe
 
     if (prompt is None) == (parts is None):
         raise SparsetuneError("pass exactly one of --prompt TEXT and --parts FILE")
@@ -72,7 +74,7 @@ def generate(
     user = prompt if parts is None else _read_parts(parts)
     engine = opt.engine_config(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
                                dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
-                               flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed,
+                               flow_executor=flow_executor, defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed,
                                block_size=block_size, max_model_len=max_model_len, prefix_caching=prefix_caching,
                                max_num_seqs=8)
     apply_threads(threads)
@@ -88,6 +90,9 @@ def generate(
         f"[dim]{result.model} on {result.device} ({result.dtype}): {result.prompt_tokens} prompt + "
         f"{result.completion_tokens} new tokens in {result.seconds:.2f}s{rate}; finish: {result.finish_reason}[/]"
     )
+    said = describe(result.flow if result.flow != "dense" else None, result.model, result.defaults)
+    if said:
+        err.print(f"[dim]{said}[/]")
     if result.reuse:
         r = result.reuse
         err.print(f"[dim]reuse ({r['flow']}): {r['reuse_ratio']:.0%} of the prompt reused, {r['recompute_ratio']:.0%} of "

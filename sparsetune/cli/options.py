@@ -69,6 +69,11 @@ def flow_executor_option():
     return typer.Option(None, "--flow-executor", help="reference or compiled (default: compiled on GPU).")
 
 
+def defaults_option():
+    return typer.Option("tuned", "--defaults", help="tuned: the model's tuned flow defaults where it has them "
+                        "(search --save-defaults, or shipped), under --param; published: the flow's own.")
+
+
 def no_cuda_graph_option():
     return typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU.")
 
@@ -80,7 +85,7 @@ def seed_option(help: str):
 def engine_config(model: str, *, flow: str | None = None, param: list[str] | None = None, reuse: str | None = None,
                   reuse_param: list[str] | None = None, device: str = "auto", dtype: str = "auto",
                   random_weights: bool = False, kv_memory: str | None = None, flow_executor: str | None = None,
-                  no_cuda_graph: bool = False, seed: int = 0, **fields: Any) -> EngineConfig:
+                  no_cuda_graph: bool = False, seed: int = 0, defaults: str = "tuned", **fields: Any) -> EngineConfig:
     """The engine options a command was given, as an `EngineConfig` (key=value lists and the size
     parsed; "auto" is None); `fields`: other `EngineConfig` fields the command sets."""
     from sparsetune.engine.config import EngineConfig
@@ -90,7 +95,7 @@ def engine_config(model: str, *, flow: str | None = None, param: list[str] | Non
         model=model, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
         random_weights=random_weights, flow=flow, flow_params=parse_param_args(param), reuse=reuse,
         reuse_params=parse_param_args(reuse_param), kv_memory=parse_size(kv_memory, "--kv-memory"),
-        flow_executor=flow_executor, cuda_graph=not no_cuda_graph, seed=seed, **fields,
+        flow_executor=flow_executor, cuda_graph=not no_cuda_graph, seed=seed, defaults=defaults, **fields,
     )
 
 

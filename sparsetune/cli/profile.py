@@ -24,6 +24,7 @@ def profile(
     kv_memory: str = opt.kv_memory_option(
         "KV pool size, e.g. 4GiB (default: 90% of free GPU memory; on CPU what the case needs, at most 2GiB)."),
     flow_executor: str = opt.flow_executor_option(),
+    defaults: str = opt.defaults_option(),
     seed: int = opt.seed_option("Seed for the prompts and random weights."),
     trace: Path = typer.Option(None, "--trace", help="Also write the profiled step's Chrome trace (JSON) here."),
     out: Path = opt.out_option("Parent directory of the run directory."),
@@ -33,7 +34,7 @@ def profile(
     """Break one decode step into attention, flow stages, GEMMs, norms, sampling, ... (GPU kernel
     time; CPU time on CPU, attributed by stage)."""
     engine = opt.engine_config(model, flow=flow, param=param, device=device, dtype=dtype, random_weights=random_weights,
-                               kv_memory=kv_memory, flow_executor=flow_executor, seed=seed)
+                               kv_memory=kv_memory, flow_executor=flow_executor, defaults=defaults, seed=seed)
     engine.check()  # before torch loads
     apply_threads(threads)
     from sparsetune import records

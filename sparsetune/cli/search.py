@@ -116,6 +116,8 @@ def search(
     study: str = typer.Option(None, "--study", help="Study name: runs/<study>/ (rerun with the same name to continue it)."),
     storage: str = typer.Option(None, "--storage", help="postgresql://... for workers on several hosts (default: a journal file in the run folder)."),
     resume: bool = typer.Option(False, "--resume", help="Continue --study (refused if it does not exist or its settings differ)."),
+    save_defaults: bool = typer.Option(False, "--save-defaults", help="Make each flow's fastest confirmed point at "
+                                       "--min-accuracy the model's default for it (eval and generate use it)."),
     seed: int = opt.seed_option("Seed for prompts and the samplers."),
     speed: str = typer.Option("auto", "--speed", help="measured (GPU), modeled (the step's bytes) or auto (measured on a GPU)."),
     speed_model: str = typer.Option(None, "--speed-model", help="Measure speed on this architecture with random weights."),
@@ -145,7 +147,7 @@ def search(
     options = dict(model=model, tasks=task, context=context, samples=samples, confirm_samples=confirm_samples,
                    batch=batch, params=_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
                    study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
-                   speed_batch=speed_batch, speed_context=speed_context,
+                   speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,
                    device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
     apply_threads(threads)
     result = api.search(flow, resume=resume, on_event=_Live(trials, hours), **options)
@@ -226,4 +228,9 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
     tr = s["trials"]
     console.print(f"{tr['finished']} trials ({tr['stopped_by_cascade']} stopped by the cascade), {tr['failed']} failed; "
                   f"{'stopped: ' + s['stopped'] if s.get('stopped') else ''}")
+    for d in s.get("saved_defaults", []):
+        if d["saved"]:
+            console.print(f"saved {d['flow']}'s default for {s['model']}: {_short(d['params'])} ({d['trial']}) in {d['file']}")
+        else:
+            console.print(f"[yellow]{d['flow']}: no default saved ({d['reason']})[/]")
     console.print(f"[dim]{s['run_dir']}/: frontier.md, frontier.json, frontier.png, hypervolume.png, trials.jsonl[/]")

@@ -3,7 +3,8 @@
 Frozen: nothing writes onto a caller's config. Derive a changed one with `dataclasses.replace`
 (`LLM` does, for the block size a flow asks for); what the engine derives from it (device, dtype,
 pool size, context length) lives on the `Engine`. The flow and reuse fields are names and raw
-parameter strings: the engine itself never reads them (`sparsetune.llm.LLM` does)."""
+parameter strings: the engine itself never reads them (`sparsetune.llm.LLM` does, taking the model's
+tuned defaults under them: `flow.defaults`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ class EngineConfig:
     prefix_caching: bool = False  # share computed full blocks between prompts with the same prefix
     random_weights: bool = False
     seed: int = 0
+    defaults: str = "tuned"  # "tuned": the model's tuned flow defaults under flow_params; "published": the flow's own
+    tuned: dict | None = None  # what tuned defaults went into flow_params, and from where (set where they are merged)
 
     def check(self) -> tuple[str, ModelConfig]:
         """The option rules that need neither torch nor weights, and that the model exists (`LLM`, the
@@ -60,6 +63,8 @@ class EngineConfig:
             raise SparsetuneError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         check_device_name(self.device)
         check_dtype_name(self.dtype)
+        if self.defaults not in ("tuned", "published"):
+            raise SparsetuneError(f"--defaults {self.defaults!r}: use tuned or published")
         if self.flow_executor not in (None, "reference", "compiled"):
             raise SparsetuneError(f"--flow-executor {self.flow_executor!r}: use reference or compiled")
         return model_config(self.model, self.random_weights)

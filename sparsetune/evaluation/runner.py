@@ -34,6 +34,7 @@ from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
 from sparsetune.perf.fit import check_fits
 from sparsetune.perf.speed import measure_speed
+from sparsetune.flow.defaults import with_tuned_defaults
 from sparsetune.registry import resolve_decode_flow
 from sparsetune.records import env_info, new_run_dir, write_json
 
@@ -83,7 +84,12 @@ def _resolve_flow(cfg: EvalConfig) -> EvalConfig:
     "dense" stays (no reuse flow's decode flow)."""
     e = cfg.engine
     flow, params = resolve_decode_flow(e.flow, e.flow_params, e.reuse, e.reuse_params)
-    return cfg.model_copy(update={"engine": replace(e, flow=flow or "dense", flow_params=dict(params))})
+    tuned = e.tuned
+    if e.flow is not None and e.defaults == "tuned":  # the model's tuned defaults, recorded in the run's config
+        params, taken = with_tuned_defaults(e.check()[0], e.random_weights, e.flow, params,
+                                            block_size_set=e.block_size != EngineConfig.block_size)
+        tuned = taken or tuned
+    return cfg.model_copy(update={"engine": replace(e, flow=flow or "dense", flow_params=dict(params), tuned=tuned)})
 
 
 def _flow_source_hash(llm: LLM) -> str | None:
@@ -428,7 +434,8 @@ def evaluate(
         run_dir = new_run_dir(out, *label, llm.resolved.name)
         config_json = {
             "schema": CONFIG_SCHEMA, "eval": cfg.model_dump(mode="json"), "mode": resolved_mode, "tasks": task_names,
-            "flow": {"name": flow_name, "spec": e.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm)},
+            "flow": {"name": flow_name, "spec": e.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm),
+                     "defaults": e.tuned},
             "reuse": None if llm.reuse_flow is None else {"name": llm.reuse_flow.name, "params": llm.reuse_flow.params()},
             "model": {"name": llm.resolved.name, "random_weights": llm.resolved.random_weights,
                       "config": asdict(llm.model_config) if hasattr(llm.model_config, "__dataclass_fields__") else None},
@@ -452,6 +459,8 @@ def evaluate(
             "limit": cfg.limit, "seed": e.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
             "note": note,
         }
+        if e.tuned:
+            res["defaults"] = e.tuned
         if llm.reuse_flow is not None:
             res["reuse"] = {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **summarize_reuse(records)}
         if accuracy_on:

@@ -11,6 +11,10 @@ and checked against the model's shapes (the one place for both).
 - **head profile** (`kind` "head_classes", RedKnot): written by `sparsetune.calibration.heads`.
   JSON: {"model", "method", "num_layers", "num_kv_heads", "sink", "window", "chunks",
   "chunk_tokens", "prefix_shift", "edge_mass", "scores": [layer][kv_head] → float}
+
+- **tuned defaults** (`kind` "defaults"): a flow's params picked for this model, written by
+  `sparsetune search --save-defaults`; shipped ones (measured tables) in `sparsetune/data/defaults/`.
+  JSON: {"model", "flows": {flow name: {"params": {name: value string}, "source": {...}}}}
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +31,8 @@ from sparsetune.models.registry import models_dir
 
 CALIBRATION = "calibration"
 HEAD_CLASSES = "head_classes"
+DEFAULTS = "defaults"
+SHIPPED_DEFAULTS = Path(__file__).resolve().parents[1] / "data" / "defaults"
 
 Calibration = list[list[list[int]]]  # [layer][kv_head] → channel indices, most important first
 
@@ -35,8 +42,12 @@ def artifact_path(model: str, random_weights: bool = False, kind: str = "calibra
     profile), next to the models cache (`SPARSETUNE_MODELS` moves both). A local model directory's
     path becomes one file name; a random-weight profile gets its own file, so it never stands in
     for the real weights'."""
+    return models_dir().parent / kind / _file_name(model, random_weights)
+
+
+def _file_name(model: str, random_weights: bool) -> str:
     stem = re.sub(r"[^A-Za-z0-9._-]+", "--", model.strip("/\\"))
-    return models_dir().parent / kind / f"{stem}{'-random-weights' if random_weights else ''}.json"
+    return f"{stem}{'-random-weights' if random_weights else ''}.json"
 
 
 def read_model_file(path: str | Path, what: str, fix: str, instead: str) -> tuple[Path, dict]:
@@ -137,3 +148,42 @@ def resolve_head_scores(spec: str, model: str, random_weights: bool, num_layers:
         cmd = f"sparsetune flows profile-heads --model {model}" + (" --random-weights" if random_weights else "")
         raise SparsetuneError(f"redknot needs head classes for {model}: run `{cmd}` (or pass --reuse-param head_classes=FILE)")
     return load_head_scores(path, num_layers, num_kv_heads, model, key)
+
+
+# ---- tuned defaults ----------------------------------------------------------------------------------
+
+def _defaults_file(path: Path) -> dict[str, dict]:
+    fix = "delete it, or write it again with `sparsetune search ... --save-defaults`"
+    _path, data = read_model_file(path, "tuned defaults file", fix, "--defaults published")
+    flows = data.get("flows")
+    if not (isinstance(flows, dict) and all(
+            isinstance(e, dict) and isinstance(e.get("params"), dict) and isinstance(e.get("source", {}), dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in e["params"].items()) for e in flows.values())):
+        raise SparsetuneError(f"tuned defaults file {path}: `flows` must map each flow to {{\"params\": {{name: string}}, "
+                              f"\"source\": {{...}}}}; {fix}")
+    return {name: {"params": dict(e["params"]), "source": dict(e.get("source", {})), "file": str(path)}
+            for name, e in flows.items()}
+
+
+def read_tuned_defaults(model: str, random_weights: bool = False) -> dict[str, dict]:
+    """The model's tuned defaults per flow ({"params", "source", "file"}): the user's file (written by
+    `search --save-defaults`) over the shipped one, flow by flow; none for other models."""
+    out: dict[str, dict] = {}
+    for path in (SHIPPED_DEFAULTS / _file_name(model, random_weights), artifact_path(model, random_weights, DEFAULTS)):
+        if path.is_file():
+            out.update(_defaults_file(path))
+    return out
+
+
+def save_tuned_defaults(model: str, random_weights: bool, flow: str, params: dict[str, str],
+                        source: dict[str, Any]) -> Path:
+    """Make `params` the model's tuned defaults for `flow` in the user's file (other flows kept)."""
+    path = artifact_path(model, random_weights, DEFAULTS)
+    flows = {k: {"params": v["params"], "source": v["source"]} for k, v in _defaults_file(path).items()} \
+        if path.is_file() else {}
+    flows[flow] = {"params": {k: str(v) for k, v in params.items()}, "source": source}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model": model, "flows": flows}, indent=1) + "\n")
+    tmp.replace(path)
+    return path

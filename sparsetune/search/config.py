@@ -52,6 +52,7 @@ class SearchConfig(BaseModel):
     speed_context: int | None = None  # None: context
     device: str | None = None
     dtype: str | None = None
+    save_defaults: bool = False  # the fastest confirmed point of each flow at --min-accuracy becomes the model's default
     quick_floor: float = 0.5  # the cascade: a point below this share of min_accuracy (or of dense) on the quick set stops there
 
     @field_validator("tasks", mode="before")
@@ -72,6 +73,9 @@ class SearchConfig(BaseModel):
         if self.min_accuracy is not None and not 0 < self.min_accuracy <= 1:
             raise SparsetuneError(f"--min-accuracy is a share of dense accuracy in (0, 1] (got {self.min_accuracy}); "
                                   "e.g. --min-accuracy 0.95")
+        if self.save_defaults and self.min_accuracy is None:
+            raise SparsetuneError("--save-defaults needs --min-accuracy (the share of dense accuracy a saved default "
+                                  "must keep on fresh prompts)")
         if self.hours is not None and not self.hours > 0:
             raise SparsetuneError(f"--hours must be positive (got {self.hours})")
         if self.speed not in SPEEDS:

@@ -308,7 +308,8 @@ class Budget:
 
 def pick_flow(flows: Flows, records: list[dict[str, Any]], turn: int, min_accuracy: float | None) -> str:
     """Which flow's study runs the next trial (module docstring: allocation)."""
-    counts = {k: len(s.get_trials(deepcopy=False)) for k, s in flows.studies.items()}
+    run = tuple(s for s in TrialState if s != TrialState.WAITING)
+    counts = {k: len(s.get_trials(deepcopy=False, states=run)) for k, s in flows.studies.items()}  # run or running
     keys = list(flows.studies)
     retries = [k for k in keys if flows.studies[k].get_trials(deepcopy=False, states=(TrialState.WAITING,))]
     if retries:  # enqueued points (seeds, interrupted or expired trials) run first, flows interleaved
@@ -460,7 +461,44 @@ def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = Non
         confirm(cfg, flows, evaluator, on_event)
     finally:
         result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
+    if cfg.save_defaults:
+        from sparsetune.records import write_json
+
+        result["saved_defaults"] = save_defaults(cfg, result)
+        write_json(cfg.run_dir / "frontier.json", result)
     return result
+
+
+def save_defaults(cfg: SearchConfig, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """`--save-defaults`: per flow, the fastest point of the confirmed frontier that kept
+    `--min-accuracy` on fresh prompts becomes the model's tuned default for it (`flow.defaults`),
+    with the study it came from; a flow without one keeps what it had, and says why."""
+    from datetime import datetime, timezone
+
+    from sparsetune.models.artifacts import save_tuned_defaults
+    from sparsetune.models.resolve import model_config
+
+    model = model_config(cfg.model, False)[0]
+    out = []
+    for flow in cfg.flows:
+        key = flow_key(flow)
+        if key != flow:
+            out.append({"flow": key, "saved": False, "reason": "a flow file keeps its own defaults (edit its Params)"})
+            continue
+        held = [r for r in result["confirmed_frontier"] if r["flow"] == key and r["holds"]
+                and r["confirmed_accuracy"] >= cfg.min_accuracy]
+        if not held:
+            out.append({"flow": key, "saved": False, "reason": f"no confirmed point kept {cfg.min_accuracy:g} of dense"})
+            continue
+        best = max(held, key=lambda r: (r["speedup"], r["confirmed_accuracy"]))
+        source = {"study": cfg.study, "storage": cfg.storage_url(), "trial": best["trial"],
+                  "relative_accuracy": best["relative_accuracy"], "confirmed_accuracy": best["confirmed_accuracy"],
+                  "interval": best["interval"], "speedup": best["speedup"], "speed_kind": best["speed_kind"],
+                  "context": cfg.context, "tasks": list(cfg.tasks or ()), "samples": cfg.samples,
+                  "confirm_samples": cfg.confirm_samples, "saved": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        path = save_tuned_defaults(model, False, key, best["params"], source)
+        out.append({"flow": key, "saved": True, "trial": best["trial"], "params": best["params"], "file": str(path)})
+    return out
 
 
 def run_worker(study: str, storage: str, out: str | None = None, evaluator=None,

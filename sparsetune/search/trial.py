@@ -78,7 +78,7 @@ class EngineEvaluator:
             cfg = self.cfg
             chunk = cfg.batch * (4 if resolve_device(cfg.device).type == "cuda" else 1)  # an eval's chunk
             kv = eval_kv_memory(cfg.model, chunk, cfg.context, 512, cfg.device, cfg.dtype)
-            self._llm = LLM(model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.batch,
+            self._llm = LLM(model=cfg.model, device=cfg.device, dtype=cfg.dtype, max_num_seqs=cfg.batch, defaults="published",
                             kv_memory=2 * kv, seed=cfg.seed,  # room for the fields of small blocks
                             cuda_graph_batch_sizes=graph_batch_sizes(cfg.batch))
         return self._llm
@@ -108,7 +108,7 @@ class EngineEvaluator:
             # tokens, so a flow whose fields do not fit beside them fails as a trial, with the reason)
             dtype = resolve_dtype(None, resolve_device(self.cfg.device), "bfloat16")
             per_token = model_config(model, random)[1].kv_bytes_per_token(dtype.itemsize)
-            self._speed_llm = LLM(model=model, random_weights=random, device=self.cfg.device, max_num_seqs=batch,
+            self._speed_llm = LLM(model=model, random_weights=random, device=self.cfg.device, max_num_seqs=batch, defaults="published",
                                   kv_memory=batch * (context + 64) * per_token, seed=self.cfg.seed,
                                   cuda_graph_batch_sizes=(batch,))
         return self._speed_llm
@@ -159,7 +159,7 @@ class EngineEvaluator:
         cfg = self.cfg
         ecfg = EvalConfig.of(model=cfg.model, flow=flow or "dense", params=params, tasks=cfg.tasks, context=cfg.context,
                              samples=samples, batch=cfg.batch, seed=seed, mode="accuracy", device=cfg.device,
-                             dtype=cfg.dtype)
+                             dtype=cfg.dtype, defaults="published")  # a trial is exactly its point
         reference = self.references.setdefault((samples, seed), DenseReference())
         state: dict[str, Any] = {}
 

@@ -81,6 +81,8 @@ BEFORE_TORCH = [
     (("search", "--min-accuracy", "2"), ("--min-accuracy is a share of dense accuracy in (0, 1]",)),
     (("search", "--study", "a/b"), ("--study 'a/b': use letters",)),
     (("search", "--reuse", "sparsex"), ("searching reuse flows is not built yet",)),
+    (("search", "--save-defaults"), ("--save-defaults needs --min-accuracy",)),
+    (("eval", "--flow", "quest", "--defaults", "mine"), ("--defaults 'mine': use tuned or published",)),
     (("search", "show", "nowhere"), ("not a search folder",)),
     (("export",), ("not built yet",)),
 ]

@@ -40,6 +40,8 @@ def test_search_starts_from_the_defaults_and_writes_a_confirmed_frontier(tmp_pat
         assert [t.number for t in sweep] == [1, 2, 3, 4]
         assert sorted(t.params["block_size"] for t in sweep) == [2, 4, 8, 32]
         assert all({**t.params, "block_size": 16} == first.params for t in sweep)
+    order = [(c[0], c[1]["block_size"]) for c in ev.calls[:4]]  # the flows' seeds interleave
+    assert order == [("quest", "16"), ("block_topk", "16"), ("quest", "2"), ("block_topk", "2")]
     records = trial_records(flows)
     assert len(records) == 10 == result["trials"]["finished"] + result["trials"]["failed"]
     eligible = [r for r in records if r["stage"] == "full" and r["accuracy"]["relative_accuracy"] >= 0.9]
@@ -211,3 +213,29 @@ def test_a_confirmed_point_holds_unless_fresh_prompts_put_it_below_the_bar_or_it
     assert not confirmation(fresh, {"relative_accuracy": hi + 0.01}, None)["holds"]
     assert not confirmation(fresh, {"relative_accuracy": 0.8}, 0.95)["holds"]  # below the bar
     assert confirmation({**fresh, "relative_accuracy": 0.96}, {"relative_accuracy": 1.1}, 0.95)["holds"]
+
+
+@pytest.mark.tuned_defaults
+def test_save_defaults_makes_each_flows_fastest_confirmed_point_the_models_default(tmp_path, monkeypatch):
+    from sparsetune.flow.defaults import with_tuned_defaults
+    from sparsetune.models.artifacts import read_tuned_defaults
+
+    monkeypatch.setenv("SPARSETUNE_MODELS", str(tmp_path / "models"))  # the user's defaults file goes here
+    with pytest.raises(SparsetuneError, match="--save-defaults needs --min-accuracy"):
+        _cfg(tmp_path, min_accuracy=None, save_defaults=True)
+    cfg = _cfg(tmp_path, trials=16, min_accuracy=0.9, save_defaults=True)
+    result = run_search(cfg, SyntheticEvaluator(cfg))
+    saved = {d["flow"]: d for d in result["saved_defaults"]}
+    assert json.loads((tmp_path / "s" / "frontier.json").read_text())["saved_defaults"] == result["saved_defaults"]
+    for key in ("quest", "block_topk"):
+        held = [r for r in result["confirmed_frontier"] if r["flow"] == key and r["confirmed_accuracy"] >= 0.9]
+        if not held:
+            assert not saved[key]["saved"] and "no confirmed point" in saved[key]["reason"]
+            continue
+        best = max(held, key=lambda r: r["speedup"])  # the fastest point that kept the bar on fresh prompts
+        assert saved[key]["saved"] and saved[key]["trial"] == best["trial"]
+        entry = read_tuned_defaults("smollm2-135m")[key]
+        assert entry["params"] == best["params"] and entry["source"]["study"] == "s"
+        assert entry["source"]["trial"] == best["trial"] and entry["source"]["confirmed_accuracy"] >= 0.9
+        assert with_tuned_defaults("smollm2-135m", False, key, {})[0] == best["params"]
+    assert any(d["saved"] for d in saved.values())

@@ -1,0 +1,48 @@
+"""A model's tuned defaults under the user's params: the one rule for which params a run takes.
+
+A flow's own defaults (its `Param`s) are one set for every model; a model can have its own per
+flow (`models.artifacts.read_tuned_defaults`: shipped from measured tables, or saved by
+`sparsetune search --save-defaults`). A run of a built-in flow on that model takes them unless the
+user set the param (`--param`, or the engine's `--block-size` for block_size); `budget` and
+`budget_ratio` are one setting, so the user's either one replaces both. `EngineConfig.defaults`
+"published" turns them off (the search does: it measures exactly the points it picks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BUDGET = ("budget", "budget_ratio")  # one setting: a user's either one replaces the tuned pair
+
+
+def with_tuned_defaults(model: str, random_weights: bool, flow: str | None, params: dict[str, str], *,
+                        block_size_set: bool = False) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """`params` over the model's tuned defaults for `flow` (a built-in flow's name; a flow file keeps
+    its own), and what was taken from them ({"flow", "params", "file", "source"}; None: nothing)."""
+    if flow is None or flow == "dense" or "/" in flow or flow.endswith(".py"):
+        return dict(params), None
+    from sparsetune.models.artifacts import read_tuned_defaults
+
+    entry = read_tuned_defaults(model, random_weights).get(flow)
+    if entry is None:
+        return dict(params), None
+    user = set(params) | ({"block_size"} if block_size_set else set())
+    if user & set(BUDGET):
+        user |= set(BUDGET)
+    taken = {k: v for k, v in entry["params"].items() if k not in user}
+    if not taken:
+        return dict(params), None
+    return {**taken, **params}, {"flow": flow, "params": taken, "file": entry["file"], "source": entry["source"]}
+
+
+def describe(flow: str | None, model: str, tuned: dict[str, Any] | None) -> str | None:
+    """One line on which defaults a run of `flow` used and where they came from (None: no flow)."""
+    if flow is None or flow == "dense":
+        return None
+    if tuned is None:
+        return f"{flow}: its published defaults (no tuned defaults for {model} under your --param)"
+    src = tuned.get("source", {})
+    origin = src.get("study") and f"study {src['study']} ({src.get('trial', '?')})" or src.get("from", "")
+    kept = ", ".join(f"{k}={v}" for k, v in tuned["params"].items())
+    return f"{flow}: tuned defaults for {model}: {kept} (from {tuned['file']}{'; ' + origin if origin else ''}); " \
+           f"--param overrides them, --defaults published ignores them"
