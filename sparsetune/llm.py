@@ -18,7 +18,7 @@ from sparsetune.engine.engine import Completion, Engine
 from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.artifacts import resolve_calibration
-from sparsetune.flow.defaults import with_tuned_defaults
+from sparsetune.flow.defaults import tuned_config
 from sparsetune.registry import build_flow, resolve_decode_flow
 from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
 from sparsetune.reuse.flow import ReuseFlow
@@ -37,7 +37,7 @@ class LLM(Engine):
         _name, mcfg = cfg.check()
         flow_name, flow_params = resolve_decode_flow(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
         if cfg.flow is not None:  # the user's flow (not a reuse flow's own): the model's tuned defaults under its params
-            flow_params, cfg = _tuned(cfg, cfg.flow, flow_params, block_size_set=cfg.block_size != EngineConfig.block_size)
+            flow_params, cfg = tuned_config(cfg, cfg.flow, flow_params, users_block_size=True)
         self.flow = _build_flow(cfg, flow_name, flow_params)
         # The pool's block size is the flow's granularity.
         cfg = replace(cfg, flow=flow_name, flow_params=dict(flow_params),
@@ -105,7 +105,7 @@ class LLM(Engine):
         another block size lays the KV pool out anew (`Engine.set_block_size`; the weights stay)."""
         if self.scheduler.has_work():
             raise RuntimeError("set_flow needs an idle engine")
-        raw, cfg = _tuned(replace(self.config, tuned=None), flow, dict(params or {}))
+        raw, cfg = tuned_config(replace(self.config, tuned=None), flow, dict(params or {}), users_block_size=False)
         size = str(raw.get("block_size", ""))
         cfg = replace(cfg, flow=flow, flow_params=raw,
                       block_size=int(size) if size.isdigit() else self.config.block_size)
@@ -278,16 +278,6 @@ class LLM(Engine):
                 encoded.append(self.encode_prompt(prompt, chat))
                 seqs.append(self.add_request(encoded[-1], p, t0))
         return self.run_to_completion(encoded, seqs, on_token, reuse)
-
-
-def _tuned(cfg: EngineConfig, flow: str | None, params: dict[str, str], *,
-           block_size_set: bool = False) -> tuple[dict[str, str], EngineConfig]:
-    """`params` with the model's tuned defaults under them (`flow.defaults`), and the config that
-    records what was taken (`tuned`; a config that already records it, a resumed run's, keeps it)."""
-    if cfg.defaults != "tuned":
-        return dict(params), replace(cfg, tuned=None)
-    merged, taken = with_tuned_defaults(cfg.check()[0], cfg.random_weights, flow, params, block_size_set=block_size_set)
-    return merged, replace(cfg, tuned=taken or cfg.tuned)
 
 
 def _build_flow(cfg: EngineConfig, name: str | None, params: dict[str, str]):

@@ -34,7 +34,7 @@ from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import postprocess, score
 from sparsetune.perf.fit import check_fits
 from sparsetune.perf.speed import measure_speed
-from sparsetune.flow.defaults import with_tuned_defaults
+from sparsetune.flow.defaults import tuned_config
 from sparsetune.registry import resolve_decode_flow
 from sparsetune.records import env_info, new_run_dir, write_json
 
@@ -84,12 +84,9 @@ def _resolve_flow(cfg: EvalConfig) -> EvalConfig:
     "dense" stays (no reuse flow's decode flow)."""
     e = cfg.engine
     flow, params = resolve_decode_flow(e.flow, e.flow_params, e.reuse, e.reuse_params)
-    tuned = e.tuned
-    if e.flow is not None and e.defaults == "tuned":  # the model's tuned defaults, recorded in the run's config
-        params, taken = with_tuned_defaults(e.check()[0], e.random_weights, e.flow, params,
-                                            block_size_set=e.block_size != EngineConfig.block_size)
-        tuned = taken or tuned
-    return cfg.model_copy(update={"engine": replace(e, flow=flow or "dense", flow_params=dict(params), tuned=tuned)})
+    if e.flow is not None:  # the user's flow: the model's tuned defaults, recorded in the run's config
+        params, e = tuned_config(e, e.flow, params, users_block_size=True)
+    return cfg.model_copy(update={"engine": replace(e, flow=flow or "dense", flow_params=dict(params))})
 
 
 def _flow_source_hash(llm: LLM) -> str | None:

@@ -10,7 +10,11 @@ user set the param (`--param`, or the engine's `--block-size` for block_size); `
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparsetune.engine.config import EngineConfig
 
 BUDGET = ("budget", "budget_ratio")  # one setting: a user's either one replaces the tuned pair
 
@@ -33,6 +37,20 @@ def with_tuned_defaults(model: str, random_weights: bool, flow: str | None, para
     if not taken:
         return dict(params), None
     return {**taken, **params}, {"flow": flow, "params": taken, "file": entry["file"], "source": entry["source"]}
+
+
+def tuned_config(cfg: EngineConfig, flow: str | None, params: dict[str, str], *,
+                 users_block_size: bool) -> tuple[dict[str, str], EngineConfig]:
+    """`params` with the model's tuned defaults under them when `cfg.defaults` is "tuned", and `cfg`
+    recording what was taken (`tuned`; a config that records it already, a resumed run's, keeps it).
+    `users_block_size`: the config's block size is the user's `--block-size` (not an engine's own)."""
+    if cfg.defaults != "tuned":
+        return dict(params), replace(cfg, tuned=None)
+    from sparsetune.engine.config import EngineConfig
+
+    merged, taken = with_tuned_defaults(cfg.check()[0], cfg.random_weights, flow, params,
+                                        block_size_set=users_block_size and cfg.block_size != EngineConfig.block_size)
+    return merged, replace(cfg, tuned=taken or cfg.tuned)
 
 
 def describe(flow: str | None, model: str, tuned: dict[str, Any] | None) -> str | None:
