@@ -119,6 +119,11 @@ def check_search(cfg: SearchConfig) -> None:
             if key not in specs:
                 raise SparsetuneError(f"--param {key}: {flow} has no such param (it has {', '.join(specs)})")
             specs[key].parse(key, value)
+        speed_context = cfg.speed_context or cfg.context
+        if "budget_ratio" in cls.inapplicable and speed_context != cfg.context:
+            raise SparsetuneError(f"--flow {flow} attends a fixed window of tokens, not a share of the context: its "
+                                  f"accuracy at --context {cfg.context} and its speed at --speed-context {speed_context} "
+                                  f"would describe different points; search it with --speed-context {cfg.context}")
         if not any(d.name not in cfg.params for d in dimensions(cls, mcfg.num_hidden_layers)):
             raise SparsetuneError(f"--flow {flow}: every searched param is fixed by --param; nothing to search")
     check_config(EvalConfig.of(model=cfg.model, tasks=cfg.tasks, context=cfg.context, samples=cfg.samples,

@@ -115,6 +115,8 @@ AFTER_TORCH = [
     (("search", "--flow", "sparsex"), ("a reuse flow; searching reuse flows is not built yet",)),
     (("search", "--storage", "postgresql://u@127.0.0.1:1/x"), ("cannot open it", "check the URL and that the server runs")),
     (("search", "--workers", "2"), ("--workers N on one host is not built yet",)),
+    (("search", "--flow", "streaming", "--speed-context", "32768"), ("attends a fixed window of tokens",
+                                                                     "search it with --speed-context 1024")),
 ]
 
 
