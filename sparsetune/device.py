@@ -40,20 +40,6 @@ def resolve_device(name: str | None) -> torch.device:
     return dev
 
 
-def use_expandable_segments() -> None:
-    """Let torch's CUDA allocator grow and shrink segments page by page (unless the user set
-    PYTORCH_CUDA_ALLOC_CONF, or CUDA is already initialized in this process). An engine frees a KV pool of tens of GiB and lays out another
-    (`Engine.set_block_size`); in fixed segments a few small tensors placed in the freed pool's
-    segment pin all of it, and the new pool does not fit (seen on an H200 in a search)."""
-    import os
-
-    import torch
-
-    # Read when CUDA initializes; changing it on a live allocator with segments crashes (seen: segfault).
-    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and not torch.cuda.is_initialized():
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-
-
 def resolve_dtype(name: str | None, device: torch.device, gpu_default: str = "bfloat16") -> torch.dtype:
     import torch
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence as Seq
 
 import torch
 
-from sparsetune.device import resolve_device, resolve_dtype, use_expandable_segments
+from sparsetune.device import resolve_device, resolve_dtype
 from sparsetune.engine.attention import AttentionBackend, DenseAttention
 from sparsetune.engine.block_manager import BlockManager
 from sparsetune.engine.config import EngineConfig
@@ -75,8 +75,6 @@ class Engine:
         self.config = cfg = config
         self.extra_elems_per_block = extra_elems_per_block
         self.device = resolve_device(cfg.device)
-        if self.device.type == "cuda":
-            use_expandable_segments()
         self.resolved: ResolvedModel = resolve_model(cfg.model, cfg.random_weights)
         spec = self.resolved.spec
         self.dtype = resolve_dtype(cfg.dtype, self.device, spec.gpu_dtype if spec else "bfloat16")

@@ -8,6 +8,8 @@ write their KV there, so stores never need a branch and never touch live data.
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nothing
+
 import torch
 
 from sparsetune.kernels import kv_store
@@ -32,8 +34,13 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # On CUDA the pool has a memory pool of its own: freed (a new block size, `Engine.set_block_size`),
+        # its tens of GiB go back whole, where in the shared pool a few small tensors placed in the freed
+        # segment would pin it and the next layout would not fit (seen on an H200 in a search).
+        self.mem_pool = torch.cuda.MemPool() if torch.device(device).type == "cuda" else None
+        with torch.cuda.use_mem_pool(self.mem_pool) if self.mem_pool is not None else _nothing():
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
 
     @property
     def null_block(self) -> int:
