@@ -90,11 +90,15 @@ def builtin_flows() -> dict[str, Path]:
     return {p.stem: p for p in sorted(d.glob("*.py")) if not p.name.startswith("_")} if d.is_dir() else {}
 
 
+def is_flow_file(spec: str) -> bool:
+    """A flow given as a file path (a .py file or a path), not a built-in name."""
+    return spec.endswith(".py") or "/" in spec
+
+
 def flow_path(name_or_path: str) -> Path:
     """The file of a built-in flow name, or the given path of a flow file."""
-    p = Path(name_or_path)
-    if p.suffix == ".py" or "/" in name_or_path:
-        return p
+    if is_flow_file(name_or_path):
+        return Path(name_or_path)
     flows = builtin_flows()
     if name_or_path not in flows:
         raise SparsetuneError(f"unknown flow {name_or_path!r}; built-in: {', '.join(flows)} (or pass a path to a .py file)")
