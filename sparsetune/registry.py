@@ -15,7 +15,7 @@ from typing import NamedTuple, TypeVar
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.params import Flow
+from sparsetune.flow.params import Flow, is_flow_file
 
 FlowT = TypeVar("FlowT", bound=Flow)
 
@@ -88,11 +88,6 @@ _LOADED: dict[tuple[str, str], type[Flow]] = {}  # (resolved path, sha256) → t
 def builtin_flows() -> dict[str, Path]:
     d = flows_dir()
     return {p.stem: p for p in sorted(d.glob("*.py")) if not p.name.startswith("_")} if d.is_dir() else {}
-
-
-def is_flow_file(spec: str) -> bool:
-    """A flow given as a file path (a .py file or a path), not a built-in name."""
-    return spec.endswith(".py") or "/" in spec
 
 
 def flow_path(name_or_path: str) -> Path:

@@ -23,7 +23,7 @@ def with_tuned_defaults(model: str, random_weights: bool, flow: str | None, para
                         block_size_set: bool = False) -> tuple[dict[str, str], dict[str, Any] | None]:
     """`params` over the model's tuned defaults for `flow` (a built-in flow's name; a flow file keeps
     its own), and what was taken from them ({"flow", "params", "file", "source"}; None: nothing)."""
-    from sparsetune.registry import is_flow_file
+    from sparsetune.flow.params import is_flow_file
 
     if flow is None or flow == "dense" or is_flow_file(flow):
         return dict(params), None

@@ -8,6 +8,11 @@ from typing import Any, ClassVar, Self
 from sparsetune.errors import SparsetuneError
 
 
+def is_flow_file(spec: str) -> bool:
+    """A flow given as a file path (a .py file or a path), not a built-in name."""
+    return spec.endswith(".py") or "/" in spec
+
+
 @dataclass(frozen=True)
 class Search:
     """How `sparsetune search` samples a `Param`, where its declared choices or range are not the
