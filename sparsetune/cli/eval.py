@@ -69,7 +69,7 @@ def eval_command(
         def on_start(run_dir: Path, res: EvalResult) -> None:
             where["run_dir"] = run_dir
             err.print(f"[dim]run directory: {run_dir}[/]")
-            said = describe(res.flow if res.flow != "dense" else None, res.model, res.defaults)
+            said = describe(res.flow, res.model, res.defaults)
             if said:
                 err.print(f"[dim]{said}[/]")
             if res.note:

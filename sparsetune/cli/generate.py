@@ -90,7 +90,7 @@ def generate(
         f"[dim]{result.model} on {result.device} ({result.dtype}): {result.prompt_tokens} prompt + "
         f"{result.completion_tokens} new tokens in {result.seconds:.2f}s{rate}; finish: {result.finish_reason}[/]"
     )
-    said = describe(result.flow if result.flow != "dense" else None, result.model, result.defaults)
+    said = describe(result.flow, result.model, result.defaults)
     if said:
         err.print(f"[dim]{said}[/]")
     if result.reuse:

@@ -475,6 +475,7 @@ def save_defaults(cfg: SearchConfig, result: dict[str, Any]) -> list[dict[str, A
     with the study it came from; a flow without one keeps what it had, and says why."""
     from datetime import datetime, timezone
 
+    from sparsetune.flow.params import is_flow_file
     from sparsetune.models.artifacts import save_tuned_defaults
     from sparsetune.models.resolve import model_config
 
@@ -482,7 +483,7 @@ def save_defaults(cfg: SearchConfig, result: dict[str, Any]) -> list[dict[str, A
     out = []
     for flow in cfg.flows:
         key = flow_key(flow)
-        if key != flow:
+        if is_flow_file(flow):
             out.append({"flow": key, "saved": False, "reason": "a flow file keeps its own defaults (edit its Params)"})
             continue
         held = [r for r in result["confirmed_frontier"] if r["flow"] == key and r["holds"]
