@@ -192,6 +192,8 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from sparsetune.search.report import against_defaults_lines
+
     if json_out:
         emit_json({k: v for k, v in s.items() if k != "records"})
     console = err if json_out else Console(highlight=False)
@@ -225,6 +227,8 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
     if s["not_confirmed"] or any(not r.get("holds", True) for r in s["defaults"] if r.get("confirmed_accuracy") is not None):
         console.print("✗: below the bar on fresh prompts" if s.get("min_accuracy") else
                       "✗: the search-set figure is above the fresh prompts' 95% interval")
+    for line in against_defaults_lines(s):
+        console.print(f"against the defaults: {line}")
     tr = s["trials"]
     console.print(f"{tr['finished']} trials ({tr['stopped_by_cascade']} stopped by the cascade), {tr['failed']} failed; "
                   f"{'stopped: ' + s['stopped'] if s.get('stopped') else ''}")

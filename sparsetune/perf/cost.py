@@ -59,6 +59,13 @@ def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, con
     return StepBytes(weights, kv, fields)
 
 
+def kv_share(cfg: ModelConfig, flow: DecodeFlow | None, context: int) -> float:
+    """The share of the context's K/V a decode step reads with `flow` (dense layers, the attended
+    blocks, sinks and local window included; fields not): the "1/8 of the context" a budget means."""
+    dense = decode_step_bytes(cfg, None, 1, context, 2).kv
+    return decode_step_bytes(cfg, flow, 1, context, 2).kv / dense
+
+
 def modeled_speedup(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, context: int, dtype_bytes: int) -> float:
     """Dense step bytes over the flow's: the decode speedup at the byte floor."""
     return decode_step_bytes(cfg, None, batch, context, dtype_bytes).total / decode_step_bytes(

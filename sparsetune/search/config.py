@@ -26,6 +26,11 @@ FINGERPRINT = ("model", "flows", "tasks", "context", "samples", "batch", "seed",
                "speed_batch", "speed_context", "min_accuracy")
 
 
+def flow_key(flow: str) -> str:
+    """A flow's name inside study names and records: the built-in name, or a flow file's stem."""
+    return Path(flow).stem if flow.endswith(".py") else flow
+
+
 class SearchConfig(BaseModel):
     """Everything that determines a search; stored in the study and read back by resume and workers."""
 
@@ -92,6 +97,10 @@ class SearchConfig(BaseModel):
 
     def fingerprint(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump(mode="json").items() if k in FINGERPRINT}
+
+    def flow_arg(self, key: str) -> str:
+        """The flow as the search was given it (a name or a file), from its key in records."""
+        return next(f for f in self.flows if flow_key(f) == key)
 
     def storage_url(self) -> str:
         """The storage's URL: the config's, or the journal file in the run folder."""

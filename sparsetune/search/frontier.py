@@ -72,9 +72,14 @@ def eligible(rec: dict[str, Any], min_accuracy: float | None) -> bool:
             and (min_accuracy is None or acc["relative_accuracy"] >= min_accuracy))
 
 
+def trial_name(rec: dict[str, Any]) -> str:
+    """A trial's name across the search's studies: its flow and number ("quest#12")."""
+    return f"{rec['flow']}#{rec['number']}"
+
+
 def point_of(rec: dict[str, Any], confirmed: bool = False) -> Point:
     acc = rec["confirm"]["relative_accuracy"] if confirmed else rec["accuracy"]["relative_accuracy"]
-    return Point(f"{rec['flow']}#{rec['number']}", acc, rec["speed"]["speedup"], rec.get("params", {}))
+    return Point(trial_name(rec), acc, rec["speed"]["speedup"], rec.get("params", {}))
 
 
 def search_frontier(records: list[dict[str, Any]], min_accuracy: float | None) -> list[Point]:

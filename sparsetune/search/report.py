@@ -16,16 +16,38 @@ from typing import Any
 
 from sparsetune.records import write_json
 from sparsetune.search.config import SearchConfig
-from sparsetune.search.frontier import eligible, hypervolume, pareto, point_of, search_frontier
+from sparsetune.search.frontier import eligible, hypervolume, pareto, point_of, search_frontier, trial_name
 
 SCHEMA = "sparsetune.search/1"
 
 
-def _row(rec: dict[str, Any]) -> dict[str, Any]:
+def kv_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Each trial's share of the context's K/V a decode step reads (`perf.cost.kv_share`) on the
+    search's model and context: the budget its accuracy was measured at, whatever the speed model."""
+    from sparsetune.models.resolve import model_config
+    from sparsetune.perf.cost import kv_share
+    from sparsetune.registry import build_flow
+
+    _name, mcfg = model_config(cfg.model, True)  # the architecture only
+    seen: dict[tuple, float | None] = {}
+    out = {}
+    for r in records:
+        key = (r["flow"], tuple(sorted((r.get("params") or {}).items())))
+        if key not in seen:
+            try:
+                seen[key] = round(kv_share(mcfg, build_flow(cfg.flow_arg(r["flow"]), dict(key[1])), cfg.context), 4)
+            except Exception:  # a flow file gone since the trial ran: no figure, not a broken report
+                seen[key] = None
+        out[trial_name(r)] = seen[key]
+    return out
+
+
+def _row(rec: dict[str, Any], shares: dict[str, float | None]) -> dict[str, Any]:
     acc = rec.get("accuracy") or {}
     conf = rec.get("confirm") or {}
+    name = trial_name(rec)
     return {
-        "trial": f"{rec['flow']}#{rec['number']}", "flow": rec["flow"], "role": rec["role"], "params": rec.get("params"),
+        "trial": name, "flow": rec["flow"], "role": rec["role"], "params": rec.get("params"), "kv_share": shares.get(name),
         "relative_accuracy": acc.get("relative_accuracy"), "fidelity_top1": (acc.get("fidelity") or {}).get("top1"),
         "speedup": (rec.get("speed") or {}).get("speedup"), "speed_kind": (rec.get("speed") or {}).get("kind"),
         "confirmed_accuracy": conf.get("relative_accuracy"), "interval": conf.get("interval"), "holds": conf.get("holds"),
@@ -37,12 +59,15 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
     finished = [r for r in records if r["state"] == "COMPLETE"]
     dense_acc = next((r["accuracy"].get("dense_accuracy") for r in finished if r.get("accuracy")), None)
     front = search_frontier(records, cfg.min_accuracy)
-    by_name = {f"{r['flow']}#{r['number']}": r for r in records}
-    confirmed = [r for r in records if r.get("confirm") and r["confirm"].get("relative_accuracy") is not None
-                 and f"{r['flow']}#{r['number']}" in {p.name for p in front}]
+    by_name = {trial_name(r): r for r in records}
+    # Every point confirmed on fresh prompts (frontier points of each confirmation round; the
+    # defaults), and the frontier of those that held, by their confirmed figures.
+    confirmed = [r for r in records if r.get("confirm") and r["confirm"].get("relative_accuracy") is not None]
     held = [r for r in confirmed if r["confirm"]["holds"]]
     confirmed_front = pareto(point_of(r, confirmed=True) for r in held)
     speed_kind = next((r["speed"]["kind"] for r in records if r.get("speed")), None)
+    shares = kv_shares(cfg, records)
+    defaults = [_row(r, shares) for r in records if r["role"] == "defaults" and r["state"] == "COMPLETE"]
     return {
         "schema": SCHEMA, "study": cfg.study, "run_dir": str(cfg.run_dir), "model": cfg.model, "flows": list(cfg.flows), "context": cfg.context,
         "samples_per_task": cfg.samples, "confirm_samples_per_task": cfg.confirm_samples, "min_accuracy": cfg.min_accuracy,
@@ -52,12 +77,40 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
         "trials": {"finished": len(finished), "failed": sum(r["state"] == "FAIL" for r in records),
                    "stopped_by_cascade": sum(r.get("stage") in ("speed", "quick") for r in finished)},
         "dense": {"relative_accuracy": 1.0, "speedup": 1.0, "accuracy": dense_acc},
-        "defaults": [_row(r) for r in records if r["role"] == "defaults" and r["state"] == "COMPLETE"],
-        "frontier": [_row(by_name[p.name]) for p in front],
-        "confirmed_frontier": [_row(by_name[p.name]) for p in confirmed_front],
-        "not_confirmed": [_row(r) for r in confirmed if not r["confirm"]["holds"]],
+        "defaults": defaults,
+        "frontier": [_row(by_name[p.name], shares) for p in front],
+        "confirmed_frontier": [_row(by_name[p.name], shares) for p in confirmed_front],
+        "not_confirmed": [_row(r, shares) for r in confirmed if not r["confirm"]["holds"] and r["role"] != "defaults"],
+        "against_defaults": against_defaults(defaults, [_row(r, shares) for r in held]),
         "hypervolume": round(hypervolume(front), 6),
     }
+
+
+def against_defaults(defaults: list[dict[str, Any]], held: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the search gained over each flow's defaults: the fastest confirmed point (any flow)
+    that held the bar on fresh prompts, reads no more of the context's K/V than the defaults, and
+    beat their confirmed accuracy; with its speed next to theirs and whether it dominates them in
+    both objectives (a smaller block's fields cost bytes, so at equal K/V it can be slower)."""
+    out = []
+    for d in defaults:
+        if d["confirmed_accuracy"] is None or d["kv_share"] is None:
+            continue
+        better = [p for p in held if p["kv_share"] is not None and p["kv_share"] <= d["kv_share"] + 1e-9
+                  and p["confirmed_accuracy"] > d["confirmed_accuracy"]]
+        best = max(better, key=lambda p: (p["speedup"], p["confirmed_accuracy"]), default=None)
+        out.append({"defaults": d["trial"], "point": best and best["trial"],
+                    "accuracy_gain": best and round(best["confirmed_accuracy"] - d["confirmed_accuracy"], 4),
+                    "speed_ratio": best and round(best["speedup"] / d["speedup"], 4),
+                    "dominates": bool(best and best["speedup"] >= d["speedup"])})
+    return out
+
+
+def against_defaults_lines(s: dict[str, Any]) -> list[str]:
+    """One line per flow's defaults: what the search gained over them (frontier.md and the CLI)."""
+    return [f"{a['defaults']}: " + ("no confirmed point at their K/V beats them" if a["point"] is None else
+            f"{a['point']} keeps {100 * a['accuracy_gain']:+.0f} points of accuracy at {a['speed_ratio']:.2f}× their "
+            f"speed ({'dominates them' if a['dominates'] else 'slower: it trades speed for the accuracy'})")
+            for a in s.get("against_defaults", [])]
 
 
 def markdown(s: dict[str, Any]) -> str:
@@ -65,11 +118,11 @@ def markdown(s: dict[str, Any]) -> str:
         return "—" if x is None else f"{100 * x:.0f}%"
 
     def table(rows: list[dict[str, Any]], confirmed: bool) -> list[str]:
-        head = "| trial | params | accuracy (search) | top-1 | speedup |" + (" confirmed | 95% interval | holds |" if confirmed else "")
+        head = "| trial | params | K/V read | accuracy (search) | top-1 | speedup |" + (" confirmed | 95% interval | holds |" if confirmed else "")
         out = [head, "|" + "---|" * (head.count("|") - 1)]
         for r in rows:
             params = ", ".join(f"{k}={v}" for k, v in (r["params"] or {}).items())
-            line = f"| {r['trial']} | {params} | {pct(r['relative_accuracy'])} | {pct(r['fidelity_top1'])} | {r['speedup']}× |"
+            line = f"| {r['trial']} | {params} | {pct(r['kv_share'])} | {pct(r['relative_accuracy'])} | {pct(r['fidelity_top1'])} | {r['speedup']}× |"
             if confirmed:
                 lo, hi = r["interval"] or (None, None)
                 line += f" {pct(r['confirmed_accuracy'])} | {pct(lo)}–{pct(hi)} | {'yes' if r['holds'] else 'no'} |"
@@ -86,6 +139,9 @@ def markdown(s: dict[str, Any]) -> str:
     if s["not_confirmed"]:
         lines += ["", "Did not hold up on fresh prompts:", ""] + table(s["not_confirmed"], True)
     lines += ["", "## Each flow's defaults", ""] + table(s["defaults"], True)
+    if s["against_defaults"]:
+        lines += ["", "Against the defaults (a confirmed point that held, read no more of the context's K/V, and beat "
+                  "their confirmed accuracy):", ""] + [f"- {line}" for line in against_defaults_lines(s)]
     lines += ["", "## Search-set frontier", ""] + table(s["frontier"], False)
     t = s["trials"]
     lines += ["", f"{t['finished']} trials finished ({t['stopped_by_cascade']} stopped by the cascade), {t['failed']} failed; "

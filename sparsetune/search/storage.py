@@ -20,7 +20,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.search.config import SearchConfig
+from sparsetune.search.config import SearchConfig, flow_key
 
 optuna.logging.set_verbosity(logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -56,11 +56,6 @@ def open_storage(url: str) -> BaseStorage:
         return JournalStorage(JournalFileBackend(str(path)))
     except OSError as e:
         raise SparsetuneError(f"--storage {url}: cannot write a journal file there ({e.strerror})") from None
-
-
-def flow_key(flow: str) -> str:
-    """A flow's name inside study names: the built-in name, or a flow file's stem."""
-    return Path(flow).stem if flow.endswith(".py") else flow
 
 
 def study_name(search: str, flow: str) -> str:

@@ -44,10 +44,10 @@ import optuna
 from optuna.trial import TrialState
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.search.config import SearchConfig
-from sparsetune.search.frontier import eligible, hypervolume, point_of, search_frontier, wilson_interval
+from sparsetune.search.config import SearchConfig, flow_key
+from sparsetune.search.frontier import eligible, hypervolume, point_of, search_frontier, trial_name, wilson_interval
 from sparsetune.search.space import dimensions, suggest
-from sparsetune.search.storage import (flow_key, open_storage, record_of, stored_config, study_name,
+from sparsetune.search.storage import (open_storage, record_of, stored_config, study_name,
                                        trial_count)
 
 WARM_TRIALS = 4
@@ -353,7 +353,7 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
         try:
             params = suggest(trial, flows.classes[key], flows.num_layers, cfg.params)
             emit("start", {"flow": key, "number": trial.number, "params": params, "role": role})
-            rec = run_trial(cfg, evaluator, _flow_arg(cfg, key), params, cfg.run_dir / "trials" / f"{key}-{trial.number}")
+            rec = run_trial(cfg, evaluator, cfg.flow_arg(key), params, cfg.run_dir / "trials" / f"{key}-{trial.number}")
             rec["worker"] = worker
             beat.stop()
             _tell(study, trial, rec, cfg)
@@ -381,26 +381,36 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
         emit("trial", {})
 
 
-def _flow_arg(cfg: SearchConfig, key: str) -> str:
-    return next(f for f in cfg.flows if flow_key(f) == key)
-
-
 # ---- confirmation ---------------------------------------------------------------------------------
 
-def confirm(cfg: SearchConfig, flows: Flows, evaluator, on_event: EventFn | None = None) -> None:
+def confirm(cfg: SearchConfig, flows: Flows, evaluator, on_event: EventFn | None = None,
+            deadline: float | None = None) -> None:
     """Re-evaluate each frontier point and each flow's defaults on fresh prompts (another seed,
-    `confirm_samples` per task); the figures go into the study (`user_attrs["confirm:<trial>"]`)."""
+    `confirm_samples` per task); the figures go into the study (`user_attrs["confirm:<trial>"]`).
+    A point that does not hold leaves the frontier, which can expose points it dominated: those are
+    confirmed in the next round, until every frontier point has held (or, after the first round,
+    `deadline` has passed)."""
     emit = on_event or (lambda kind, data: None)
-    records = trial_records(flows)
-    front = {p.name for p in search_frontier(records, cfg.min_accuracy)}
-    todo = [r for r in records if r.get("confirm") is None and r["state"] == "COMPLETE" and r.get("stage") == "full"
-            and (f"{r['flow']}#{r['number']}" in front or r["role"] == "defaults")]
-    for i, rec in enumerate(todo):
-        emit("confirm", {"flow": rec["flow"], "number": rec["number"], "index": i, "total": len(todo)})
-        acc = evaluator.accuracy(_flow_arg(cfg, rec["flow"]), rec["params"], samples=cfg.confirm_samples,
-                                 seed=cfg.seed + CONFIRM_SEED_OFFSET, out=cfg.run_dir / "confirm")
-        conf = confirmation(acc.to_dict(), rec["accuracy"], cfg.min_accuracy)
-        flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", conf)  # a finished trial is read-only
+    rounds = 0
+    while todo := to_confirm(trial_records(flows), cfg.min_accuracy):
+        if rounds and deadline is not None and time.time() >= deadline:
+            break
+        rounds += 1
+        for i, rec in enumerate(todo):
+            emit("confirm", {"flow": rec["flow"], "number": rec["number"], "index": i, "total": len(todo), "round": rounds})
+            acc = evaluator.accuracy(cfg.flow_arg(rec["flow"]), rec["params"], samples=cfg.confirm_samples,
+                                     seed=cfg.seed + CONFIRM_SEED_OFFSET, out=cfg.run_dir / "confirm")
+            conf = confirmation(acc.to_dict(), rec["accuracy"], cfg.min_accuracy)
+            flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", conf)  # a finished trial is read-only
+
+
+def to_confirm(records: list[dict[str, Any]], min_accuracy: float | None) -> list[dict[str, Any]]:
+    """The points not yet confirmed on the search-set frontier of the points that have not failed
+    confirmation, and each flow's defaults."""
+    failed = {trial_name(r) for r in records if r.get("confirm") is not None and not r["confirm"].get("holds")}
+    front = {p.name for p in search_frontier([r for r in records if trial_name(r) not in failed], min_accuracy)}
+    return [r for r in records if r.get("confirm") is None and r["state"] == "COMPLETE" and r.get("stage") == "full"
+            and (trial_name(r) in front or r["role"] == "defaults")]
 
 
 def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: float | None) -> dict[str, Any]:
@@ -458,7 +468,7 @@ def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = Non
     stopped = "interrupted"
     try:
         stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget))
-        confirm(cfg, flows, evaluator, on_event)
+        confirm(cfg, flows, evaluator, on_event, deadline=budget.deadline)
     finally:
         result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
     if cfg.save_defaults:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.models.registry import REGISTRY
-from sparsetune.perf.cost import decode_step_bytes, field_bytes_per_block, modeled_speedup, weight_bytes
+from sparsetune.perf.cost import decode_step_bytes, field_bytes_per_block, kv_share, modeled_speedup, weight_bytes
 from sparsetune.registry import build_flow
 
 CFG = REGISTRY["smollm2-135m"].config  # 30 layers, 3 KV heads, head dim 64, tied embeddings
@@ -51,3 +51,11 @@ def test_window_flows_and_shared_selection():
     shared = build_flow("block_topk", {"budget": "512", "dense_layers": "0", "select_layers": "1,15"})
     a, b = decode_step_bytes(CFG, every, 1, 4096, 4), decode_step_bytes(CFG, shared, 1, 4096, 4)
     assert a.kv == b.kv and b.fields * 29 == a.fields * 2  # fields read on the 2 selecting layers of 29
+
+
+def test_kv_share_is_the_context_a_step_reads_dense_layers_included():
+    assert kv_share(CFG, None, 2048) == 1.0
+    quest = build_flow("quest", {"budget": "512"})  # dense layers 0 and 1, 512 of 4096 on the other 28
+    assert kv_share(CFG, quest, 4096) == (2 * 4096 + 28 * 512) / (30 * 4096)
+    ratio = build_flow("block_topk", {"block_size": "2", "budget_ratio": "0.125", "dense_layers": ""})
+    assert kv_share(CFG, ratio, 2048) == 0.125  # 128 blocks of 2 on every layer; its fields are not K/V

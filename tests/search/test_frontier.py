@@ -1,5 +1,5 @@
 """The merged Pareto frontier against a brute-force reference, hypervolume on staircases computed
-by hand, and the Wilson interval against published values."""
+by hand, the Wilson interval against published values, and the comparison with the defaults."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import pytest
 
 from sparsetune.search.frontier import Point, dominates, hypervolume, pareto, wilson_interval
+from sparsetune.search.report import against_defaults
 
 
 def _brute_front(points: list[Point]) -> set[str]:
@@ -55,3 +56,22 @@ def test_wilson_interval():
     assert round(lo, 3) == 0.839 and hi == 1.0
     with pytest.raises(ValueError):
         wilson_interval(0, 0)
+
+
+def _row(trial, share, acc, speed, holds=True):
+    return {"trial": trial, "kv_share": share, "confirmed_accuracy": acc, "speedup": speed, "holds": holds}
+
+
+def test_against_defaults_is_the_fastest_held_point_that_reads_no_more_and_beats_them():
+    defaults = [_row("quest#0", 0.125, 0.30, 2.27), _row("block_topk#1", 0.125, 0.70, 2.51)]
+    held = [_row("block_topk#7", 0.125, 0.98, 1.80), _row("quest#9", 0.125, 0.96, 1.35),
+            _row("quest#12", 0.30, 1.0, 2.6),  # faster and better, but reads more K/V: not at their budget
+            _row("block_topk#20", 0.06, 0.72, 2.60)]  # beats block_topk's defaults in both
+    got = {a["defaults"]: a for a in against_defaults(defaults, held)}
+    assert got["quest#0"]["point"] == "block_topk#20" and got["quest#0"]["dominates"]
+    assert got["block_topk#1"] == {"defaults": "block_topk#1", "point": "block_topk#20", "accuracy_gain": 0.02,
+                                   "speed_ratio": round(2.60 / 2.51, 4), "dominates": True}
+    slower = {a["defaults"]: a for a in against_defaults(defaults, held[:2])}
+    assert slower["quest#0"]["point"] == "block_topk#7" and not slower["quest#0"]["dominates"]
+    assert slower["block_topk#1"]["speed_ratio"] == round(1.80 / 2.51, 4)
+    assert against_defaults(defaults, held[2:3])[0]["point"] is None

@@ -5,6 +5,7 @@ model in test_search_engine.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -57,6 +58,10 @@ def test_search_starts_from_the_defaults_and_writes_a_confirmed_frontier(tmp_pat
     assert result["confirmed_frontier"] and all(r["holds"] and r["confirmed_accuracy"] is not None
                                                 for r in result["confirmed_frontier"])
     assert len(result["defaults"]) == 2 and all(r["confirmed_accuracy"] is not None for r in result["defaults"])
+    for r in result["defaults"]:  # the dense layers' whole context, then 1/8 of it on the other layers
+        dense = len(r["params"]["dense_layers"].split(","))
+        assert r["kv_share"] == round((dense + (30 - dense) * 0.125) / 30, 4)
+    assert [a["defaults"] for a in result["against_defaults"]] == [r["trial"] for r in result["defaults"]]
     run_dir = tmp_path / "s"
     assert {p.name for p in run_dir.iterdir()} >= {"study.journal", "search.json", "trials.jsonl", "frontier.json",
                                                   "frontier.md", "frontier.png", "hypervolume.png"}
@@ -213,6 +218,41 @@ def test_a_confirmed_point_holds_unless_fresh_prompts_put_it_below_the_bar_or_it
     assert not confirmation(fresh, {"relative_accuracy": hi + 0.01}, None)["holds"]
     assert not confirmation(fresh, {"relative_accuracy": 0.8}, 0.95)["holds"]  # below the bar
     assert confirmation({**fresh, "relative_accuracy": 0.96}, {"relative_accuracy": 1.1}, 0.95)["holds"]
+
+
+class LuckyOnSmallBudgets(SyntheticEvaluator):
+    """Points below 1/4 of the context look fine on the search set and lose 30 points on fresh prompts."""
+
+    def accuracy(self, flow, params, *, samples, seed, out, on_chunk=None):
+        acc = super().accuracy(flow, params, samples=samples, seed=seed, out=out, on_chunk=on_chunk)
+        if seed != self.cfg.seed and float(params.get("budget_ratio", 1)) < 0.25:
+            acc = dataclasses.replace(acc, relative=round(acc.relative - 0.3, 4), accuracy=round(acc.accuracy - 0.15, 4))
+        return acc
+
+
+def test_confirmation_goes_on_until_every_frontier_point_left_has_held(tmp_path):
+    from sparsetune.search.study import Budget, confirm, to_confirm, work
+
+    cfg = _cfg(tmp_path, trials=16, min_accuracy=0.8)
+    ev = LuckyOnSmallBudgets(cfg)
+    flows = open_flows(cfg, create=True)
+    work(cfg, flows, ev, Budget(cfg, time.time()))
+    first = {(r["flow"], r["number"]) for r in to_confirm(trial_records(flows), cfg.min_accuracy)}
+    confirm(cfg, flows, ev, deadline=0.0)  # past the deadline: the first round only
+    records = trial_records(flows)
+    assert {(r["flow"], r["number"]) for r in records if r.get("confirm")} == first
+    exposed = to_confirm(records, cfg.min_accuracy)  # what the points that did not hold dominated
+    assert exposed and not {(r["flow"], r["number"]) for r in exposed} & first
+    confirm(cfg, flows, ev)  # until nothing is left to confirm
+    records = trial_records(flows)
+    assert to_confirm(records, cfg.min_accuracy) == []
+    from sparsetune.search.report import summary
+
+    s = summary(cfg, records, complete=True, stopped=None)
+    assert s["confirmed_frontier"] and all(r["holds"] for r in s["confirmed_frontier"])
+    assert all(float(r["params"]["budget_ratio"]) >= 0.25 for r in s["confirmed_frontier"])
+    assert s["not_confirmed"] and all(float(r["params"]["budget_ratio"]) < 0.25 for r in s["not_confirmed"])
+    assert {(r["flow"], r["number"]) for r in exposed} <= {(r["flow"], r["number"]) for r in records if r.get("confirm")}
 
 
 @pytest.mark.tuned_defaults
