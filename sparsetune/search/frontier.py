@@ -84,3 +84,13 @@ def point_of(rec: dict[str, Any], confirmed: bool = False) -> Point:
 
 def search_frontier(records: list[dict[str, Any]], min_accuracy: float | None) -> list[Point]:
     return pareto(point_of(r) for r in records if eligible(r, min_accuracy))
+
+
+def confirmed_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trials re-evaluated on fresh prompts (frontier points of each confirmation round, the defaults)."""
+    return [r for r in records if (r.get("confirm") or {}).get("relative_accuracy") is not None]
+
+
+def confirmed_frontier(records: list[dict[str, Any]]) -> list[Point]:
+    """The frontier of the confirmed points that held, by their confirmed figures."""
+    return pareto(point_of(r, confirmed=True) for r in confirmed_records(records) if r["confirm"]["holds"])

@@ -16,7 +16,8 @@ from typing import Any
 
 from sparsetune.records import write_json
 from sparsetune.search.config import SearchConfig
-from sparsetune.search.frontier import eligible, hypervolume, pareto, point_of, search_frontier, trial_name
+from sparsetune.search.frontier import (confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
+                                       search_frontier, trial_name)
 
 SCHEMA = "sparsetune.search/1"
 
@@ -60,11 +61,9 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
     dense_acc = next((r["accuracy"].get("dense_accuracy") for r in finished if r.get("accuracy")), None)
     front = search_frontier(records, cfg.min_accuracy)
     by_name = {trial_name(r): r for r in records}
-    # Every point confirmed on fresh prompts (frontier points of each confirmation round; the
-    # defaults), and the frontier of those that held, by their confirmed figures.
-    confirmed = [r for r in records if r.get("confirm") and r["confirm"].get("relative_accuracy") is not None]
+    confirmed = confirmed_records(records)
     held = [r for r in confirmed if r["confirm"]["holds"]]
-    confirmed_front = pareto(point_of(r, confirmed=True) for r in held)
+    confirmed_front = confirmed_frontier(records)
     speed_kind = next((r["speed"]["kind"] for r in records if r.get("speed")), None)
     shares = kv_shares(cfg, records)
     defaults = [_row(r, shares) for r in records if r["role"] == "defaults" and r["state"] == "COMPLETE"]
@@ -168,8 +167,17 @@ def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | No
                            facecolors="none", edgecolors=f"C{i}", linewidths=2, label=f"{flow} defaults")
     front = search_frontier(records, min_accuracy)
     if front:
-        ax.step([p.speedup for p in front], [p.accuracy for p in front], where="post", color="k", lw=1.2)
-        ax.scatter([p.speedup for p in front], [p.accuracy for p in front], color="k", s=30, label="frontier")
+        ax.step([p.speedup for p in front], [p.accuracy for p in front], where="post", color="grey", lw=0.8)
+        ax.scatter([p.speedup for p in front], [p.accuracy for p in front], color="grey", s=22, label="search-set frontier")
+    failed = [r for r in confirmed_records(done) if not r["confirm"]["holds"] and r["role"] != "defaults"]
+    if failed:
+        ax.scatter([r["speed"]["speedup"] for r in failed], [r["accuracy"]["relative_accuracy"] for r in failed],
+                   marker="x", color="red", s=30, lw=1, label="did not hold on fresh prompts")
+    held = confirmed_frontier(done)
+    if held:
+        ax.step([p.speedup for p in held], [p.accuracy for p in held], where="post", color="k", lw=1.2)
+        ax.scatter([p.speedup for p in held], [p.accuracy for p in held], color="k", s=34,
+                   label="confirmed frontier (fresh prompts)")
     ax.scatter([1.0], [1.0], marker="*", s=160, color="gold", edgecolors="k", label="dense", zorder=5)
     if min_accuracy is not None:
         ax.axhline(min_accuracy, color="grey", ls="--", lw=0.8)
