@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 
 import torch
@@ -21,21 +20,7 @@ import torch
 from sparsetune.llm import LLM
 from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.engine.sequence import SamplingParams
-
-
-def random_text(n: int, rng: random.Random) -> str:
-    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n))
-
-
-def reuse_prompt(context: int, ratio: float, segments: int, seed: int = 0) -> list:
-    rng = random.Random(seed)
-    reused = int(context * ratio)
-    seg_len = reused // segments
-    new = context - seg_len * segments
-    parts: list = [random_text(new // 2, rng)]
-    parts += [{"text": random_text(seg_len, rng), "reuse": True, "namespace": "bench"} for _ in range(segments)]
-    parts.append(random_text(new - new // 2, rng))
-    return parts
+from sparsetune.perf.speed import reuse_prompt, reuse_ttft_seconds, store_segments
 
 
 def main() -> None:
@@ -55,23 +40,20 @@ def main() -> None:
     llm = LLM(model=args.model, random_weights=True, dtype=args.dtype, max_num_seqs=1, cuda_graph=False)
     parts = reuse_prompt(args.context, args.reuse_ratio, args.segments)
     once = SamplingParams(max_tokens=1, ignore_eos=True)
-    llm.set_reuse("pie")  # stage 1: the cache-building request stores every segment
-    first = llm.generate([parts], once, chat=False)[0]
-    print(f"stage 1: {first.prompt_tokens} tokens, {first.reuse['segment_misses']} segments stored "
-          f"({first.reuse['seconds']:.3f} s)", flush=True)
+    first = store_segments(llm, parts)  # stage 1: the cache-building request stores every segment
+    print(f"stage 1: {first['prompt_tokens']} tokens, {first['segment_misses']} segments stored "
+          f"({first['seconds']:.3f} s)", flush=True)
     rows = []
     for flow in args.flows.split(","):
         llm.set_reuse(flow, params.get(flow))
-        llm.generate([parts], once, chat=False)  # warm-up (allocator, kernels' first launch)
-        runs = [llm.generate([parts], once, chat=False)[0].reuse for _ in range(args.repeats)]
+        ttft, last = reuse_ttft_seconds(llm, parts, args.repeats)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 llm.generate([parts], once, chat=False)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        ttft = statistics.median(r["seconds"] for r in runs)
-        row = {"flow": flow, "params": llm.reuse_flow.params(), "ttft_s": ttft, **{k: runs[0][k] for k in
+        row = {"flow": flow, "params": llm.reuse_flow.params(), "ttft_s": ttft, **{k: last[k] for k in
                ("prompt_tokens", "reuse_ratio", "recompute_ratio", "compute_fraction", "segment_hits")}}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -86,7 +68,7 @@ def main() -> None:
     engine = statistics.median(times)
     base = next((r["ttft_s"] for r in rows if r["flow"] == "full_recompute"), engine)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\n{args.model} random weights, {dev} {llm.dtype}, {first.prompt_tokens} tokens, "
+    print(f"\n{args.model} random weights, {dev} {llm.dtype}, {first['prompt_tokens']} tokens, "
           f"{args.reuse_ratio:.0%} in {args.segments} reused segments; engine prefill TTFT {engine:.3f} s")
     print("| flow | TTFT s | vs full_recompute | recomputed share of reused | token-layers computed |")
     print("|---|---|---|---|---|")

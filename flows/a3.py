@@ -8,15 +8,17 @@ prompt's last span of new tokens (with a chat template: the user's question and 
 
 import torch
 
-from sparsetune.flow import Param
+from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
+from sparsetune.reuse.flow import RATIO_SEARCH
 
 
 class A3(ReuseFlow):
     name = "a3"
     source = "A3, arXiv 2511.17560"
-    ratio = Param(0.15, low=0.0, high=1.0, doc="share of reused tokens recomputed (the paper's r)")
-    layer = Param(1, low=1, high=1024, doc="layer whose question attention scores the document tokens")
+    ratio = Param(0.15, low=0.0, high=1.0, doc="share of reused tokens recomputed (the paper's r)", search=RATIO_SEARCH)
+    layer = Param(1, low=1, high=1024, doc="layer whose question attention scores the document tokens",
+                  search=Search(layers="index", low=1, high=6))
 
     def selection_layer(self, num_layers):
         return min(self.layer, num_layers - 1)

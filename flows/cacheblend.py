@@ -6,15 +6,18 @@ squared differences over heads and channels) are recomputed in all later layers,
 tokens. The original code compares V at layer 1 (`deviation=v`); LMCache v1 compares post-RoPE K.
 """
 
-from sparsetune.flow import Param
+from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
+from sparsetune.reuse.flow import RATIO_SEARCH
 
 
 class CacheBlend(ReuseFlow):
     name = "cacheblend"
     source = "CacheBlend, arXiv 2405.16444"
-    ratio = Param(0.15, low=0.0, high=1.0, doc="share of reused tokens recomputed (LMCache 0.15, original 0.16)")
-    check_layer = Param(1, low=1, high=1024, doc="layer where deviations are measured; earlier layers run every token")
+    ratio = Param(0.15, low=0.0, high=1.0, doc="share of reused tokens recomputed (LMCache 0.15, original 0.16)",
+                  search=RATIO_SEARCH)
+    check_layer = Param(1, low=1, high=1024, doc="layer where deviations are measured; earlier layers run every token",
+                        search=Search(layers="index", low=1, high=6))
     deviation = Param("v", choices=("v", "k"), doc="compare V (original) or post-RoPE K (LMCache v1)")
 
     def selection_layer(self, num_layers):

@@ -4,14 +4,15 @@ fresh KV repairs the attention-sink spike each separately prefilled chunk starts
 
 import torch
 
-from sparsetune.flow import Param
+from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
 
 
 class EPIC(ReuseFlow):
     name = "epic"
     source = "EPIC LegoLink-k, arXiv 2410.15332"
-    k = Param(16, low=0, high=4096, doc="tokens recomputed at the start of each reused segment (headline 16)")
+    k = Param(16, low=0, high=4096, doc="tokens recomputed at the start of each reused segment (headline 16)",
+              search=Search(low=1, high=256, log=True))
 
     def initial_rows(self, layout):
         rows = torch.zeros(layout.num_tokens, dtype=torch.bool)

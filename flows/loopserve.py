@@ -14,7 +14,7 @@ length-normalized marginal gains with an approximate overlap term.
 
 import torch
 
-from sparsetune.flow import Param
+from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import attention_probs
 
@@ -73,10 +73,14 @@ class LoopServe(ReuseFlow):
     name = "loopserve"
     source = "LoopServe, arXiv 2507.13681"
     decode_flow = "loopserve_decode"
-    alpha = Param(0.955, low=0.5, high=1.0, doc="share of the sampled attention mass the chosen lines cover (the paper's α)")
-    sample = Param(64, low=1, high=4096, doc="last computed rows whose queries estimate the attention map")
-    budget = Param(1024, low=1, high=1 << 22, log=True, doc="decode: tokens attended per step (the paper's B)")
-    interval = Param(16, low=1, high=256, doc="decode: steps between re-selections (the paper's n_d)")
+    alpha = Param(0.955, low=0.5, high=1.0, doc="share of the sampled attention mass the chosen lines cover (the paper's α)",
+                  search=Search(low=0.8, high=0.99))
+    sample = Param(64, low=1, high=4096, doc="last computed rows whose queries estimate the attention map",
+                   search=Search(choices=(16, 32, 64, 128)))
+    budget = Param(1024, low=1, high=1 << 22, log=True, doc="decode: tokens attended per step (the paper's B)",
+                   search=Search(low=32, high=2048, log=True))
+    interval = Param(16, low=1, high=256, doc="decode: steps between re-selections (the paper's n_d)",
+                     search=Search(choices=(1, 4, 16, 64)))
 
     def decode_params(self):
         return {"budget": str(self.budget), "interval": str(self.interval)}

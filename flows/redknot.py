@@ -22,12 +22,13 @@ offline KV. The sparse-FFN importance is the recent rows' attention mass, one th
 
 import torch
 
-from sparsetune.flow import Param
+from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import attention_mass
 from sparsetune.models.artifacts import resolve_head_scores
 from sparsetune.reuse.head_classes import global_heads
 
+FFN_SHARE = 0.75  # the default first sparse-FFN layer, as a share of the layers
 
 class RedKnot(ReuseFlow):
     name = "redknot"
@@ -35,13 +36,18 @@ class RedKnot(ReuseFlow):
     head_classes = Param("auto", doc="head profile file; auto: the model's (`sparsetune flows profile-heads --model M`)")
     rank_by = Param("scores", choices=("scores", "edge_mass", "prefix_shift"),
                     doc="profile field that ranks the heads (scores: RedKnot's max of the two)")
-    global_ratio = Param(0.15, low=0.0, high=1.0, doc="share of (layer, KV head) pairs that are global (RedKnot: 12-15%)")
-    window = Param(512, low=1, high=1 << 20, log=True, doc="local heads' window w (RedKnot default 512)")
-    sink = Param(4, low=0, high=1024, doc="sink tokens every local head keeps")
-    dense_layers = Param(2, low=0, high=1024, doc="first layers where every head is global")
-    ffn_layer = Param(None, low=0, high=1024, kind=int, doc="first sparse-FFN layer; default 75% of the layers (RedKnot: 48 of 64)")
-    ffn_mass = Param(0.6, low=0.0, high=1.0, doc="attention mass the MLP tokens must hold (RedKnot mass_thresh)")
-    ffn_recent = Param(128, low=1, high=1 << 20, log=True, doc="last rows whose attention ranks the tokens; they always run the MLP")
+    global_ratio = Param(0.15, low=0.0, high=1.0, doc="share of (layer, KV head) pairs that are global (RedKnot: 12-15%)",
+                         search=Search(low=0.02, high=0.5, log=True))
+    window = Param(512, low=1, high=1 << 20, log=True, doc="local heads' window w (RedKnot default 512)",
+                   search=Search(choices=(64, 128, 256, 512, 1024)))
+    sink = Param(4, low=0, high=1024, doc="sink tokens every local head keeps", search=Search(choices=(0, 4, 16)))
+    dense_layers = Param(2, low=0, high=1024, doc="first layers where every head is global", search=Search(low=0, high=6))
+    ffn_layer = Param(None, low=0, high=1024, kind=int, doc="first sparse-FFN layer; default 75% of the layers (RedKnot: 48 of 64)",
+                      search=Search(layers="index", share=FFN_SHARE))
+    ffn_mass = Param(0.6, low=0.0, high=1.0, doc="attention mass the MLP tokens must hold (RedKnot mass_thresh)",
+                     search=Search(low=0.3, high=0.95))
+    ffn_recent = Param(128, low=1, high=1 << 20, log=True, doc="last rows whose attention ranks the tokens; they always run the MLP",
+                       search=Search(choices=(32, 64, 128, 256)))
 
     _global: torch.Tensor | None = None  # [layers, kv_heads] bool, set by prepare
 
@@ -92,7 +98,7 @@ class RedKnot(ReuseFlow):
         return allowed
 
     def mlp_rows(self, s):
-        start = round(0.75 * s.num_layers) if self.ffn_layer is None else self.ffn_layer
+        start = round(FFN_SHARE * s.num_layers) if self.ffn_layer is None else self.ffn_layer
         if s.layer < start:
             return None
         recent = s.rows[-self.ffn_recent :]

@@ -9,23 +9,27 @@ reused text the last 64 tokens of the final segment are added (tail fallback). F
 only these rows and the non-reused tokens are recomputed.
 """
 
-import torch
-
-from sparsetune.flow import Param
+from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
+from sparsetune.reuse.flow import RATIO_SEARCH
+
+BOUNDARY_SHARE = 0.15  # the default boundary, as a share of the layers
 
 
 class SparseX(ReuseFlow):
     name = "sparsex"
     source = "SparseX, arXiv 2606.01751"
-    ratio = Param(0.15, low=0.0, high=1.0, doc="share of reused tokens selected by Sparse-Q (top-k)")
+    ratio = Param(0.15, low=0.0, high=1.0, doc="share of reused tokens selected by Sparse-Q (top-k)", search=RATIO_SEARCH)
     boundary_layer = Param(None, low=0, high=1024, kind=int,
-                           doc="first sparse layer (earlier: full); default 15% of the layers (paper: 15-20% for small dense models)")
-    overflow = Param(16, low=0, high=4096, doc="reused tokens added on each side of every non-reused span (one block)")
-    tail = Param(64, low=0, high=4096, doc="tail fallback: last tokens of the final segment when the prompt ends in one")
+                           doc="first sparse layer (earlier: full); default 15% of the layers (paper: 15-20% for small dense models)",
+                           search=Search(layers="index", low=0, high=8, share=BOUNDARY_SHARE))
+    overflow = Param(16, low=0, high=4096, doc="reused tokens added on each side of every non-reused span (one block)",
+                     search=Search(choices=(0, 8, 16, 32)))
+    tail = Param(64, low=0, high=4096, doc="tail fallback: last tokens of the final segment when the prompt ends in one",
+                 search=Search(choices=(0, 32, 64, 128)))
 
     def selection_layer(self, num_layers):
-        layer = round(0.15 * num_layers) if self.boundary_layer is None else self.boundary_layer
+        layer = round(BOUNDARY_SHARE * num_layers) if self.boundary_layer is None else self.boundary_layer
         return min(layer, num_layers - 1)
 
     def select(self, s):

@@ -151,18 +151,25 @@ def list_models() -> list[dict[str, Any]]:
     return rows
 
 
-def search(flows: str | list[str] | tuple[str, ...] | None = None, *, resume: bool = False, evaluator: Any = None,
-           on_event: Callable[[str, dict[str, Any]], None] | None = None, **options: Any) -> dict[str, Any]:
-    """`sparsetune.search`: a multi-objective search over `flows` and their params (any
-    `search.config.SearchConfig` field as a keyword: `trials`, `hours`, `context`, `min_accuracy`,
-    `study`, `storage`, ...); returns frontier.json's object (the confirmed frontier, the defaults,
-    dense). Rerunning with the same `study` continues it; `resume=True` requires that it exists."""
+def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str | list[str] | tuple[str, ...] | None = None,
+           resume: bool = False, evaluator: Any = None, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+           **options: Any) -> dict[str, Any]:
+    """`sparsetune.search`: a multi-objective search over decode `flows`, or over `reuse` flows,
+    and their params (any `search.config.SearchConfig` field as a keyword: `trials`, `hours`,
+    `context`, `min_accuracy`, `study`, `storage`, ...); returns frontier.json's object (the
+    confirmed frontier, the defaults, dense). Rerunning with the same `study` continues it;
+    `resume=True` requires that it exists."""
     from sparsetune.search.config import DEFAULT_FLOWS, SearchConfig, check_search
 
-    if isinstance(flows, str):
-        flows = [f.strip() for f in flows.split(",") if f.strip()]
+    def names(value):
+        return [f.strip() for f in value.split(",") if f.strip()] if isinstance(value, str) else list(value or ())
+
+    if flows and reuse:
+        raise SparsetuneError("a search is of decode flows or of reuse flows: pass flows or reuse, not both")
     study = options.pop("study", None) or time.strftime("search-%Y%m%d-%H%M%S")
-    cfg = SearchConfig(flows=tuple(flows or DEFAULT_FLOWS), study=study, **options)
+    if reuse:
+        options["kind"] = "reuse"
+    cfg = SearchConfig(flows=tuple(names(reuse) or names(flows) or DEFAULT_FLOWS), study=study, **options)
     check_search(cfg)  # before torch loads
     from sparsetune.search.storage import open_storage, stored_config
 

@@ -101,12 +101,15 @@ class _Live:
 def search(
     ctx: typer.Context,
     flow: str = typer.Option(None, "--flow", "-f", help="Decode flows to search, comma-separated (default: quest,block_topk)."),
-    reuse: str = typer.Option(None, "--reuse", help="Reuse flows to search (not built yet)."),
+    reuse: str = typer.Option(None, "--reuse", help="Reuse flows to search instead, comma-separated (e.g. sparsex,cacheblend): "
+                              "accuracy on the reuse tasks, speed against full recompute."),
     model: str = opt.model_option(),
-    task: list[str] = typer.Option(None, "--task", "-t", help="Task name or .jsonl file (repeatable; default: the standard suite)."),
+    task: list[str] = typer.Option(None, "--task", "-t", help="Task name or .jsonl file (repeatable; default: the standard "
+                                   "suite, or with --reuse rag, chat and agent)."),
     context: int = typer.Option(1024, "--context", "-c", help="Prompt length of the accuracy tasks."),
-    samples: int = typer.Option(1, "--samples", help="Samples per task in each trial (the search set)."),
-    confirm_samples: int = typer.Option(2, "--confirm-samples", help="Samples per task, on fresh prompts, to confirm each frontier point."),
+    samples: int = typer.Option(None, "--samples", help="Samples per task in each trial, the search set (default 1; 4 with --reuse)."),
+    confirm_samples: int = typer.Option(None, "--confirm-samples", help="Samples per task, on fresh prompts, to confirm each "
+                                        "frontier point (default 2; 8 with --reuse)."),
     batch: int = typer.Option(8, "--batch", "-b", help="Requests run together."),
     param: list[str] = opt.param_option(),
     objectives: str = typer.Option("accuracy,speed", "--objectives", help="What is maximized (accuracy,speed)."),
@@ -133,8 +136,8 @@ def search(
     """Search flows and their params for the accuracy/speed frontier."""
     if ctx.invoked_subcommand is not None:
         return
-    if reuse is not None:
-        raise SparsetuneError("searching reuse flows is not built yet; search decode flows with --flow")
+    if reuse is not None and flow is not None:
+        raise SparsetuneError("--flow and --reuse: a search is of decode flows or of reuse flows; run one search for each")
     if [o.strip() for o in objectives.split(",")] != ["accuracy", "speed"]:
         raise SparsetuneError(f"--objectives {objectives!r}: accuracy,speed is the one supported pair")
     if workers != 1:
@@ -144,13 +147,13 @@ def search(
         trials = 6
     from sparsetune import api
 
-    options = dict(model=model, tasks=task, context=context, samples=samples, confirm_samples=confirm_samples,
-                   batch=batch, params=_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
+    options = dict(model=model, tasks=task, context=context, batch=batch,
+                   **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
                    study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
                    speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,
                    device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
     apply_threads(threads)
-    result = api.search(flow, resume=resume, on_event=_Live(trials, hours), **options)
+    result = api.search(flow, reuse=reuse, resume=resume, on_event=_Live(trials, hours), **options)
     _report(result, json_out)
 
 

@@ -18,7 +18,9 @@ class Search:
     """How `sparsetune search` samples a `Param`, where its declared choices or range are not the
     space to search (`sparsetune.search.space`). `off`: never searched. `layers`: the param is a
     layer set, searched by its size N in [low, high] ("first": the first N layers; "spread": N
-    layers spread evenly from the first sparse one, N = 0 meaning every sparse layer)."""
+    layers spread evenly from the first sparse one, N = 0 meaning every sparse layer), or one layer
+    ("index": a layer in [low, high], capped at the model's last). `share`: what a None default
+    stands for, as a share of the model's layers (the flow's own rule; the search starts there)."""
 
     choices: tuple | None = None
     low: float | None = None
@@ -26,6 +28,7 @@ class Search:
     log: bool | None = None  # None: as the Param declares
     layers: str | None = None
     off: bool = False
+    share: float | None = None
 
 
 @dataclass(frozen=True)

@@ -104,3 +104,44 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int = 16, war
     finally:
         for seq in seqs:
             llm.abort(seq)
+
+
+# ---- reuse prefill: time to first token on a prompt whose bulk is reused segments ------------------
+
+def _random_text(n: int, rng) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n))
+
+
+def reuse_prompt(context: int, ratio: float = 0.9, segments: int = 9, seed: int = 0) -> list:
+    """Prompt parts for `LLM.generate`: a plain prefix, `segments` reusable segments holding `ratio`
+    of the characters, a plain suffix (`context` characters: tokens, with random weights' byte
+    tokenizer; about a quarter as many with a real one)."""
+    import random
+
+    rng = random.Random(seed)
+    seg_len = int(context * ratio) // segments
+    new = context - seg_len * segments
+    parts: list = [_random_text(new // 2, rng)]
+    parts += [{"text": _random_text(seg_len, rng), "reuse": True, "namespace": "speed"} for _ in range(segments)]
+    parts.append(_random_text(new - new // 2, rng))
+    return parts
+
+
+def store_segments(llm: LLM, parts: list) -> dict[str, Any]:
+    """Stage 1: one request with `pie` stores every segment of `parts` in the segment cache; the
+    engine's reuse flow is put back. Returns that request's reuse stats."""
+    flow = llm.reuse_flow
+    llm.set_reuse("pie")
+    try:
+        return llm.generate([parts], SamplingParams(max_tokens=1, ignore_eos=True), chat=False)[0].reuse
+    finally:
+        llm.set_reuse(flow)
+
+
+def reuse_ttft_seconds(llm: LLM, parts: list, repeats: int = 3) -> tuple[float, dict[str, Any]]:
+    """Median time to first token of the engine's reuse flow on `parts` (its segments stored by
+    `store_segments`), after a warm-up request, and the last request's reuse stats."""
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate([parts], once, chat=False)  # warm-up: allocator, kernels' first launch
+    runs = [llm.generate([parts], once, chat=False)[0].reuse for _ in range(repeats)]
+    return statistics.median(r["seconds"] for r in runs), runs[-1]

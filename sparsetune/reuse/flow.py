@@ -40,8 +40,12 @@ import torch
 import torch.nn.functional as F
 
 from sparsetune.engine.rows import AttentionPattern
-from sparsetune.flow.params import Flow
+from sparsetune.flow.params import Flow, Search
 from sparsetune.reuse.parts import ReuseLayout
+
+# How `sparsetune search` samples a reuse flow's share of reused tokens recomputed (its budget):
+# log-uniform, 2% to 60% (the papers' defaults are 15-16%; past 60% a reuse saves little).
+RATIO_SEARCH = Search(low=0.02, high=0.6, log=True)
 
 # Attention-mass helper: queries per chunk so a chunk's [Hq, chunk, T] probabilities stay ~256 MiB.
 _MASS_CHUNK_ELEMS = 1 << 26

@@ -20,9 +20,13 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.records import DEFAULT_RUNS_DIR
 
 DEFAULT_FLOWS = ("quest", "block_topk")
+KINDS = ("decode", "reuse")
+# A reuse search's defaults: every reuse workload (prompts whose bulk is reusable segments), and more
+# samples per task than a decode search's, which has eight tasks.
+REUSE_SAMPLES, REUSE_CONFIRM_SAMPLES = 4, 8
 SPEEDS = ("auto", "measured", "modeled")
 # What the figures depend on: a resumed study must agree on these.
-FINGERPRINT = ("model", "flows", "tasks", "context", "samples", "batch", "seed", "params", "speed", "speed_model",
+FINGERPRINT = ("kind", "model", "flows", "tasks", "context", "samples", "batch", "seed", "params", "speed", "speed_model",
                "speed_batch", "speed_context", "min_accuracy")
 
 
@@ -36,6 +40,7 @@ class SearchConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    kind: str = "decode"  # decode flows (--flow) or reuse flows (--reuse): one kind per search
     model: str = "smollm2-135m"
     flows: tuple[str, ...] = DEFAULT_FLOWS
     tasks: tuple[str, ...] | None = None  # None: the default suite
@@ -65,8 +70,24 @@ class SearchConfig(BaseModel):
     def _no_tasks_is_default(cls, tasks: Any) -> Any:
         return tasks or None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reuse_defaults(cls, values: Any) -> Any:
+        """A reuse search's tasks and samples, where not given: the reuse workloads, more samples."""
+        if isinstance(values, dict) and values.get("kind") == "reuse":
+            from sparsetune.evaluation.reuse_tasks import REUSE_TASKS
+
+            values = {**values}
+            for key, default in (("tasks", tuple(REUSE_TASKS)), ("samples", REUSE_SAMPLES),
+                                 ("confirm_samples", REUSE_CONFIRM_SAMPLES)):
+                if values.get(key) is None:
+                    values[key] = default
+        return values
+
     @model_validator(mode="after")
     def _check(self) -> SearchConfig:
+        if self.kind not in KINDS:
+            raise SparsetuneError(f"kind {self.kind!r}: a search is of decode flows (--flow) or reuse flows (--reuse)")
         if not self.flows:
             raise SparsetuneError("--flow: name at least one decode flow (e.g. --flow quest,block_topk)")
         for name, value, low in (("--context", self.context, 64), ("--samples", self.samples, 1),
@@ -116,11 +137,12 @@ def check_search(cfg: SearchConfig) -> None:
     from sparsetune.search.space import dimensions
 
     _name, mcfg = model_config(cfg.model, False)
+    option = "--flow" if cfg.kind == "decode" else "--reuse"
     for flow in cfg.flows:
         cls = load_file(flow_path(flow))
-        if flow_kind(cls) == "reuse":
-            raise SparsetuneError(f"--flow {flow}: a reuse flow; searching reuse flows is not built yet "
-                                  "(search decode flows with --flow)")
+        if flow_kind(cls) != cfg.kind:
+            other = "--reuse" if cfg.kind == "decode" else "--flow"
+            raise SparsetuneError(f"{option} {flow}: a {flow_kind(cls)} flow; search it with {other} {flow}")
         if getattr(cls, "full_attention", False):
             raise SparsetuneError(f"--flow {flow}: full attention has nothing to search (dense is every search's baseline)")
         specs = cls.param_specs()
@@ -129,12 +151,22 @@ def check_search(cfg: SearchConfig) -> None:
                 raise SparsetuneError(f"--param {key}: {flow} has no such param (it has {', '.join(specs)})")
             specs[key].parse(key, value)
         speed_context = cfg.speed_context or cfg.context
-        if "budget_ratio" in cls.inapplicable and speed_context != cfg.context:
+        if cfg.kind == "decode" and "budget_ratio" in cls.inapplicable and speed_context != cfg.context:
             raise SparsetuneError(f"--flow {flow} attends a fixed window of tokens, not a share of the context: its "
                                   f"accuracy at --context {cfg.context} and its speed at --speed-context {speed_context} "
                                   f"would describe different points; search it with --speed-context {cfg.context}")
-        if not any(d.name not in cfg.params for d in dimensions(cls, mcfg.num_hidden_layers)):
-            raise SparsetuneError(f"--flow {flow}: every searched param is fixed by --param; nothing to search")
+        dims = dimensions(cls, mcfg.num_hidden_layers)
+        if not dims:
+            raise SparsetuneError(f"{option} {flow}: it has no param to search")
+        if not any(d.name not in cfg.params for d in dims):
+            raise SparsetuneError(f"{option} {flow}: every searched param is fixed by --param; nothing to search")
+    if cfg.kind == "reuse":
+        from sparsetune.evaluation.reuse_tasks import REUSE_TASKS
+
+        plain = [t for t in cfg.tasks or () if not t.endswith(".jsonl") and t not in REUSE_TASKS]
+        if plain:
+            raise SparsetuneError(f"--task {plain[0]}: no reusable segments, so a reuse flow does nothing on it; use "
+                                  f"{', '.join(REUSE_TASKS)} or a .jsonl file whose samples have segments")
     check_config(EvalConfig.of(model=cfg.model, tasks=cfg.tasks, context=cfg.context, samples=cfg.samples,
                                batch=cfg.batch, device=cfg.device, dtype=cfg.dtype))
     if cfg.speed_model is not None:

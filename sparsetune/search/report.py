@@ -20,15 +20,28 @@ from sparsetune.search.frontier import (confirmed_frontier, confirmed_records, e
                                        search_frontier, trial_name)
 
 SCHEMA = "sparsetune.search/1"
+SPEED_NOTES = {
+    ("decode", "modeled"): "modeled: dense decode-step bytes / the flow's (weights, KV read, fields)",
+    ("decode", "measured"): "measured: dense decode step time / the flow's, on the GPU",
+    ("reuse", "modeled"): "modeled: a full prefill's token-layers / the flow's (the reuse prefills of the evaluation)",
+    ("reuse", "measured"): "measured: full recompute's time to first token / the flow's, on the GPU "
+                           "(a prompt 90% reused, in 9 segments)",
+}
 
 
-def kv_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Each trial's share of the context's K/V a decode step reads (`perf.cost.kv_share`) on the
-    search's model and context: the budget its accuracy was measured at, whatever the speed model."""
+SHARE_OF = {"decode": "K/V read", "reuse": "token-layers computed"}
+
+
+def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Each trial's budget, the share of the work it does on the search's model and context: a
+    decode flow's share of the context's K/V a step reads (`perf.cost.kv_share`, whatever the
+    speed model), a reuse flow's share of a full prefill's token-layers its evaluation computed."""
     from sparsetune.models.resolve import model_config
     from sparsetune.perf.cost import kv_share
     from sparsetune.registry import build_flow
 
+    if cfg.kind == "reuse":
+        return {trial_name(r): ((r.get("accuracy") or {}).get("reuse") or {}).get("compute_fraction") for r in records}
     _name, mcfg = model_config(cfg.model, True)  # the architecture only
     seen: dict[tuple, float | None] = {}
     out = {}
@@ -48,7 +61,7 @@ def _row(rec: dict[str, Any], shares: dict[str, float | None]) -> dict[str, Any]
     conf = rec.get("confirm") or {}
     name = trial_name(rec)
     return {
-        "trial": name, "flow": rec["flow"], "role": rec["role"], "params": rec.get("params"), "kv_share": shares.get(name),
+        "trial": name, "flow": rec["flow"], "role": rec["role"], "params": rec.get("params"), "share": shares.get(name),
         "relative_accuracy": acc.get("relative_accuracy"), "fidelity_top1": (acc.get("fidelity") or {}).get("top1"),
         "speedup": (rec.get("speed") or {}).get("speedup"), "speed_kind": (rec.get("speed") or {}).get("kind"),
         "confirmed_accuracy": conf.get("relative_accuracy"), "interval": conf.get("interval"), "holds": conf.get("holds"),
@@ -65,13 +78,12 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
     held = [r for r in confirmed if r["confirm"]["holds"]]
     confirmed_front = confirmed_frontier(records)
     speed_kind = next((r["speed"]["kind"] for r in records if r.get("speed")), None)
-    shares = kv_shares(cfg, records)
+    shares = budget_shares(cfg, records)
     defaults = [_row(r, shares) for r in records if r["role"] == "defaults" and r["state"] == "COMPLETE"]
     return {
-        "schema": SCHEMA, "study": cfg.study, "run_dir": str(cfg.run_dir), "model": cfg.model, "flows": list(cfg.flows), "context": cfg.context,
+        "schema": SCHEMA, "kind": cfg.kind, "study": cfg.study, "run_dir": str(cfg.run_dir), "model": cfg.model, "flows": list(cfg.flows), "context": cfg.context,
         "samples_per_task": cfg.samples, "confirm_samples_per_task": cfg.confirm_samples, "min_accuracy": cfg.min_accuracy,
-        "speed": speed_kind, "speed_note": "modeled: dense decode-step bytes / the flow's (weights, KV read, fields)"
-        if speed_kind == "modeled" else "measured: dense decode step time / the flow's, on the GPU",
+        "share_of": SHARE_OF[cfg.kind], "speed": speed_kind, "speed_note": SPEED_NOTES[cfg.kind, speed_kind or "modeled"],
         "complete": complete, "stopped": stopped,
         "trials": {"finished": len(finished), "failed": sum(r["state"] == "FAIL" for r in records),
                    "stopped_by_cascade": sum(r.get("stage") in ("speed", "quick") for r in finished)},
@@ -87,17 +99,19 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
 
 def against_defaults(defaults: list[dict[str, Any]], held: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the search gained over each flow's defaults: the fastest confirmed point (any flow)
-    that held the bar on fresh prompts, reads no more of the context's K/V than the defaults, and
-    beat their confirmed accuracy; with its speed next to theirs and whether it dominates them in
-    both objectives (a smaller block's fields cost bytes, so at equal K/V it can be slower)."""
+    that held the bar on fresh prompts, has no more budget than the defaults (`share`: the K/V a
+    decode step reads, the token-layers a reuse prefill computes) and beat their confirmed
+    accuracy; with its speed next to theirs and whether it dominates them in both objectives (a
+    smaller block's fields cost bytes, so at equal K/V it can be slower)."""
     out = []
     for d in defaults:
-        if d["confirmed_accuracy"] is None or d["kv_share"] is None:
+        if d["confirmed_accuracy"] is None or d["share"] is None:
             continue
-        better = [p for p in held if p["kv_share"] is not None and p["kv_share"] <= d["kv_share"] + 1e-9
+        better = [p for p in held if p["share"] is not None and p["share"] <= d["share"] + 1e-9
                   and p["confirmed_accuracy"] > d["confirmed_accuracy"]]
         best = max(better, key=lambda p: (p["speedup"], p["confirmed_accuracy"]), default=None)
         out.append({"defaults": d["trial"], "point": best and best["trial"],
+                    "share": best and best["share"], "defaults_share": d["share"],
                     "accuracy_gain": best and round(best["confirmed_accuracy"] - d["confirmed_accuracy"], 4),
                     "speed_ratio": best and round(best["speedup"] / d["speedup"], 4),
                     "dominates": bool(best and best["speedup"] >= d["speedup"])})
@@ -106,9 +120,11 @@ def against_defaults(defaults: list[dict[str, Any]], held: list[dict[str, Any]])
 
 def against_defaults_lines(s: dict[str, Any]) -> list[str]:
     """One line per flow's defaults: what the search gained over them (frontier.md and the CLI)."""
-    return [f"{a['defaults']}: " + ("no confirmed point at their K/V beats them" if a["point"] is None else
-            f"{a['point']} keeps {100 * a['accuracy_gain']:+.0f} points of accuracy at {a['speed_ratio']:.2f}× their "
-            f"speed ({'dominates them' if a['dominates'] else 'slower: it trades speed for the accuracy'})")
+    what = s.get("share_of", SHARE_OF["decode"])
+    return [f"{a['defaults']}: " + (f"no confirmed point with no more {what} beats them" if a["point"] is None else
+            f"{a['point']} beats them with no more {what} ({100 * a['share']:.0f}% against "
+            f"{100 * a['defaults_share']:.0f}%): {100 * a['accuracy_gain']:+.0f} points of confirmed accuracy, at "
+            f"{a['speed_ratio']:.2f}× their speed ({'faster too: it dominates them' if a['dominates'] else 'slower: it trades speed for the accuracy'})")
             for a in s.get("against_defaults", [])]
 
 
@@ -117,11 +133,11 @@ def markdown(s: dict[str, Any]) -> str:
         return "—" if x is None else f"{100 * x:.0f}%"
 
     def table(rows: list[dict[str, Any]], confirmed: bool) -> list[str]:
-        head = "| trial | params | K/V read | accuracy (search) | top-1 | speedup |" + (" confirmed | 95% interval | holds |" if confirmed else "")
+        head = f"| trial | params | {s['share_of']} | accuracy (search) | top-1 | speedup |" + (" confirmed | 95% interval | holds |" if confirmed else "")
         out = [head, "|" + "---|" * (head.count("|") - 1)]
         for r in rows:
             params = ", ".join(f"{k}={v}" for k, v in (r["params"] or {}).items())
-            line = f"| {r['trial']} | {params} | {pct(r['kv_share'])} | {pct(r['relative_accuracy'])} | {pct(r['fidelity_top1'])} | {r['speedup']}× |"
+            line = f"| {r['trial']} | {params} | {pct(r['share'])} | {pct(r['relative_accuracy'])} | {pct(r['fidelity_top1'])} | {r['speedup']}× |"
             if confirmed:
                 lo, hi = r["interval"] or (None, None)
                 line += f" {pct(r['confirmed_accuracy'])} | {pct(lo)}–{pct(hi)} | {'yes' if r['holds'] else 'no'} |"
@@ -139,7 +155,7 @@ def markdown(s: dict[str, Any]) -> str:
         lines += ["", "Did not hold up on fresh prompts:", ""] + table(s["not_confirmed"], True)
     lines += ["", "## Each flow's defaults", ""] + table(s["defaults"], True)
     if s["against_defaults"]:
-        lines += ["", "Against the defaults (a confirmed point that held, read no more of the context's K/V, and beat "
+        lines += ["", f"Against the defaults (a confirmed point that held, with no more {s['share_of']}, and beat "
                   "their confirmed accuracy):", ""] + [f"- {line}" for line in against_defaults_lines(s)]
     lines += ["", "## Search-set frontier", ""] + table(s["frontier"], False)
     t = s["trials"]
@@ -148,7 +164,7 @@ def markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | None) -> None:
+def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | None, kind: str = "decode") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,8 +197,9 @@ def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | No
     ax.scatter([1.0], [1.0], marker="*", s=160, color="gold", edgecolors="k", label="dense", zorder=5)
     if min_accuracy is not None:
         ax.axhline(min_accuracy, color="grey", ls="--", lw=0.8)
-    kind = next((r["speed"]["kind"] for r in records if r.get("speed")), "")
-    ax.set_xlabel(f"decode speedup over dense ({kind})")
+    speed = next((r["speed"]["kind"] for r in records if r.get("speed")), "")
+    ax.set_xlabel(f"decode speedup over dense ({speed})" if kind == "decode" else
+                  f"prefill speedup over full recompute ({speed})")
     ax.set_ylabel("accuracy relative to dense")
     ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
@@ -216,6 +233,6 @@ def write_outputs(cfg: SearchConfig, records: list[dict[str, Any]], *, complete:
     s = summary(cfg, records, complete=complete, stopped=stopped)
     write_json(run_dir / "frontier.json", s)
     (run_dir / "frontier.md").write_text(markdown(s))
-    plots(run_dir, records, cfg.min_accuracy)
+    plots(run_dir, records, cfg.min_accuracy, cfg.kind)
     return s
 

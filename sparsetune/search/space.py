@@ -5,7 +5,8 @@ inherited from the base class's declaration of the same param) or else over what
 Params that are off, inapplicable to the flow, or without choices or a range (a calibration file)
 are not. Layer sets are searched by their size, so a sampler can learn them: "first" layer sets
 (dense layers) are the first N layers, "spread" sets (select layers) are N layers spread evenly
-from the first sparse layer (N = 0: every sparse layer selects). A trial's values come back as
+from the first sparse layer (N = 0: every sparse layer selects); a single layer ("index": a reuse
+flow's boundary or check layer) is an integer capped at the model's last layer. A trial's values come back as
 `--param` strings for `Flow.from_strings`: one path into a flow for the CLI and the search.
 """
 
@@ -19,7 +20,8 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.params import Flow, Param, Search
 
-LAYER_SETS = ("first", "spread")
+LAYER_SETS = ("first", "spread")  # layer sets, searched by size
+LAYER_KINDS = LAYER_SETS + ("index",)  # and one layer
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,8 @@ class Dimension:
 
     name: str
     distribution: BaseDistribution
-    layers: str | None = None
+    layers: str | None = None  # a layer set ("first", "spread"): its size N is the trial's value
+    default: int | None = None  # the layer a None default stands for on this model (`Search.share`)
 
 
 def search_of(cls: type[Flow], name: str, spec: Param) -> Search | None:
@@ -63,10 +66,15 @@ def dimensions(cls: type[Flow], num_layers: int) -> list[Dimension]:
 
 def _dimension(name: str, spec: Param, search: Search, num_layers: int) -> Dimension | None:
     if search.layers is not None:
-        if search.layers not in LAYER_SETS:
-            raise SparsetuneError(f"param {name}: Search(layers={search.layers!r}) must be one of {', '.join(LAYER_SETS)}")
-        low, high = int(search.low or 0), min(int(search.high if search.high is not None else num_layers), num_layers - 1)
-        return Dimension(name, IntDistribution(low, max(low, high)), search.layers)
+        if search.layers not in LAYER_KINDS:
+            raise SparsetuneError(f"param {name}: Search(layers={search.layers!r}) must be one of {', '.join(LAYER_KINDS)}")
+        low = int(search.low) if search.low is not None else int(spec.low or 0) if search.layers == "index" else 0
+        high = min(int(search.high) if search.high is not None else num_layers - 1, num_layers - 1)
+        dist = IntDistribution(min(low, high), high)
+        if search.layers != "index":
+            return Dimension(name, dist, search.layers)
+        default = None if search.share is None else min(max(round(search.share * num_layers), dist.low), dist.high)
+        return Dimension(name, dist, None, default)
     choices = search.choices if search.choices is not None else spec.choices
     if choices is not None:
         allowed = tuple(c for c in choices if spec.choices is None or c in spec.choices)

@@ -13,7 +13,8 @@ dominated stops drawing trials except the round-robin ones, so no flow is writte
 noisy early trials.
 
 **The cascade** (multi-objective studies cannot prune): (1) speed first, from the cost model or
-the GPU: a point not faster than dense (speedup <= 1) cannot be on the frontier and stops there;
+the GPU: a point not faster than dense (speedup <= 1) cannot be on the frontier and stops there
+(a reuse flow's modeled speed is what its evaluation computed, so it comes after (2) and (3));
 (2) accuracy on the first chunk of samples: below `quick_floor` x the bar (min-accuracy, or dense)
 it stops; (3) the rest of the samples. Stopped trials are told with the figures they have and a
 violated "cascade" constraint, so the sampler learns from them and the frontier never holds them.
@@ -86,6 +87,8 @@ def default_trial_params(cls: type, num_layers: int, fixed: dict[str, str]) -> d
         if dim.name in fixed:
             continue
         default = specs[dim.name].default
+        if default is None and dim.default is not None:  # a layer its flow derives from the model
+            default = dim.default
         if dim.layers is not None:
             value: Any = len(default or ())
         elif dim.name == "budget_ratio" and default is None:
@@ -122,6 +125,7 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
     from optuna.samplers import TPESampler
 
     from sparsetune.registry import get_flow_class
+    from sparsetune.reuse.flow import ReuseFlow
 
     storage = open_storage(cfg.storage_url())
     stored = stored_config(storage, cfg.study)
@@ -133,7 +137,7 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
     studies, classes = {}, {}
     for i, flow in enumerate(cfg.flows):
         key = flow_key(flow)
-        classes[key] = get_flow_class(flow)
+        classes[key] = get_flow_class(flow, ReuseFlow) if cfg.kind == "reuse" else get_flow_class(flow)
         name = study_name(cfg.study, flow)
         seeds = seed_trials(classes[key], num_layers, cfg.params)
         # TPE (Optuna 5's multi-objective default) after the seeded trials and STARTUP_TRIALS random
@@ -230,12 +234,15 @@ def run_trial(cfg: SearchConfig, evaluator, flow: str, params: dict[str, str], o
     from sparsetune.search.trial import Hopeless
 
     t0 = time.perf_counter()
-    speedup, speed = evaluator.speedup(flow, params)
-    rec: dict[str, Any] = {"params": params, "speed": {"speedup": speedup, **speed}, "stage": "speed"}
-    if speedup <= 1.0:
-        rec["reason"] = f"{speed['kind']} speedup {speedup:g} <= 1: dense is as fast"
-        rec["seconds"] = round(time.perf_counter() - t0, 3)
-        return rec
+    rec: dict[str, Any] = {"params": params, "stage": "speed"}
+    speed_after = cfg.kind == "reuse" and evaluator.speed_after_accuracy()  # a reuse flow's modeled speed
+    if not speed_after:
+        speedup, speed = evaluator.speedup(flow, params)
+        rec["speed"] = {"speedup": speedup, **speed}
+        if speedup <= 1.0:
+            rec["reason"] = f"{speed['kind']} speedup {speedup:g} <= 1: {'dense' if cfg.kind == 'decode' else 'full recompute'} is as fast"
+            rec["seconds"] = round(time.perf_counter() - t0, 3)
+            return rec
     bar = cfg.min_accuracy or 1.0
     floor = cfg.quick_floor * bar
 
@@ -246,6 +253,9 @@ def run_trial(cfg: SearchConfig, evaluator, flow: str, params: dict[str, str], o
 
     acc = evaluator.accuracy(flow, params, samples=cfg.samples, seed=cfg.seed, out=out, on_chunk=on_chunk)
     rec["accuracy"] = acc.to_dict()
+    if speed_after:
+        speedup, speed = evaluator.speedup(flow, params, acc)
+        rec["speed"] = {"speedup": speedup, **speed}
     if acc.complete:
         rec["stage"] = "full"
     else:

@@ -9,6 +9,10 @@ model (random weights when it is another architecture) at the speed batch and co
   dense on the same prompts, with fidelity beside it; each trial's run folder is kept.
 - speed: measured decode speedup over dense (median step times, side by side on one engine), or
   modeled: dense step bytes over the flow's (weights, KV read, the flow's fields; `perf.cost`).
+  Reuse flows: measured, time to first token of full recompute over the flow's on a prompt whose
+  90% is reused segments (`perf.speed.reuse_ttft_seconds`, the speed model at the speed context);
+  modeled, a full prefill's token-layers over the flow's, as its evaluation counted them (so a
+  reuse trial's modeled speed comes after its accuracy).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def accuracy_of(result: dict[str, Any]) -> Accuracy:
                     int(result.get("samples_done") or 0), result.get("fidelity"), result.get("run_dir"),
                     bool(result.get("complete")),
                     {"tasks": {k: v.get("accuracy") for k, v in (result.get("tasks") or {}).items()},
-                     "note": result.get("note")})
+                     "note": result.get("note"), **({"reuse": result["reuse"]} if result.get("reuse") else {})})
 
 
 class EngineEvaluator:
@@ -64,6 +68,8 @@ class EngineEvaluator:
         self._llm = None
         self._speed_llm = None
         self._dense_step: dict[int, float] = {}  # block size -> dense step seconds on the speed engine
+        self._reuse_prompt: list | None = None  # reuse speed: the prompt, its segments stored
+        self._full_ttft: float | None = None  # reuse speed: full recompute's time to first token
         self.references: dict[tuple[int, int], DenseReference] = {}  # (samples, seed) -> reference
 
     # ---- engines ---------------------------------------------------------------------------------
@@ -104,6 +110,8 @@ class EngineEvaluator:
             from sparsetune.models.resolve import model_config
 
             model, random, batch, context = self.speed_shape()
+            if self.cfg.kind == "reuse":  # one request; its prompt and the stored segments (up to as many tokens)
+                batch, context = 1, 2 * context
             # K and V for the timed steps (a flow's fields come on top: a block-size change keeps the
             # tokens, so a flow whose fields do not fit beside them fails as a trial, with the reason)
             dtype = resolve_dtype(None, resolve_device(self.cfg.device), "bfloat16")
@@ -115,8 +123,15 @@ class EngineEvaluator:
 
     # ---- objectives ------------------------------------------------------------------------------
 
-    def speedup(self, flow: str, params: dict[str, str]) -> tuple[float, dict[str, Any]]:
-        """Decode speedup over dense and how it was taken."""
+    def speed_after_accuracy(self) -> bool:
+        """A reuse flow's modeled speed is what its evaluation computed: it comes after accuracy."""
+        return self.cfg.kind == "reuse" and self.speed_kind() == "modeled"
+
+    def speedup(self, flow: str, params: dict[str, str], accuracy: Accuracy | None = None) -> tuple[float, dict[str, Any]]:
+        """Speedup over dense (decode) or full recompute (reuse) and how it was taken; a reuse
+        flow's modeled speed reads `accuracy` (`speed_after_accuracy`)."""
+        if self.cfg.kind == "reuse":
+            return self._reuse_speedup(flow, params, accuracy)
         from sparsetune.models.resolve import model_config
         from sparsetune.perf.cost import modeled_speedup
         from sparsetune.registry import build_flow
@@ -146,6 +161,32 @@ class EngineEvaluator:
         return round(dense_s / flow_s, 4), {"kind": "measured", "device": str(llm.device), "flow_step_ms": round(1e3 * flow_s, 4),
                                              "dense_step_ms": round(1e3 * dense_s, 4), **info}
 
+    def _reuse_speedup(self, flow: str, params: dict[str, str], accuracy: Accuracy | None) -> tuple[float, dict[str, Any]]:
+        model, random, _batch, context = self.speed_shape()
+        if self.speed_kind() == "modeled":
+            stats = (accuracy.extra.get("reuse") if accuracy is not None else None) or {}
+            fraction = stats.get("compute_fraction")
+            if not fraction:
+                raise SparsetuneError(f"{flow}: its evaluation counted no reuse prefill (no prompt with segments)")
+            return round(1 / fraction, 4), {"kind": "modeled", "what": "full prefill token-layers / the flow's",
+                                            "compute_fraction": fraction, "model": self.cfg.model, "context": self.cfg.context}
+        from sparsetune.perf.speed import reuse_prompt, reuse_ttft_seconds, store_segments
+
+        llm = self._speed_engine()
+        if self._reuse_prompt is None:
+            self._reuse_prompt = reuse_prompt(context, seed=self.cfg.seed)
+            store_segments(llm, self._reuse_prompt)
+        if self._full_ttft is None:
+            llm.set_reuse("full_recompute")
+            self._full_ttft = reuse_ttft_seconds(llm, self._reuse_prompt)[0]
+        llm.set_reuse(flow, params)
+        ttft, stats = reuse_ttft_seconds(llm, self._reuse_prompt)
+        return round(self._full_ttft / ttft, 4), {
+            "kind": "measured", "what": "full recompute TTFT / the flow's", "device": str(llm.device),
+            "flow_ttft_ms": round(1e3 * ttft, 3), "full_ttft_ms": round(1e3 * self._full_ttft, 3),
+            "compute_fraction": stats.get("compute_fraction"), "prompt_tokens": stats.get("prompt_tokens"),
+            "model": model, "random_weights": random, "context": context}
+
     def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
                  on_chunk: ChunkFn | None = None) -> Accuracy:
         """`evaluate` of the flow on the prompt set (`samples` per task, `seed`), relative to dense;
@@ -157,9 +198,12 @@ class EngineEvaluator:
         from sparsetune.evaluation.runner import evaluate
 
         cfg = self.cfg
-        ecfg = EvalConfig.of(model=cfg.model, flow=flow or "dense", params=params, tasks=cfg.tasks, context=cfg.context,
-                             samples=samples, batch=cfg.batch, seed=seed, mode="accuracy", device=cfg.device,
-                             dtype=cfg.dtype, defaults="published")  # a trial is exactly its point
+        # a trial is exactly its point (published defaults); a reuse flow decodes with dense or its own decode flow
+        flows = (dict(flow=flow or "dense", params=params) if cfg.kind == "decode" else
+                 dict(flow=None, reuse=flow, reuse_params=params))
+        ecfg = EvalConfig.of(model=cfg.model, **flows, tasks=cfg.tasks, context=cfg.context, samples=samples,
+                             batch=cfg.batch, seed=seed, mode="accuracy", device=cfg.device, dtype=cfg.dtype,
+                             defaults="published")
         reference = self.references.setdefault((samples, seed), DenseReference())
         state: dict[str, Any] = {}
 

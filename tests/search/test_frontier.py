@@ -8,7 +8,7 @@ import random
 import pytest
 
 from sparsetune.search.frontier import Point, dominates, hypervolume, pareto, wilson_interval
-from sparsetune.search.report import against_defaults
+from sparsetune.search.report import against_defaults, against_defaults_lines
 
 
 def _brute_front(points: list[Point]) -> set[str]:
@@ -59,7 +59,7 @@ def test_wilson_interval():
 
 
 def _row(trial, share, acc, speed, holds=True):
-    return {"trial": trial, "kv_share": share, "confirmed_accuracy": acc, "speedup": speed, "holds": holds}
+    return {"trial": trial, "share": share, "confirmed_accuracy": acc, "speedup": speed, "holds": holds}
 
 
 def test_against_defaults_is_the_fastest_held_point_that_reads_no_more_and_beats_them():
@@ -69,8 +69,12 @@ def test_against_defaults_is_the_fastest_held_point_that_reads_no_more_and_beats
             _row("block_topk#20", 0.06, 0.72, 2.60)]  # beats block_topk's defaults in both
     got = {a["defaults"]: a for a in against_defaults(defaults, held)}
     assert got["quest#0"]["point"] == "block_topk#20" and got["quest#0"]["dominates"]
-    assert got["block_topk#1"] == {"defaults": "block_topk#1", "point": "block_topk#20", "accuracy_gain": 0.02,
+    assert got["block_topk#1"] == {"defaults": "block_topk#1", "point": "block_topk#20", "share": 0.06,
+                                   "defaults_share": 0.125, "accuracy_gain": 0.02,
                                    "speed_ratio": round(2.60 / 2.51, 4), "dominates": True}
+    assert against_defaults_lines({"against_defaults": [got["block_topk#1"]]}) == [
+        "block_topk#1: block_topk#20 beats them with no more K/V read (6% against 12%): +2 points of confirmed "
+        "accuracy, at 1.04× their speed (faster too: it dominates them)"]
     slower = {a["defaults"]: a for a in against_defaults(defaults, held[:2])}
     assert slower["quest#0"]["point"] == "block_topk#7" and not slower["quest#0"]["dominates"]
     assert slower["block_topk#1"]["speed_ratio"] == round(1.80 / 2.51, 4)

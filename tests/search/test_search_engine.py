@@ -49,3 +49,24 @@ def test_search_cli_prints_the_frontier_as_json_and_the_trials_as_it_goes(tmp_pa
     assert "trial block_topk#0 (defaults)" in proc.stderr and "speedup" in proc.stderr
     shown = run("search", "show", str(Path(tmp_path) / "cli"), "--json")
     assert shown.returncode == 0 and len(json.loads(shown.stdout)["records"]) == 2
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_a_reuse_search_measures_what_sparsetune_eval_measures(tmp_path):
+    """--reuse: a trial is the reuse flow's evaluation on prompts with segments, relative to dense
+    (full prefill) on the same prompts, and its modeled speed is a full prefill's token-layers over
+    the ones that evaluation computed."""
+    cfg = SearchConfig(kind="reuse", study="r", out=str(tmp_path), flows=("cacheblend",), trials=2, device="cpu",
+                       model="smollm2-135m", tasks=("rag",), context=384, samples=2, batch=2, confirm_samples=1)
+    result = run_search(cfg, EngineEvaluator(cfg))
+    records = [r for r in trial_records(open_flows(cfg, create=False)) if r.get("accuracy")]
+    assert len(records) == 2 and records[0]["role"] == "defaults" and records[0]["params"]["check_layer"] == "1"
+    rec = records[-1]
+    alone = evaluate(EvalConfig.of(reuse="cacheblend", reuse_params=rec["params"], tasks=("rag",), context=384, samples=2,
+                                   batch=2, mode="accuracy", device="cpu"), out=tmp_path / "alone").dump()
+    fraction = alone["reuse"]["compute_fraction"]
+    assert alone["relative_accuracy"] == rec["accuracy"]["relative_accuracy"] and 0 < fraction < 1
+    assert rec["speed"] == {**rec["speed"], "kind": "modeled", "speedup": round(1 / fraction, 4), "compute_fraction": fraction}
+    assert result["kind"] == "reuse" and result["share_of"] == "token-layers computed"
+    assert {r["trial"]: r["share"] for r in result["defaults"]} == {"cacheblend#0": records[0]["accuracy"]["reuse"]["compute_fraction"]}
+    assert result["defaults"][0]["confirmed_accuracy"] is not None

@@ -102,3 +102,39 @@ def test_every_sampled_point_is_a_valid_flow(name):
         assert not flow.select_layers or flow.select_layers[0] == sparse[0]
         assert set(flow.select_layers) <= set(sparse)
         study.tell(trial, 0.0)
+
+
+def _reuse(name: str):
+    from sparsetune.reuse.flow import ReuseFlow
+
+    return get_flow_class(name, ReuseFlow)
+
+
+def test_reuse_flows_search_their_layers_as_single_layers_capped_at_the_model():
+    """A reuse flow's boundary or check layer is one layer ("index"): an integer in its range, capped
+    at the model's last layer; a None default (sparsex: 15% of the layers) seeds the layer it stands for."""
+    from sparsetune.search.study import default_trial_params
+
+    dims = {d.name: d for d in dimensions(_reuse("sparsex"), LAYERS)}
+    assert list(dims) == ["ratio", "boundary_layer", "overflow", "tail"]
+    assert dims["boundary_layer"].distribution == IntDistribution(0, 8) and dims["boundary_layer"].layers is None
+    assert dims["ratio"].distribution == FloatDistribution(0.02, 0.6, log=True)  # shared by every reuse flow's ratio
+    few = {d.name: d for d in dimensions(_reuse("sparsex"), 5)}
+    assert few["boundary_layer"].distribution == IntDistribution(0, 4)  # a 5-layer model: capped
+    assert default_trial_params(_reuse("sparsex"), LAYERS, {})["boundary_layer"] == round(0.15 * LAYERS)
+    flow = _reuse("sparsex")()
+    assert flow.selection_layer(LAYERS) == default_trial_params(_reuse("sparsex"), LAYERS, {})["boundary_layer"]
+    assert {d.name: d for d in dimensions(_reuse("cacheblend"), LAYERS)}["check_layer"].distribution == IntDistribution(1, 6)
+    assert dimensions(_reuse("pie"), LAYERS) == []  # nothing to tune
+
+
+@pytest.mark.parametrize("name", ["sparsex", "cacheblend", "a3", "epic", "redknot", "loopserve"])
+def test_every_sampled_point_is_a_valid_reuse_flow(name):
+    cls = _reuse(name)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(30):
+        trial = study.ask()
+        flow = cls.from_strings(suggest(trial, cls, LAYERS))
+        layer = flow.selection_layer(LAYERS)
+        assert layer is None or 0 <= layer < LAYERS
+        study.tell(trial, 0.0)

@@ -60,7 +60,7 @@ def test_search_starts_from_the_defaults_and_writes_a_confirmed_frontier(tmp_pat
     assert len(result["defaults"]) == 2 and all(r["confirmed_accuracy"] is not None for r in result["defaults"])
     for r in result["defaults"]:  # the dense layers' whole context, then 1/8 of it on the other layers
         dense = len(r["params"]["dense_layers"].split(","))
-        assert r["kv_share"] == round((dense + (30 - dense) * 0.125) / 30, 4)
+        assert r["share"] == round((dense + (30 - dense) * 0.125) / 30, 4)
     assert [a["defaults"] for a in result["against_defaults"]] == [r["trial"] for r in result["defaults"]]
     run_dir = tmp_path / "s"
     assert {p.name for p in run_dir.iterdir()} >= {"study.journal", "search.json", "trials.jsonl", "frontier.json",
