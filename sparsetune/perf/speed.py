@@ -138,10 +138,12 @@ def store_segments(llm: LLM, parts: list) -> dict[str, Any]:
         llm.set_reuse(flow)
 
 
-def reuse_ttft_seconds(llm: LLM, parts: list, repeats: int = 3) -> tuple[float, dict[str, Any]]:
+def reuse_ttft_seconds(llm: LLM, parts: list, repeats: int = 3, warmup: int = 1) -> tuple[float, dict[str, Any]]:
     """Median time to first token of the engine's reuse flow on `parts` (its segments stored by
-    `store_segments`), after a warm-up request, and the last request's reuse stats."""
+    `store_segments`), after `warmup` requests (allocator, kernels' first launch), and the last
+    request's reuse stats."""
     once = SamplingParams(max_tokens=1, ignore_eos=True)
-    llm.generate([parts], once, chat=False)  # warm-up: allocator, kernels' first launch
+    for _ in range(warmup):
+        llm.generate([parts], once, chat=False)
     runs = [llm.generate([parts], once, chat=False)[0].reuse for _ in range(repeats)]
     return statistics.median(r["seconds"] for r in runs), runs[-1]

@@ -17,12 +17,15 @@ model (random weights when it is another architecture) at the speed batch and co
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.search.config import SearchConfig
+
+REUSE_SPEED_REPEATS = 5  # timed requests of full recompute and of the flow, alternately
 
 # A partial result after each chunk of samples: may raise `Hopeless` to stop the trial there.
 ChunkFn = Callable[[dict[str, Any]], None]
@@ -69,7 +72,6 @@ class EngineEvaluator:
         self._speed_llm = None
         self._dense_step: dict[int, float] = {}  # block size -> dense step seconds on the speed engine
         self._reuse_prompt: list | None = None  # reuse speed: the prompt, its segments stored
-        self._full_ttft: float | None = None  # reuse speed: full recompute's time to first token
         self.references: dict[tuple[int, int], DenseReference] = {}  # (samples, seed) -> reference
 
     # ---- engines ---------------------------------------------------------------------------------
@@ -176,16 +178,25 @@ class EngineEvaluator:
         if self._reuse_prompt is None:
             self._reuse_prompt = reuse_prompt(context, seed=self.cfg.seed)
             store_segments(llm, self._reuse_prompt)
-        if self._full_ttft is None:
-            llm.set_reuse("full_recompute")
-            self._full_ttft = reuse_ttft_seconds(llm, self._reuse_prompt)[0]
-        llm.set_reuse(flow, params)
-        ttft, stats = reuse_ttft_seconds(llm, self._reuse_prompt)
-        return round(self._full_ttft / ttft, 4), {
-            "kind": "measured", "what": "full recompute TTFT / the flow's", "device": str(llm.device),
-            "flow_ttft_ms": round(1e3 * ttft, 3), "full_ttft_ms": round(1e3 * self._full_ttft, 3),
+        # Side by side: each warmed up, then full recompute and the flow alternately, medians of each
+        runs: dict[str, list[float]] = {"full_recompute": [], flow: []}
+        setups = (("full_recompute", None), (flow, params))
+        for name, p in setups:
+            llm.set_reuse(name, p)
+            reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)  # its warm-up
+        for _ in range(REUSE_SPEED_REPEATS):
+            for name, p in setups:
+                llm.set_reuse(name, p)
+                ttft, stats = reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)
+                runs[name].append(ttft)
+        full, ttft = statistics.median(runs["full_recompute"]), statistics.median(runs[flow])
+        return round(full / ttft, 4), {
+            "kind": "measured", "what": "full recompute TTFT / the flow's (medians, measured alternately)",
+            "device": str(llm.device), "flow_ttft_ms": round(1e3 * ttft, 3), "full_ttft_ms": round(1e3 * full, 3),
+            "flow_ttft_runs_ms": [round(1e3 * t, 3) for t in runs[flow]],
+            "full_ttft_runs_ms": [round(1e3 * t, 3) for t in runs["full_recompute"]],
             "compute_fraction": stats.get("compute_fraction"), "prompt_tokens": stats.get("prompt_tokens"),
-            "model": model, "random_weights": random, "context": context}
+            "segment_hits": stats.get("segment_hits"), "model": model, "random_weights": random, "context": context}
 
     def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
                  on_chunk: ChunkFn | None = None) -> Accuracy:

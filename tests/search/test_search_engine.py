@@ -70,3 +70,24 @@ def test_a_reuse_search_measures_what_sparsetune_eval_measures(tmp_path):
     assert result["kind"] == "reuse" and result["share_of"] == "token-layers computed"
     assert {r["trial"]: r["share"] for r in result["defaults"]} == {"cacheblend#0": records[0]["accuracy"]["reuse"]["compute_fraction"]}
     assert result["defaults"][0]["confirmed_accuracy"] is not None
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_path):
+    """--speed measured for reuse flows (what a GPU does; here on CPU): the segments stored once,
+    then full recompute and the flow timed alternately on the same prompt, the speedup the ratio of
+    the medians, and the flow's recompute plan the one its stats report."""
+    from sparsetune.search.trial import REUSE_SPEED_REPEATS
+
+    cfg = SearchConfig(kind="reuse", study="m", out=str(tmp_path), flows=("cacheblend",), device="cpu", speed="measured",
+                       model="smollm2-135m", tasks=("rag",), context=1024, batch=2)
+    ev = EngineEvaluator(cfg)
+    speedup, info = ev.speedup("cacheblend", {"ratio": "0.1", "check_layer": "2"})
+    flow, full = info["flow_ttft_runs_ms"], info["full_ttft_runs_ms"]
+    assert len(flow) == len(full) == REUSE_SPEED_REPEATS
+    assert info["flow_ttft_ms"] == sorted(flow)[len(flow) // 2] and info["full_ttft_ms"] == sorted(full)[len(full) // 2]
+    assert speedup == round(info["full_ttft_ms"] / info["flow_ttft_ms"], 4)
+    assert info["kind"] == "measured" and info["model"] == "smollm2-135m" and not info["random_weights"]
+    # cacheblend at check layer 2 of 30 recomputes every token in layers 0-1, then 10% of the reused ones
+    assert 2 / 30 < info["compute_fraction"] < 2 / 30 + 0.2 and info["prompt_tokens"] > 100
+    assert info["segment_hits"] == 9  # every segment of the timed prompt came from the cache (stage 1)
