@@ -152,13 +152,14 @@ def list_models() -> list[dict[str, Any]]:
 
 
 def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str | list[str] | tuple[str, ...] | None = None,
-           resume: bool = False, evaluator: Any = None, on_event: Callable[[str, dict[str, Any]], None] | None = None,
-           **options: Any) -> dict[str, Any]:
+           resume: bool = False, workers: int = 1, evaluator: Any = None,
+           on_event: Callable[[str, dict[str, Any]], None] | None = None, **options: Any) -> dict[str, Any]:
     """`sparsetune.search`: a multi-objective search over decode `flows`, or over `reuse` flows,
     and their params (any `search.config.SearchConfig` field as a keyword: `trials`, `hours`,
     `context`, `min_accuracy`, `study`, `storage`, ...); returns frontier.json's object (the
     confirmed frontier, the defaults, dense). Rerunning with the same `study` continues it;
-    `resume=True` requires that it exists."""
+    `resume=True` requires that it exists. `workers`: processes on this host on the one study
+    (this one and `workers - 1` `search worker` processes, one GPU each on a GPU host)."""
     from sparsetune.search.config import DEFAULT_FLOWS, SearchConfig, check_search
 
     def names(value):
@@ -177,7 +178,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
         raise SparsetuneError(f"--resume: no search {study!r} in {cfg.storage_url()}; drop --resume to start it")
     from sparsetune.search.study import run_search
 
-    return run_search(cfg, evaluator, on_event)
+    return run_search(cfg, evaluator, on_event, workers=workers)
 
 
 def search_worker(study: str, storage: str, *, out: str | None = None, evaluator: Any = None,

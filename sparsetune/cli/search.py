@@ -95,6 +95,10 @@ class _Live:
                                                       for r in front))
         elif kind == "confirm":
             err.print(f"confirming {data['flow']}#{data['number']} on fresh prompts ({data['index'] + 1}/{data['total']})")
+        elif kind == "worker":
+            ok = data["returncode"] == 0
+            err.print(f"{'' if ok else '[yellow]'}worker {data['pid']} {'finished' if ok else 'exited with ' + str(data['returncode'])}"
+                      f" (its log: {data['log']}){'' if ok else '[/]'}")
 
 
 @app.callback()
@@ -126,7 +130,8 @@ def search(
     speed_model: str = typer.Option(None, "--speed-model", help="Measure speed on this architecture with random weights."),
     speed_batch: int = typer.Option(None, "--speed-batch", help="Batch for speed (default: --batch)."),
     speed_context: int = typer.Option(None, "--speed-context", help="Context for speed (default: --context)."),
-    workers: int = typer.Option(1, "--workers", help="Processes on this host (one engine each; more than one needs one GPU each)."),
+    workers: int = typer.Option(1, "--workers", help="Processes on this host, one engine each: one GPU each on a GPU host "
+                                "(the CPU's cores split on CPU); their logs in runs/<study>/workers/."),
     device: str = opt.device_option(),
     dtype: str = opt.dtype_option(),
     out: Path = opt.out_option("Directory for search folders."),
@@ -140,9 +145,8 @@ def search(
         raise SparsetuneError("--flow and --reuse: a search is of decode flows or of reuse flows; run one search for each")
     if [o.strip() for o in objectives.split(",")] != ["accuracy", "speed"]:
         raise SparsetuneError(f"--objectives {objectives!r}: accuracy,speed is the one supported pair")
-    if workers != 1:
-        raise SparsetuneError("--workers N on one host is not built yet; start `sparsetune search worker --study NAME "
-                              "--storage URL` once per GPU instead")
+    if workers < 1:
+        raise SparsetuneError(f"--workers must be at least 1 (got {workers})")
     if trials is None and hours is None:
         trials = 6
     from sparsetune import api
@@ -153,7 +157,7 @@ def search(
                    speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,
                    device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
     apply_threads(threads)
-    result = api.search(flow, reuse=reuse, resume=resume, on_event=_Live(trials, hours), **options)
+    result = api.search(flow, reuse=reuse, resume=resume, workers=workers, on_event=_Live(trials, hours), **options)
     _report(result, json_out)
 
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 import warnings
@@ -464,22 +466,84 @@ def _writer(cfg: SearchConfig, flows: Flows, on_event: EventFn | None) -> EventF
     return emit
 
 
-def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = None) -> dict[str, Any]:
-    """Run (or continue) the search `cfg.study`: trials until `--trials`/`--hours`, then confirmation;
-    returns frontier.json's object. Ctrl-C leaves the study consistent and the files written."""
+def spawn_workers(cfg: SearchConfig, workers: int) -> list[tuple[subprocess.Popen, Path]]:
+    """`workers - 1` more processes on this host (`sparsetune search worker` on the search's storage,
+    each with its own engine and run folder under `runs/<study>/workers/`, its log there): one GPU
+    each on a GPU host (this process keeps the first), the CPU's cores split between them on CPU."""
+    import sys
+
+    from sparsetune.device import resolve_device
+
+    if workers <= 1:
+        return []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if resolve_device(cfg.device).type == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if workers > count:
+            raise SparsetuneError(f"--workers {workers}: {count} GPU(s) visible and a worker needs one each; "
+                                  f"use --workers {count} (or workers on other hosts with --storage postgresql://...)")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g.strip() for g in visible.split(",")] if visible else [str(i) for i in range(count)]
+        devices, threads = gpus[1:workers], None
+    else:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)  # this process's share
+        devices = [None] * (workers - 1)
+    folder = cfg.run_dir / "workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, gpu in enumerate(devices, start=1):
+        cmd = [sys.executable, "-c", "from sparsetune.cli.main import main; main()", "search", "worker",
+               "--study", cfg.study, "--storage", cfg.storage_url(), "--out", str(folder / f"w{i}")]
+        cmd += ["--threads", str(threads)] if threads else []
+        log = folder / f"w{i}.log"
+        with open(log, "w") as f:
+            procs.append((subprocess.Popen(cmd, env=env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu},
+                                           stdout=f, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def finish_workers(procs: list[tuple[subprocess.Popen, Path]], emit: EventFn, timeout: float | None = None) -> None:
+    """Wait for the spawned workers (they stop when the budget is spent); one still running after
+    `timeout` is stopped as Ctrl-C stops a search (its trial is enqueued again)."""
+    for proc, log in procs:
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                rc = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+        emit("worker", {"pid": proc.pid, "returncode": rc, "log": str(log)})
+
+
+def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = None, workers: int = 1) -> dict[str, Any]:
+    """Run (or continue) the search `cfg.study`: trials until `--trials`/`--hours` (with `workers - 1`
+    more processes on this host, `spawn_workers`), then confirmation; returns frontier.json's object.
+    Ctrl-C leaves the study consistent and the files written."""
     from sparsetune.search.report import write_outputs
     from sparsetune.search.trial import EngineEvaluator
 
     flows = open_flows(cfg, create=True)
     write_json_config(cfg)
+    procs = spawn_workers(cfg, workers)
     evaluator = evaluator or EngineEvaluator(cfg)
     budget = Budget(cfg, time.time())
     emit = _writer(cfg, flows, on_event)
     stopped = "interrupted"
     try:
         stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget))
+        finish_workers(procs, emit)
+        procs = []
         confirm(cfg, flows, evaluator, on_event, deadline=budget.deadline)
     finally:
+        finish_workers(procs, emit, timeout=0)  # interrupted: the workers stop too
         result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
     if cfg.save_defaults:
         from sparsetune.records import write_json
@@ -538,8 +602,9 @@ def run_worker(study: str, storage: str, out: str | None = None, evaluator=None,
     evaluator = evaluator or EngineEvaluator(cfg)
     budget = Budget(cfg, time.time())
     stopped = "interrupted"
-    try:
-        stopped = work(cfg, flows, evaluator, budget, on_event=_writer(cfg, flows, on_event))
+    try:  # with the coordinator's reserve, so that its confirmation fits in --hours
+        stopped = work(cfg, flows, evaluator, budget, on_event=_writer(cfg, flows, on_event),
+                       reserve_s=lambda: confirm_reserve(cfg, flows, budget))
     finally:
         result = write_outputs(cfg, trial_records(flows), complete=False, stopped=stopped)
     return result

@@ -91,3 +91,21 @@ def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_
     # cacheblend at check layer 2 of 30 recomputes every token in layers 0-1, then 10% of the reused ones
     assert 2 / 30 < info["compute_fraction"] < 2 / 30 + 0.2 and info["prompt_tokens"] > 100
     assert info["segment_hits"] == 9  # every segment of the timed prompt came from the cache (stage 1)
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_workers_2_runs_the_study_in_two_processes(tmp_path):
+    """--workers 2 on CPU: a `search worker` process beside this one (the cores split), both on the
+    run folder's journal: every trial once, both processes run trials, then one confirmation."""
+    proc = run("search", "--flow", "block_topk", "--task", "niah_single", "--context", "256", "--samples", "1",
+               "--confirm-samples", "1", "--batch", "4", "--trials", "6", "--workers", "2", "--study", "w",
+               "--out", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["trials"]["finished"] + out["trials"]["failed"] == 6 and out["trials"]["failed"] == 0
+    records = json.loads(run("search", "show", str(tmp_path / "w"), "--json").stdout)["records"]
+    assert len({(r["flow"], r["number"]) for r in records}) == len(records) == 6
+    assert len({r["worker"] for r in records}) == 2  # this process and the spawned one
+    log = tmp_path / "w" / "workers" / "w1.log"
+    assert "finished (its log: " + str(log) in proc.stderr and "trial block_topk#" in log.read_text()
+    assert out["defaults"][0]["confirmed_accuracy"] is not None
