@@ -102,6 +102,9 @@ class SearchConfig(BaseModel):
         if self.save_defaults and self.min_accuracy is None:
             raise SparsetuneError("--save-defaults needs --min-accuracy (the share of dense accuracy a saved default "
                                   "must keep on fresh prompts)")
+        if self.save_defaults and self.kind == "reuse":
+            raise SparsetuneError("--save-defaults: tuned defaults are for decode flows (eval and generate read them for "
+                                  "--flow); run a reuse flow's confirmed point with --reuse-param k=v")
         if self.hours is not None and not self.hours > 0:
             raise SparsetuneError(f"--hours must be positive (got {self.hours})")
         if self.speed not in SPEEDS:

@@ -82,6 +82,7 @@ BEFORE_TORCH = [
     (("search", "--study", "a/b"), ("--study 'a/b': use letters",)),
     (("search", "--reuse", "sparsex", "--flow", "quest"), ("--flow and --reuse: a search is of decode flows or of reuse flows",)),
     (("search", "--save-defaults"), ("--save-defaults needs --min-accuracy",)),
+    (("search", "--reuse", "sparsex", "--save-defaults", "--min-accuracy", "0.9"), ("--save-defaults: tuned defaults are for decode flows",)),
     (("eval", "--flow", "quest", "--defaults", "mine"), ("--defaults 'mine': use tuned or published",)),
     (("search", "show", "nowhere"), ("not a search folder",)),
     (("export",), ("not built yet",)),
