@@ -112,13 +112,16 @@ def _random_text(n: int, rng) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n))
 
 
-def reuse_prompt(context: int, ratio: float = 0.9, segments: int = 9, seed: int = 0) -> list:
+def reuse_prompt(context: int, ratio: float = 0.9, segments: int = 9, seed: int = 0, tokenizer=None) -> list:
     """Prompt parts for `LLM.generate`: a plain prefix, `segments` reusable segments holding `ratio`
-    of the characters, a plain suffix (`context` characters: tokens, with random weights' byte
-    tokenizer; about a quarter as many with a real one)."""
+    of the text, a plain suffix; about `context` tokens of `tokenizer` (exactly, with random
+    weights' byte tokenizer: one token per character; None: that one)."""
     import random
 
     rng = random.Random(seed)
+    if tokenizer is not None:  # characters per token of this text, measured on a sample of it
+        sample = _random_text(4096, random.Random(seed + 1))
+        context = round(context * len(sample) / max(1, len(tokenizer.encode(sample))))
     seg_len = int(context * ratio) // segments
     new = context - seg_len * segments
     parts: list = [_random_text(new // 2, rng)]

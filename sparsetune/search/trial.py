@@ -112,8 +112,8 @@ class EngineEvaluator:
             from sparsetune.models.resolve import model_config
 
             model, random, batch, context = self.speed_shape()
-            if self.cfg.kind == "reuse":  # one request; its prompt and the stored segments (up to as many tokens)
-                batch, context = 1, 2 * context
+            if self.cfg.kind == "reuse":  # one request: its prompt, the stored segments (90% as many tokens, each
+                batch, context = 1, 3 * context  # in blocks of its own), and the room a pool needs to keep them
             # K and V for the timed steps (a flow's fields come on top: a block-size change keeps the
             # tokens, so a flow whose fields do not fit beside them fails as a trial, with the reason)
             dtype = resolve_dtype(None, resolve_device(self.cfg.device), "bfloat16")
@@ -176,7 +176,7 @@ class EngineEvaluator:
 
         llm = self._speed_engine()
         if self._reuse_prompt is None:
-            self._reuse_prompt = reuse_prompt(context, seed=self.cfg.seed)
+            self._reuse_prompt = reuse_prompt(context, seed=self.cfg.seed, tokenizer=llm.tokenizer)
             store_segments(llm, self._reuse_prompt)
         # Side by side: each warmed up, then full recompute and the flow alternately, medians of each
         runs: dict[str, list[float]] = {"full_recompute": [], flow: []}
