@@ -6,7 +6,9 @@ parses the file, runs these checks, and executes it only if they pass. The rules
 
 1. Top level: a docstring, imports, class and function definitions, constant assignments.
    Imports anywhere in the file come from `ALLOWED_MODULES` only (the flow API, the reuse helpers
-   the built-ins use, `torch`, `math`, `typing`). Code that runs while the file loads (module
+   the built-ins use, `torch`, `math`, `typing`), and from sparsetune's own modules only names of
+   the flow API (`_flow_api_name`: no module, no submodule such as the harness's, no private name;
+   from the op module only ops). Code that runs while the file loads (module
    level, class bodies, decorators, base classes, default values, annotations) may call only
    `Param(...)`, `Search(...)` and the value builtins in `IMPORT_TIME_CALLS`.
 2. Anywhere: builtins outside `SAFE_BUILTINS` (`exec`, `eval`, `compile`, `open`, `__import__`,
@@ -299,7 +301,7 @@ class FlowSource:
                 for a in node.names:
                     if a.name == "*":
                         out.append(Problem(line, f"`from {where} import *` is not allowed; name what you import"))
-                    elif a.name in DENIED_ATTRS or _is_dunder(a.name):
+                    elif a.name in DENIED_ATTRS or _is_dunder(a.name) or not _flow_api_name(node.module, a.name):
                         out.append(Problem(line, f"`from {where} import {a.name}` is not allowed in a flow file; "
                                                  "import the flow API only"))
             elif isinstance(node, ast.Name):
@@ -409,6 +411,34 @@ class FlowSource:
                     else:
                         problems.append(Problem(line, f"`{ast.unparse(f)}(...)` is not a flow op; use F.* ops only"))
         return problems
+
+
+_VALUE_TYPES = frozenset({"FT", "Fields", "Selection", "FlowError"})
+
+
+def _flow_api_name(module: str, name: str) -> bool:
+    """Whether `from module import name` takes a name of the flow API: from sparsetune's own
+    modules a public name that is no module (the flow package's `ops` as F excepted: the harness,
+    the engine and the search are modules, never the API), from the op module an op or a value
+    type. Names of torch, math and typing are left to rules 2 and 3."""
+    import importlib
+    import importlib.util
+    import types
+
+    if not module.startswith("sparsetune"):
+        return True
+    if module == "sparsetune.flow" and name == "ops":
+        return True
+    if name.startswith("_"):
+        return False
+    mod = importlib.import_module(module)  # one of ALLOWED_MODULES: sparsetune's own
+    if hasattr(mod, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None:
+        return False  # a submodule
+    if isinstance(getattr(mod, name, None), types.ModuleType):
+        return False
+    if module == _OPS_MODULE:
+        return name in _ops() or name in _VALUE_TYPES
+    return True
 
 
 def _ops() -> dict:

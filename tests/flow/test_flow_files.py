@@ -291,6 +291,14 @@ HEAD = "from sparsetune.flow import DecodeFlow, Param\nfrom sparsetune.flow impo
     ("from torch import load", "`from torch import load` is not allowed"),
     ("from . import x", "`from . import ...` is not allowed"),
     ("from torch import *", "`from torch import *` is not allowed"),
+    # From sparsetune's own modules, the flow API only: not the harness, the engine or the op module's internals.
+    ("from sparsetune.flow import check", "`from sparsetune.flow import check` is not allowed"),
+    ("from sparsetune.flow.ops import active", "`from sparsetune.flow.ops import active` is not allowed"),
+    ("from sparsetune.flow.ops import torch", "`from sparsetune.flow.ops import torch` is not allowed"),
+    ("from sparsetune.reuse.flow import F", "`from sparsetune.reuse.flow import F` is not allowed"),
+    ("from sparsetune.flow.ops import _where", "`from sparsetune.flow.ops import _where` is not allowed"),
+    ("from sparsetune.flow.ops import gemm, FT", None),
+    ("from sparsetune.reuse.flow import attention_mass", None),
     ("X = __import__('os')", "`__import__` is not allowed"),
     ("X = (1, 2)\nY = len(X)", None),  # constants are fine
     ("for i in range(3):\n    pass", "runs when the flow file is loaded"),

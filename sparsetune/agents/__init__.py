@@ -1,0 +1,1 @@
+"""Agents that write new flows: proposers (evolve, claude, openai), the harness, the sandbox."""

@@ -1,0 +1,130 @@
+"""The harness every candidate flow goes through, and its record.
+
+1. **static**: the file parses and keeps to the flow-file rules (`flow.source_check`: module level
+   holds the flow class and flow-API imports only; stages use only the op set; no other names,
+   attributes, builtins, I/O, dunders). Read as a syntax tree here: nothing of it runs.
+2. **check**: `flows check` semantics in a subprocess with a wall-clock, memory and CPU limit and a
+   hard kill (`agents.sandbox`): shapes, field bytes per block, indexer work, the compiled paths,
+   equality with dense attention at full budget.
+3. **gate** and 4. **study** run in the search (`agents.loop`): a quick accuracy check on prompts
+   drawn for this candidate with a fresh seed, then a short Optuna study of its params.
+
+A candidate that fails a stage is recorded with the stage and the reason, never dropped. Its
+record lives in `runs/<study>/candidates/<id>/`: `flow.py` (the source), `candidate.json` (the
+proposer, parents, prompt hash, rationale, tokens and cost, each stage's verdict and timing) and
+the sandbox's logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparsetune.agents.sandbox import Limits, python_cmd, run_limited
+
+CHECK_LIMITS = Limits(wall_s=120.0, memory_mb=3072, cpu_s=240)
+
+
+@dataclass
+class Stage:
+    name: str
+    ok: bool
+    reason: str | None
+    seconds: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Candidate:
+    """One proposed flow and what became of it."""
+
+    id: str
+    name: str  # the flow's `name` (unique in the search)
+    proposer: str
+    source: str
+    parents: list[str] = field(default_factory=list)
+    rationale: str = ""
+    prompt_hash: str | None = None  # LLM proposers: sha256 of the request that produced it
+    usage: dict[str, int] = field(default_factory=dict)  # LLM proposers: tokens by kind
+    cost_usd: float = 0.0
+    stages: list[Stage] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+
+    @property
+    def verdict(self) -> str:
+        """"accepted" when every stage run so far passed, else "rejected at <stage>"."""
+        bad = next((s for s in self.stages if not s.ok), None)
+        return "accepted" if bad is None else f"rejected at {bad.name}"
+
+    @property
+    def reason(self) -> str | None:
+        return next((s.reason for s in self.stages if not s.ok), None)
+
+    def source_hash(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "verdict": self.verdict, "reason": self.reason, "source_sha256": self.source_hash()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        keep = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "stages"}
+        return cls(**keep, stages=[Stage(**s) for s in data.get("stages", [])])
+
+    def folder(self, root: Path) -> Path:
+        return root / self.id
+
+    def save(self, root: Path) -> Path:
+        d = self.folder(root)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "flow.py").write_text(self.source)
+        (d / "candidate.json").write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        return d
+
+
+def load_candidates(root: Path) -> list[Candidate]:
+    """Every candidate recorded under `root` (a search's `candidates/` folder), in id order."""
+    if not root.is_dir():
+        return []
+    return [Candidate.from_dict(json.loads(p.read_text())) for p in sorted(root.glob("*/candidate.json"))]
+
+
+def static_stage(path: Path) -> Stage:
+    """Harness step 1, on the syntax tree (the file is not imported)."""
+    from sparsetune.flow.source_check import file_problems
+
+    t0 = time.perf_counter()
+    problems = file_problems(path, path.read_bytes())
+    return Stage("static", not problems, " | ".join(problems) if problems else None, round(time.perf_counter() - t0, 3),
+                 {"problems": problems} if problems else {})
+
+
+def check_stage(path: Path, folder: Path, limits: Limits = CHECK_LIMITS) -> Stage:
+    """Harness step 2, in a sandboxed subprocess (`agents.sandbox`)."""
+    out = run_limited(python_cmd("check", str(path.resolve()), str((folder / "check.json").resolve())), limits,
+                      folder / "check.log", folder / "check.json")
+    detail = {"seconds": out.seconds, "peak_mb": out.peak_mb, "log": out.log}
+    why = out.reason()
+    if why is not None:
+        return Stage("check", False, why, out.seconds, detail)
+    res = out.result or {}
+    if not res.get("ok"):
+        return Stage("check", False, str(res.get("reason")), out.seconds, detail)
+    return Stage("check", True, None, out.seconds, {**detail, "report": res["report"]})
+
+
+def validate(cand: Candidate, root: Path, limits: Limits = CHECK_LIMITS) -> Candidate:
+    """Steps 1 and 2 on a candidate; its record saved under `root` after each."""
+    folder = cand.save(root)
+    path = folder / "flow.py"
+    for step in (lambda: static_stage(path), lambda: check_stage(path, folder, limits)):
+        stage = step()
+        cand.stages.append(stage)
+        cand.save(root)
+        if not stage.ok:
+            break
+    return cand
