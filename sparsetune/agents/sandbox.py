@@ -110,6 +110,13 @@ def group_rss_mb(pgid: int) -> float:
     return total * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_limited(cmd: list[str], limits: Limits, log: Path, result: Path, cwd: Path | None = None) -> Outcome:
     """Run `cmd` under `limits` (module docstring); it returns by writing JSON to `result`."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -134,10 +141,7 @@ def run_limited(cmd: list[str], limits: Limits, log: Path, result: Path, cwd: Pa
                 time.sleep(POLL_S)
         finally:  # killed, or this process interrupted: nothing of the group outlives it
             if proc.poll() is None or killed:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                _kill_group(proc)
             proc.wait()
     data = None
     if not killed and result.is_file():
@@ -163,6 +167,118 @@ def python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "sparsetune.agents.sandbox", *args]
 
 
+# ---- a long-lived sandboxed evaluator ---------------------------------------------------------------
+
+class SandboxError(RuntimeError):
+    """The sandboxed evaluator was killed (a limit) or died; the request it was serving failed."""
+
+
+class SandboxEvaluator:
+    """The search's evaluator in a sandboxed child (`python -m sparsetune.agents.sandbox serve`):
+    its engines, and every trial and accuracy run of any flow, live there, so a candidate's stages
+    never run in this process. Requests go over the child's stdin, answers come back on a pipe of
+    their own (one JSON line each). A request past its time limit (`limits.wall_s` for the first,
+    which loads the engines; then `REQUEST_FACTOR` times the slowest so far, at least
+    `MIN_REQUEST_S`), or a child past its memory limit, is killed with its whole process group;
+    the request raises `SandboxError` and the next one starts a fresh child."""
+
+    REQUEST_FACTOR, MIN_REQUEST_S = 5.0, 300.0
+
+    def __init__(self, cfg, folder: Path, limits: Limits) -> None:
+        self.cfg, self.folder, self.limits = cfg, Path(folder), limits
+        self._proc: subprocess.Popen | None = None
+        self._answers = None
+        self._killed: str | None = None
+        self.slowest: float | None = None
+        self.starts = 0
+
+    # the search's evaluator interface (`search.trial.EngineEvaluator`), through the child
+    def run_trial(self, cfg, _evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
+        return self.request({"op": "trial", "flow": flow, "params": params, "out": str(out)})["record"]
+
+    def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path, on_chunk=None):
+        from sparsetune.search.trial import accuracy_from_dict
+
+        ans = self.request({"op": "accuracy", "flow": flow, "params": params, "samples": samples, "seed": seed,
+                            "out": str(out)})
+        return accuracy_from_dict(ans["accuracy"])
+
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        import queue
+
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        limit = self.limits.wall_s if self.slowest is None else max(self.MIN_REQUEST_S, self.REQUEST_FACTOR * self.slowest)
+        t0 = time.monotonic()
+        try:
+            self._proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self._proc.stdin.flush()
+            ans = self._answers.get(timeout=limit)
+        except queue.Empty:
+            self.close(f"over its time limit of {limit:.0f} s for one request")
+            raise SandboxError(f"killed by the harness: {msg['op']} of {msg.get('flow')} took over {limit:.0f} s") from None
+        except (BrokenPipeError, OSError):
+            ans = None
+        if ans is None:  # the child is gone: killed by the watchdog, or died
+            why = self._killed or f"the sandbox exited with code {self._proc.wait()}"
+            self.close()
+            raise SandboxError(f"killed by the harness: {why}" if self._killed else why)
+        self.slowest = max(self.slowest or 0.0, time.monotonic() - t0)
+        if not ans.get("ok"):
+            raise SandboxError(ans.get("error", "the sandbox failed"))
+        return ans
+
+    def _start(self) -> None:
+        import queue
+        import threading
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        config = self.folder / "sandbox-config.json"
+        config.write_text(self.cfg.model_dump_json())
+        read_fd, write_fd = os.pipe()
+        env = {**clean_env(self.limits.cpu_only), "SPARSETUNE_SANDBOX_FD": str(write_fd)}
+        self.starts += 1
+        log = open(self.folder / f"sandbox-{self.starts}.log", "wb")
+        serving = Limits(self.limits.wall_s, self.limits.memory_mb, None, self.limits.file_mb, self.limits.cpu_only)
+        self._proc = subprocess.Popen(python_cmd("serve", str(config)), stdin=subprocess.PIPE, stdout=log,
+                                      stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,), start_new_session=True,
+                                      preexec_fn=_set_limits(serving))
+        log.close()
+        os.close(write_fd)
+        self._killed = None
+        answers: queue.Queue = queue.Queue()
+        self._answers = answers
+        proc = self._proc
+
+        def read() -> None:
+            with os.fdopen(read_fd, "rb") as f:
+                for line in f:
+                    try:
+                        answers.put(json.loads(line))
+                    except ValueError:
+                        answers.put({"ok": False, "error": "the sandbox answered garbage"})
+            answers.put(None)  # the child closed its end: gone
+
+        def watch() -> None:
+            while proc.poll() is None:
+                rss = group_rss_mb(proc.pid)
+                if rss > self.limits.memory_mb:
+                    self._killed = f"over its memory limit of {self.limits.memory_mb} MB ({rss:.0f} MB resident)"
+                    _kill_group(proc)
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=watch, daemon=True).start()
+
+    def close(self, why: str | None = None) -> None:
+        if self._proc is not None:
+            self._killed = self._killed or why
+            _kill_group(self._proc)
+            self._proc.wait()
+            self._proc = None
+
+
 # ---- the child --------------------------------------------------------------------------------------
 
 def _check(path: str) -> dict[str, Any]:
@@ -182,13 +298,42 @@ def _check(path: str) -> dict[str, Any]:
     return {"ok": True, "report": report.to_dict()}
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "check":
-        print("usage: python -m sparsetune.agents.sandbox check FLOW_FILE OUT_JSON", file=sys.stderr)
-        return 2
-    out = _check(argv[1])
-    Path(argv[2]).write_text(json.dumps(out, default=str))
+def _serve(config: str) -> int:
+    """Answer the parent's requests (`SandboxEvaluator`) until its end of stdin closes."""
+    from sparsetune.search.config import SearchConfig
+    from sparsetune.search.study import run_trial
+    from sparsetune.search.trial import EngineEvaluator
+
+    cfg = SearchConfig.model_validate_json(Path(config).read_text())
+    evaluator = EngineEvaluator(cfg)
+    with os.fdopen(int(os.environ["SPARSETUNE_SANDBOX_FD"]), "w") as answers:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            try:
+                if msg["op"] == "trial":
+                    ans = {"record": run_trial(cfg, evaluator, msg["flow"], msg["params"], Path(msg["out"]))}
+                elif msg["op"] == "accuracy":
+                    acc = evaluator.accuracy(msg["flow"], msg["params"], samples=msg["samples"], seed=msg["seed"],
+                                             out=Path(msg["out"]))
+                    ans = {"accuracy": acc.to_dict()}
+                else:
+                    raise ValueError(f"unknown request {msg['op']!r}")
+                ans["ok"] = True
+            except Exception as e:  # noqa: BLE001 - the request failed; the parent records why
+                ans = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1000]}
+            answers.write(json.dumps(ans, default=str) + "\n")
+            answers.flush()
     return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "check":
+        Path(argv[2]).write_text(json.dumps(_check(argv[1]), default=str))
+        return 0
+    if len(argv) == 2 and argv[0] == "serve":
+        return _serve(argv[1])
+    print("usage: python -m sparsetune.agents.sandbox check FLOW_FILE OUT_JSON | serve CONFIG_JSON", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ def search(
     speed_model: str = typer.Option(None, "--speed-model", help="Measure speed on this architecture with random weights."),
     speed_batch: int = typer.Option(None, "--speed-batch", help="Batch for speed (default: --batch)."),
     speed_context: int = typer.Option(None, "--speed-context", help="Context for speed (default: --context)."),
+    agent: str = typer.Option(None, "--agent", help="Also propose new flows (evolve; claude, openai): not built yet."),
     workers: int = typer.Option(1, "--workers", help="Processes on this host, one engine each: one GPU each on a GPU host "
                                 "(the CPU's cores split on CPU); their logs in runs/<study>/workers/."),
     device: str = opt.device_option(),
@@ -141,6 +142,10 @@ def search(
     """Search flows and their params for the accuracy/speed frontier."""
     if ctx.invoked_subcommand is not None:
         return
+    if agent is not None:
+        raise SparsetuneError("--agent: proposing new flows inside a search is not built yet (issue #15: the harness, "
+                              "the sandbox and the evolve proposer exist in sparsetune.agents); search existing flows "
+                              "without --agent")
     if reuse is not None and flow is not None:
         raise SparsetuneError("--flow and --reuse: a search is of decode flows or of reuse flows; run one search for each")
     if [o.strip() for o in objectives.split(",")] != ["accuracy", "speed"]:

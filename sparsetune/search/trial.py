@@ -52,6 +52,13 @@ class Accuracy:
                 **self.extra}
 
 
+def accuracy_from_dict(d: dict[str, Any]) -> Accuracy:
+    """`Accuracy.to_dict`'s inverse (figures that crossed a process boundary)."""
+    keys = ("relative_accuracy", "accuracy", "dense_accuracy", "samples", "fidelity", "run_dir", "complete")
+    return Accuracy(*(d.get(k) for k in keys[:3]), int(d.get("samples") or 0), d.get("fidelity"), d.get("run_dir"),
+                    bool(d.get("complete")), {k: v for k, v in d.items() if k not in keys})
+
+
 def accuracy_of(result: dict[str, Any]) -> Accuracy:
     """The figures a trial keeps of an eval's results.json object."""
     return Accuracy(result.get("relative_accuracy"), result.get("accuracy"), result.get("dense_accuracy"),

@@ -1,0 +1,44 @@
+"""The search's evaluator in a sandboxed child: a trial there gives the figures the same trial gives
+in-process; a request past its limit, or a child past its memory, is killed and the next request
+starts a fresh child."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator
+from sparsetune.search.config import SearchConfig
+from sparsetune.search.study import run_trial
+from sparsetune.search.trial import EngineEvaluator
+
+SMALL = dict(model="smollm2-135m", tasks=("niah_single",), context=256, samples=1, batch=4, confirm_samples=1)
+
+
+@pytest.mark.slow  # two engines on 2 CPU cores
+def test_a_sandboxed_trial_matches_the_same_trial_in_process(tmp_path):
+    cfg = SearchConfig(study="s", out=str(tmp_path), flows=("block_topk",), trials=1, device="cpu", **SMALL)
+    params = {"block_size": "4", "budget_ratio": "0.25"}
+    box = SandboxEvaluator(cfg, tmp_path / "sandbox", Limits(wall_s=600, memory_mb=6000, cpu_only=True))
+    try:
+        there = box.run_trial(cfg, None, "block_topk", params, tmp_path / "t1")
+        acc = box.accuracy("block_topk", params, samples=1, seed=0, out=tmp_path / "a1")
+    finally:
+        box.close()
+    here = run_trial(cfg, EngineEvaluator(cfg), "block_topk", params, tmp_path / "t2")
+    assert there["stage"] == here["stage"] == "full"
+    assert there["accuracy"]["relative_accuracy"] == here["accuracy"]["relative_accuracy"] == acc.relative
+    assert there["accuracy"]["fidelity"] == here["accuracy"]["fidelity"] == acc.fidelity
+    assert there["speed"]["speedup"] == here["speed"]["speedup"]
+    assert box.starts == 1  # one child served both
+
+
+def test_a_request_past_its_limit_is_killed_and_the_next_starts_afresh(tmp_path):
+    cfg = SearchConfig(study="s", out=str(tmp_path), flows=("block_topk",), trials=1, device="cpu", **SMALL)
+    box = SandboxEvaluator(cfg, tmp_path / "sandbox", Limits(wall_s=1, memory_mb=6000, cpu_only=True))
+    with pytest.raises(SandboxError, match=r"killed by the harness: trial of block_topk took over 1 s"):
+        box.run_trial(cfg, None, "block_topk", {}, tmp_path / "t")  # loading the engine alone takes longer
+    assert box._proc is None
+    box.limits = Limits(wall_s=120, memory_mb=200, cpu_only=True)  # torch alone is more
+    with pytest.raises(SandboxError, match=r"over its memory limit of 200 MB"):
+        box.accuracy("block_topk", {}, samples=1, seed=0, out=tmp_path / "a")
+    assert box.starts == 2
