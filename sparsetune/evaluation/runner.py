@@ -143,28 +143,33 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
             if layout is not None:
                 llm.cache_segments(layout)
         seqs = []
-        for i, ids, p, layout in zip(rows, prompts, params, layouts):
-            stored = reference.prompt(ids) if reference is not None and not record else None
-            if stored is not None and layout is None and llm.block_manager.num_free * llm.kv.block_size > len(ids):
-                seqs.append(llm.add_prefilled(ids, p, stored.k, stored.v, stored.logits))  # decode flows prefill densely
-            elif layout is None:  # queued: the scheduler admits it when blocks are free
-                seqs.append(llm.add_request(ids, p))
-            else:  # stage 2: the measured request reuses them (prefilled now, decoded with the rest)
-                seq, stats = llm.add_reuse_request(layout, p)
-                seqs.append(seq)
-                out.reuse[i] = stats.to_dict()
-        pending = list(seqs)
-        unrecorded = [(q, ids) for q, ids, layout in zip(seqs, prompts, layouts)
-                      if record and keep_logits and layout is None and reference.wants(ids)]
-        while llm.scheduler.has_work():
-            llm.step()
-            if unrecorded:
-                unrecorded = [(q, ids) for q, ids in unrecorded if not _record_prompt(llm, q, ids, reference)]
-            if tick is not None:
-                done = [q for q in pending if q.status == Status.FINISHED]
-                if done:
-                    pending = [q for q in pending if q.status != Status.FINISHED]
-                    tick(len(done))
+        try:  # interrupted (Ctrl-C, a stopped trial): its requests leave the engine idle
+            for i, ids, p, layout in zip(rows, prompts, params, layouts):
+                stored = reference.prompt(ids) if reference is not None and not record else None
+                if stored is not None and layout is None and llm.block_manager.num_free * llm.kv.block_size > len(ids):
+                    seqs.append(llm.add_prefilled(ids, p, stored.k, stored.v, stored.logits))  # decode flows prefill densely
+                elif layout is None:  # queued: the scheduler admits it when blocks are free
+                    seqs.append(llm.add_request(ids, p))
+                else:  # stage 2: the measured request reuses them (prefilled now, decoded with the rest)
+                    seq, stats = llm.add_reuse_request(layout, p)
+                    seqs.append(seq)
+                    out.reuse[i] = stats.to_dict()
+            pending = list(seqs)
+            unrecorded = [(q, ids) for q, ids, layout in zip(seqs, prompts, layouts)
+                          if record and keep_logits and layout is None and reference.wants(ids)]
+            while llm.scheduler.has_work():
+                llm.step()
+                if unrecorded:
+                    unrecorded = [(q, ids) for q, ids in unrecorded if not _record_prompt(llm, q, ids, reference)]
+                if tick is not None:
+                    done = [q for q in pending if q.status == Status.FINISHED]
+                    if done:
+                        pending = [q for q in pending if q.status != Status.FINISHED]
+                        tick(len(done))
+        except BaseException:
+            for q in seqs:
+                llm.abort(q)  # a finished one is left as it is
+            raise
         for i, ids, s in zip(rows, prompts, seqs):
             out.prompts[i].append(ids)
             out.tokens[i].append(s.completion_ids)

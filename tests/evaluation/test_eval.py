@@ -214,3 +214,22 @@ def test_cli_interrupt_keeps_partial_run(tmp_path):
     assert "Traceback" not in stderr and f"sparsetune eval --resume {run_dir}" in stderr
     res = json.loads((run_dir / "results.json").read_text())
     assert res["complete"] is False and 1 <= res["samples_done"] < 40
+
+
+def test_interrupt_mid_pass_leaves_the_engine_idle(smollm, tmp_path, monkeypatch):
+    """Ctrl-C while a pass still has requests in flight (here in the dense pass of a flow's eval, at
+    its second engine step): the interrupt propagates as itself, not as the flow switch that follows
+    it, and the engine is idle, so the next eval (or a restored flow) runs."""
+    step, calls = smollm.step, []
+
+    def interrupted_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(smollm, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate("quest", llm=smollm, tasks=["niah_single"], context=256, samples=2, batch=2, max_new_tokens=4,
+                 out=tmp_path)
+    assert not smollm.scheduler.has_work()
