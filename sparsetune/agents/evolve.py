@@ -147,7 +147,7 @@ def source(genome: Genome, *, parents: tuple[str, ...] = (), mutation: str = "")
         params.append('    decay = Param(1.0, low=0.5, high=1.0, doc="multiplier of the running mass each step (1: plain sum)")')
     if genome.dense_layers != (0,):
         params.append(f'    dense_layers = Param({genome.dense_layers!r}, kind=tuple, doc="layers that keep full attention")')
-    uses_k = any("n" in re.findall(r"\bn\b", e) for e in fields.values())
+    uses_k = any(re.search(r"\bn\b", e) for e in fields.values())  # sub-block bounds need the block's length
     cache = ["    def cache(self, k, v):"] + (["        n = k.shape[1]"] if uses_k else [])
     cache += ["        return {"] + [f'            "{f}": {e},' for f, e in fields.items()] + ["        }"]
     views = {"q": "q", "qmean": "F.mean(q, dim=1)", "qnorm": "F.div(q, F.l2norm(q, dim=2))"}

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,12 @@ def group_rss_mb(pgid: int) -> float:
     return total * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def memory_breach(pgid: int, limit_mb: float) -> tuple[float, str | None]:
+    """A process group's resident memory, and why it is over `limit_mb` (None: it is not)."""
+    rss = group_rss_mb(pgid)
+    return rss, f"over its memory limit of {limit_mb} MB ({rss:.0f} MB resident)" if rss > limit_mb else None
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -130,12 +136,9 @@ def run_limited(cmd: list[str], limits: Limits, log: Path, result: Path, cwd: Pa
         try:
             while proc.poll() is None:
                 elapsed = time.monotonic() - t0
-                rss = group_rss_mb(proc.pid)
+                rss, over = memory_breach(proc.pid, limits.memory_mb)
                 peak = max(peak, rss)
-                if elapsed > limits.wall_s:
-                    killed = f"over its wall-clock limit of {limits.wall_s:g} s"
-                elif rss > limits.memory_mb:
-                    killed = f"over its memory limit of {limits.memory_mb} MB ({rss:.0f} MB resident)"
+                killed = f"over its wall-clock limit of {limits.wall_s:g} s" if elapsed > limits.wall_s else over
                 if killed:
                     break
                 time.sleep(POLL_S)
@@ -239,7 +242,7 @@ class SandboxEvaluator:
         env = {**clean_env(self.limits.cpu_only), "SPARSETUNE_SANDBOX_FD": str(write_fd)}
         self.starts += 1
         log = open(self.folder / f"sandbox-{self.starts}.log", "wb")
-        serving = Limits(self.limits.wall_s, self.limits.memory_mb, None, self.limits.file_mb, self.limits.cpu_only)
+        serving = replace(self.limits, cpu_s=None)  # CPU seconds add up over a child's requests: time them one by one
         self._proc = subprocess.Popen(python_cmd("serve", str(config)), stdin=subprocess.PIPE, stdout=log,
                                       stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,), start_new_session=True,
                                       preexec_fn=_set_limits(serving))
@@ -261,9 +264,9 @@ class SandboxEvaluator:
 
         def watch() -> None:
             while proc.poll() is None:
-                rss = group_rss_mb(proc.pid)
-                if rss > self.limits.memory_mb:
-                    self._killed = f"over its memory limit of {self.limits.memory_mb} MB ({rss:.0f} MB resident)"
+                _rss, over = memory_breach(proc.pid, self.limits.memory_mb)
+                if over:
+                    self._killed = over
                     _kill_group(proc)
                     return
                 time.sleep(0.2)
