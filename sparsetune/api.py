@@ -152,14 +152,17 @@ def list_models() -> list[dict[str, Any]]:
 
 
 def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str | list[str] | tuple[str, ...] | None = None,
-           resume: bool = False, workers: int = 1, evaluator: Any = None,
+           resume: bool = False, workers: int = 1, evaluator: Any = None, proposer: Any = None,
            on_event: Callable[[str, dict[str, Any]], None] | None = None, **options: Any) -> dict[str, Any]:
     """`sparsetune.search`: a multi-objective search over decode `flows`, or over `reuse` flows,
     and their params (any `search.config.SearchConfig` field as a keyword: `trials`, `hours`,
     `context`, `min_accuracy`, `study`, `storage`, ...); returns frontier.json's object (the
     confirmed frontier, the defaults, dense). Rerunning with the same `study` continues it;
     `resume=True` requires that it exists. `workers`: processes on this host on the one study
-    (this one and `workers - 1` `search worker` processes, one GPU each on a GPU host)."""
+    (this one and `workers - 1` `search worker` processes, one GPU each on a GPU host). `agent=`
+    "evolve" (`agents.loop`): a proposer also writes new flows, each validated in a sandbox and
+    searched like the others; every trial then runs in the sandbox (`proposer`: one of your own,
+    `agents.proposer.Proposer`, in place of the one `agent` names)."""
     from sparsetune.search.config import DEFAULT_FLOWS, SearchConfig, check_search
 
     def names(value):
@@ -176,9 +179,18 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
 
     if resume and stored_config(open_storage(cfg.storage_url()), study) is None:
         raise SparsetuneError(f"--resume: no search {study!r} in {cfg.storage_url()}; drop --resume to start it")
+    agent = None
+    if cfg.agent is not None:
+        if workers > 1:
+            raise SparsetuneError("--agent with --workers: proposing runs in one process for now; use --workers 1")
+        if evaluator is not None:
+            raise SparsetuneError("--agent runs every trial in its sandbox; it takes no evaluator")
+        from sparsetune.agents.loop import Agent, make_proposer
+
+        agent = Agent(cfg, proposer or make_proposer(cfg.agent, cfg.seed))
     from sparsetune.search.study import run_search
 
-    return run_search(cfg, evaluator, on_event, workers=workers)
+    return run_search(cfg, evaluator, on_event, workers=workers, agent=agent)
 
 
 def search_worker(study: str, storage: str, *, out: str | None = None, evaluator: Any = None,
@@ -191,6 +203,11 @@ def search_worker(study: str, storage: str, *, out: str | None = None, evaluator
 
 def search_show(run_dir: str | Path | None = None, *, study: str | None = None, storage: str | None = None) -> dict[str, Any]:
     """A search's frontier and trials as its studies hold them now."""
+    from sparsetune.agents.loop import show_candidates
     from sparsetune.search.study import show
 
-    return show(run_dir, study=study, storage=storage)
+    result = show(run_dir, study=study, storage=storage)
+    cands = show_candidates(result["run_dir"], result["records"], result["confirmed_frontier"], result["min_accuracy"])
+    if cands is not None:
+        result["candidates"] = cands
+    return result

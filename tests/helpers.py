@@ -197,3 +197,28 @@ class SyntheticEvaluator:
             except Hopeless:
                 return make(n // 2, False)
         return make(n, True)
+
+
+# ---- candidate flow files (the agent's harness and loop) -------------------------------------------
+
+FLOW_HEAD = "from sparsetune.flow import DecodeFlow\nfrom sparsetune.flow import ops as F\n"
+GOOD_INDEX = 'return F.topk(F.max(F.gemm(fields["centroid"], q), dim=2))'
+
+
+def candidate_flow(index: str = GOOD_INDEX, cache: str = 'return {"centroid": F.mean(k, dim=1)}',
+                   head: str = FLOW_HEAD, name: str = "cand") -> str:
+    """A flow file as an agent would write it: `cache` and `index` stage bodies (index may be
+    several lines), under `head` (the imports)."""
+    import textwrap
+
+    return head + textwrap.dedent(f"""
+
+        class Cand(DecodeFlow):
+            name = "{name}"
+
+            def cache(self, k, v):
+                {cache}
+
+            def index(self, q, fields):
+        """) + textwrap.indent(textwrap.dedent(index).strip(), " " * 8) + "\n"
+

@@ -35,6 +35,8 @@ import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from sparsetune.agents.proposer import Context, NoMoreProposals, Proposal
+
 TERMS = ("centroid", "bound", "absbound", "sub2", "sub4", "keys")
 VIEWS = ("q", "qmean", "qnorm")
 HEADS = ("max", "mean", "lse")
@@ -197,19 +199,6 @@ def mutate(rng: random.Random, parent: Genome, other: Genome | None, how: str) -
     raise ValueError(how)
 
 
-@dataclass
-class Proposal:
-    """What a proposer hands the harness: one flow file and where it came from."""
-
-    source: str
-    proposer: str
-    parents: list[str]
-    rationale: str = ""
-    prompt_hash: str | None = None
-    usage: dict[str, int] | None = None
-    cost_usd: float = 0.0
-
-
 class Evolve:
     """The LLM-free proposer (module docstring). `population`: flow name -> genome (built-ins and
     candidates so far); `frontier`: the flow names on the search's frontier, best first."""
@@ -235,11 +224,15 @@ class Evolve:
             return a if known.index(a) <= known.index(b) else b
         return rng.choice(sorted(self.population))
 
-    def propose(self, round_: int, frontier: list[str], accepted: set[str] | None = None) -> Proposal:
-        """The candidate of round `round_` (deterministic in the seed, the round and the inputs).
-        `accepted`: flows that passed the harness; a parent is drawn from these and the built-ins."""
-        rng = random.Random(f"{self.seed}:{round_}")
-        usable = {n for n in self.population if n in BUILTIN_GENOMES or accepted is None or n in accepted}
+    def propose(self, ctx: Context) -> Proposal:
+        """The candidate of round `ctx.round` (deterministic in the seed, the round and the context):
+        parents from the frontier's flows (best first) and the flows that passed the harness."""
+        for c in ctx.candidates:
+            self.learn(c.name, c.source)
+        rng = random.Random(f"{self.seed}:{ctx.round}")
+        accepted = ctx.accepted
+        usable = {n for n in self.population if n in BUILTIN_GENOMES or n in accepted}
+        frontier = list(dict.fromkeys(r["flow"] for r in ctx.frontier))
         for _ in range(MAX_TRIES):
             how = rng.choice(MUTATIONS)
             p1 = self._parent(rng, [f for f in frontier if f in usable])
@@ -250,6 +243,7 @@ class Evolve:
             if child.key() in self.seen:
                 continue
             parents = [p for p in (p1, p2) if p]
+            self.learn(child.name(), source(child, parents=tuple(parents), mutation=how))
             return Proposal(source(child, parents=tuple(parents), mutation=how), self.name, parents,
                             rationale=f"{how} of {' and '.join(parents)}: {child.describe()}")
-        raise RuntimeError("evolve: every mutation of the population has been proposed")
+        raise NoMoreProposals("evolve: every mutation of the population has been proposed")

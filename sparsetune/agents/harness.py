@@ -10,15 +10,17 @@
    drawn for this candidate with a fresh seed, then a short Optuna study of its params.
 
 A candidate that fails a stage is recorded with the stage and the reason, never dropped. Its
-record lives in `runs/<study>/candidates/<id>/`: `flow.py` (the source), `candidate.json` (the
+record lives in `runs/<study>/candidates/<id>/`: `<name>.py` (the source), `candidate.json` (the
 proposer, parents, prompt hash, rationale, tokens and cost, each stage's verdict and timing) and
 the sandbox's logs.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,12 +80,33 @@ class Candidate:
     def folder(self, root: Path) -> Path:
         return root / self.id
 
+    def path(self, root: Path) -> Path:
+        """Its flow file, named after the flow (a search knows a flow file by its stem)."""
+        return self.folder(root) / f"{self.name}.py"
+
     def save(self, root: Path) -> Path:
         d = self.folder(root)
         d.mkdir(parents=True, exist_ok=True)
-        (d / "flow.py").write_text(self.source)
+        self.path(root).write_text(self.source)
         (d / "candidate.json").write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
         return d
+
+
+def declared_name(source: str) -> str | None:
+    """The `name` a flow file's class declares (read from the syntax tree), if it is a plain
+    lowercase identifier; None otherwise (the static stage says what is wrong with the file)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for st in node.body:
+                if (isinstance(st, ast.Assign) and [getattr(t, "id", None) for t in st.targets] == ["name"]
+                        and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str)
+                        and re.fullmatch(r"[a-z][a-z0-9_]{0,63}", st.value.value)):
+                    return st.value.value
+    return None
 
 
 def load_candidates(root: Path) -> list[Candidate]:
@@ -114,14 +137,19 @@ def check_stage(path: Path, folder: Path, limits: Limits = CHECK_LIMITS) -> Stag
     res = out.result or {}
     if not res.get("ok"):
         return Stage("check", False, str(res.get("reason")), out.seconds, detail)
-    return Stage("check", True, None, out.seconds, {**detail, "report": res["report"]})
+    return Stage("check", True, None, out.seconds, {**detail, "report": res["report"], "spec": res["spec"]})
 
 
 def validate(cand: Candidate, root: Path, limits: Limits = CHECK_LIMITS) -> Candidate:
-    """Steps 1 and 2 on a candidate; its record saved under `root` after each."""
+    """Steps 1 and 2 on a candidate (those not recorded yet: a resumed search finishes what it
+    started); its record saved under `root` after each."""
     folder = cand.save(root)
-    path = folder / "flow.py"
-    for step in (lambda: static_stage(path), lambda: check_stage(path, folder, limits)):
+    path = cand.path(root)
+    done = {s.name for s in cand.stages}
+    steps = {"static": lambda: static_stage(path), "check": lambda: check_stage(path, folder, limits)}
+    for name, step in steps.items():
+        if name in done or cand.reason is not None:
+            continue
         stage = step()
         cand.stages.append(stage)
         cand.save(root)

@@ -9,8 +9,8 @@ the child printed goes to a log file; what it returns is one JSON file it writes
 `python -m sparsetune.agents.sandbox check FILE OUT` is the child of harness step 2: it loads a
 candidate flow file (the static source check runs again, in the child, before any of it executes)
 and runs `flows check` semantics on it (`flow.check.check_flow`: shapes, field bytes, indexer
-work, the compiled paths, equality with dense at full budget), then writes the report or the
-reason it failed to OUT.
+work, the compiled paths, equality with dense at full budget), then writes the report and the
+flow's params (`search.space.spec_dicts`: what the search needs of it) or the reason it failed to OUT.
 
 This is a fence against honest mistakes and runaway programs (hangs, unbounded allocation), not
 against a determined attacker: there is no network or file-system isolation beyond what the
@@ -288,17 +288,19 @@ def _check(path: str) -> dict[str, Any]:
     from sparsetune.errors import SparsetuneError
     from sparsetune.flow.check import check_flow
     from sparsetune.registry import flow_kind, load_file
+    from sparsetune.search.space import spec_dicts
 
     try:
         cls = load_file(Path(path), all_problems=True)
         if flow_kind(cls) != "decode":
             return {"ok": False, "reason": "a reuse flow: the agent writes decode flows"}
         report = check_flow(cls)
+        spec = spec_dicts(cls)
     except SparsetuneError as e:
         return {"ok": False, "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - anything a candidate raises is its verdict
         return {"ok": False, "reason": f"{type(e).__name__}: {e}"[:1000]}
-    return {"ok": True, "report": report.to_dict()}
+    return {"ok": True, "report": report.to_dict(), "spec": spec}
 
 
 def _serve(config: str) -> int:

@@ -95,6 +95,14 @@ class _Live:
                                                       for r in front))
         elif kind == "confirm":
             err.print(f"confirming {data['flow']}#{data['number']} on fresh prompts ({data['index'] + 1}/{data['total']})")
+        elif kind == "candidate":
+            err.print(f"[bold]candidate {data['id']}[/] {data['name']} ({data['proposer']}): {data['rationale']}")
+        elif kind == "verdict":
+            ok = data["verdict"] == "accepted"
+            err.print(f"  {'[green]accepted[/]' if ok else '[yellow]' + data['verdict'] + '[/]: ' + str(data['reason'])[:300]}"
+                      f" ({data['seconds']:.0f} s)")
+        elif kind == "proposer":
+            err.print(f"[yellow]proposing stopped: {data['stopped']}[/] (the search goes on)")
         elif kind == "worker":
             ok = data["returncode"] == 0
             err.print(f"{'' if ok else '[yellow]'}worker {data['pid']} {'finished' if ok else 'exited with ' + str(data['returncode'])}"
@@ -130,7 +138,9 @@ def search(
     speed_model: str = typer.Option(None, "--speed-model", help="Measure speed on this architecture with random weights."),
     speed_batch: int = typer.Option(None, "--speed-batch", help="Batch for speed (default: --batch)."),
     speed_context: int = typer.Option(None, "--speed-context", help="Context for speed (default: --context)."),
-    agent: str = typer.Option(None, "--agent", help="Also propose new flows (evolve; claude, openai): not built yet."),
+    agent: str = typer.Option(None, "--agent", help="Also propose new decode flows: evolve (LLM-free program evolution); "
+                              "each is checked in a sandbox, gated, then searched like the others (runs/<study>/candidates/)."),
+    agent_budget_usd: float = typer.Option(None, "--agent-budget-usd", help="Stop proposing once the proposer's calls cost this much."),
     workers: int = typer.Option(1, "--workers", help="Processes on this host, one engine each: one GPU each on a GPU host "
                                 "(the CPU's cores split on CPU); their logs in runs/<study>/workers/."),
     device: str = opt.device_option(),
@@ -142,10 +152,6 @@ def search(
     """Search flows and their params for the accuracy/speed frontier."""
     if ctx.invoked_subcommand is not None:
         return
-    if agent is not None:
-        raise SparsetuneError("--agent: proposing new flows inside a search is not built yet (issue #15: the harness, "
-                              "the sandbox and the evolve proposer exist in sparsetune.agents); search existing flows "
-                              "without --agent")
     if reuse is not None and flow is not None:
         raise SparsetuneError("--flow and --reuse: a search is of decode flows or of reuse flows; run one search for each")
     if [o.strip() for o in objectives.split(",")] != ["accuracy", "speed"]:
@@ -160,6 +166,7 @@ def search(
                    **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
                    study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
                    speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,
+                   agent=agent, agent_budget_usd=agent_budget_usd,
                    device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
     apply_threads(threads)
     result = api.search(flow, reuse=reuse, resume=resume, workers=workers, on_event=_Live(trials, hours), **options)
@@ -249,4 +256,29 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
             console.print(f"saved {d['flow']}'s default for {s['model']}: {_short(d['params'])} ({d['trial']}) in {d['file']}")
         else:
             console.print(f"[yellow]{d['flow']}: no default saved ({d['reason']})[/]")
-    console.print(f"[dim]{s['run_dir']}/: frontier.md, frontier.json, frontier.png, hypervolume.png, trials.jsonl[/]")
+    if s.get("candidates"):
+        _candidates(console, s["candidates"])
+    console.print(f"[dim]{s['run_dir']}/: frontier.md, frontier.json, frontier.png, hypervolume.png, trials.jsonl"
+                  f"{', candidates.json, candidates/' if s.get('candidates') else ''}[/]")
+
+
+def _candidates(console, c: dict[str, Any]) -> None:
+    """The proposed flows: verdicts, where the accepted ones landed, their diversity and cost."""
+    from rich.table import Table
+
+    t = Table(title=f"{c['proposed']} candidates, {c['accepted']} accepted")
+    for col in ("id", "flow", "proposer", "verdict", "trials", "best (acc. / speedup)", "confirmed frontier"):
+        t.add_column(col, overflow="fold")
+    for r in c["candidates"]:
+        best = r["best"]
+        verdict = r["verdict"] if r["verdict"] == "accepted" else f"{r['verdict']}: {(r['reason'] or '')[:120]}"
+        t.add_row(r["id"], r["name"], r["proposer"], verdict, str(r["trials"]),
+                  "-" if best is None else f"{100 * best['relative_accuracy']:.0f}% / {best['speedup']:.2f}×",
+                  ", ".join(r["on_confirmed_frontier"]) or "-")
+    console.print(t)
+    d = c["diversity"]
+    if d["mean_distance"] is not None:
+        console.print(f"diversity of the accepted flows: mean pairwise distance {d['mean_distance']:.2f} "
+                      f"(min {d['min_distance']:.2f}, max {d['max_distance']:.2f}; cache fields, ops, call patterns)")
+    if c["cost_usd"]:
+        console.print(f"proposer cost: ${c['cost_usd']:.4f}")

@@ -64,6 +64,8 @@ class SearchConfig(BaseModel):
     dtype: str | None = None
     save_defaults: bool = False  # the fastest confirmed point of each flow at --min-accuracy becomes the model's default
     quick_floor: float = 0.5  # the cascade: a point below this share of min_accuracy (or of dense) on the quick set stops there
+    agent: str | None = None  # a proposer of new flows (`sparsetune.agents`): evolve, claude, openai
+    agent_budget_usd: float | None = None  # proposing stops once the proposer's calls cost this much
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -111,6 +113,10 @@ class SearchConfig(BaseModel):
             raise SparsetuneError(f"--speed {self.speed!r}: use one of {', '.join(SPEEDS)}")
         if self.study is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.study):
             raise SparsetuneError(f"--study {self.study!r}: use letters, digits, '.', '_' and '-' (a folder name)")
+        if self.agent is not None and self.kind != "decode":
+            raise SparsetuneError("--agent writes decode flows; search reuse flows without it")
+        if self.agent_budget_usd is not None and self.agent_budget_usd < 0:
+            raise SparsetuneError(f"--agent-budget-usd must be at least 0 (got {self.agent_budget_usd})")
         if not 0 <= self.quick_floor <= 1:
             raise SparsetuneError(f"quick_floor must be in [0, 1] (got {self.quick_floor})")
         return self

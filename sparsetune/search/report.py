@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsetune.records import write_json
-from sparsetune.search.config import SearchConfig
+from sparsetune.search.config import SearchConfig, flow_key
 from sparsetune.search.frontier import (confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
                                        search_frontier, trial_name)
 
@@ -35,7 +35,8 @@ SHARE_OF = {"decode": "K/V read", "reuse": "token-layers computed"}
 def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str, float | None]:
     """Each trial's budget, the share of the work it does on the search's model and context: a
     decode flow's share of the context's K/V a step reads (`perf.cost.kv_share`, whatever the
-    speed model), a reuse flow's share of a full prefill's token-layers its evaluation computed."""
+    speed model; the trial records it, else it is computed here), a reuse flow's share of a full
+    prefill's token-layers its evaluation computed."""
     from sparsetune.models.resolve import model_config
     from sparsetune.perf.cost import kv_share
     from sparsetune.registry import build_flow
@@ -47,7 +48,12 @@ def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str,
     out = {}
     for r in records:
         key = (r["flow"], tuple(sorted((r.get("params") or {}).items())))
-        if key not in seen:
+        recorded = (r.get("speed") or {}).get("kv_share")
+        if recorded is not None:
+            seen[key] = recorded
+        elif key not in seen and r["flow"] not in map(flow_key, cfg.flows):  # a proposed flow's: only as recorded
+            seen[key] = None
+        elif key not in seen:
             try:
                 seen[key] = round(kv_share(mcfg, build_flow(cfg.flow_arg(r["flow"]), dict(key[1])), cfg.context), 4)
             except Exception:  # a flow file gone since the trial ran: no figure, not a broken report

@@ -12,7 +12,8 @@ flow's boundary or check layer) is an integer capped at the model's last layer. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
@@ -129,3 +130,39 @@ def suggest(trial: optuna.Trial, cls: type[Flow], num_layers: int, fixed: dict[s
             dense = layers
         raw[name] = ",".join(map(str, layers))
     return {**raw, **fixed}
+
+
+# ---- a flow's params across a process boundary ------------------------------------------------------
+
+_KINDS = {t.__name__: t for t in (int, float, bool, tuple, str)}
+
+
+def spec_dicts(cls: type[Flow]) -> dict[str, Any]:
+    """What the search reads of a flow class (its params, each with its resolved `Search`, and
+    what is inapplicable), as JSON: a proposed flow's class is built in a sandbox, and the search
+    rebuilds this from it (`spec_class`) without running the flow's code."""
+    params = {}
+    for name, spec in cls.param_specs().items():
+        search = search_of(cls, name, spec)
+        params[name] = {"default": spec.default, "choices": spec.choices, "low": spec.low, "high": spec.high,
+                        "log": spec.log, "kind": spec.type.__name__, "doc": spec.doc,
+                        "search": None if search is None else asdict(search)}
+    return {"name": cls.name, "params": params, "inapplicable": dict(cls.inapplicable)}
+
+
+def spec_class(data: dict[str, Any]) -> type[Flow]:
+    """A class with the params of `spec_dicts`'s flow and nothing else (no stages): enough to
+    sample its points and check its `--param`s."""
+    def tup(x: Any) -> Any:
+        return tuple(x) if isinstance(x, list) else x
+
+    attrs: dict[str, Any] = {"name": data["name"], "inapplicable": dict(data.get("inapplicable") or {})}
+    for name, p in data["params"].items():
+        kind = _KINDS.get(p["kind"])
+        if kind is None:
+            raise SparsetuneError(f"param {name}: kind {p['kind']!r} cannot cross into the search")
+        default = tup(p["default"])
+        s = p.get("search")
+        search = None if s is None else Search(**{**s, "choices": tup(s.get("choices"))})
+        attrs[name] = Param(default, tup(p["choices"]), p["low"], p["high"], p["log"], kind, p.get("doc", ""), search)
+    return type(f"Spec_{data['name']}", (Flow,), attrs)

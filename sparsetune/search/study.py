@@ -39,7 +39,7 @@ import subprocess
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,11 +66,15 @@ EventFn = Callable[[str, dict[str, Any]], None]
 
 @dataclass
 class Flows:
-    """The search's flows: study per flow, class, number of layers."""
+    """The search's flows by key: each one's study, its class (what `suggest` reads), the flow as
+    a trial runs it (a built-in name or a file), the model's number of layers. `foreign`: flows
+    added at runtime by a proposer (`agents.loop`): their failures are theirs, not the engine's."""
 
     studies: dict[str, optuna.Study]
     classes: dict[str, type]
     num_layers: int
+    args: dict[str, str] = field(default_factory=dict)
+    foreign: set[str] = field(default_factory=set)
 
 
 def _num_layers(model: str) -> int:
@@ -124,8 +128,6 @@ def seed_trials(cls: type, num_layers: int, fixed: dict[str, str]) -> list[tuple
 def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
     """Every flow's study in the search's storage; `create`: make missing ones (the coordinator),
     each seeded with its defaults, and refuse a stored search whose figures depend on other settings."""
-    from optuna.samplers import TPESampler
-
     from sparsetune.registry import get_flow_class
     from sparsetune.reuse.flow import ReuseFlow
 
@@ -135,34 +137,51 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
         diff = [k for k, v in cfg.fingerprint().items() if stored.fingerprint().get(k) != v]
         raise SparsetuneError(f"study {cfg.study!r} was run with other settings ({', '.join(diff)} differ); "
                               f"rerun with the same ones, or pass a new --study name")
-    num_layers = _num_layers(cfg.model)
-    studies, classes = {}, {}
-    for i, flow in enumerate(cfg.flows):
-        key = flow_key(flow)
-        classes[key] = get_flow_class(flow, ReuseFlow) if cfg.kind == "reuse" else get_flow_class(flow)
-        name = study_name(cfg.study, flow)
-        seeds = seed_trials(classes[key], num_layers, cfg.params)
-        # TPE (Optuna 5's multi-objective default) after the seeded trials and STARTUP_TRIALS random
-        # ones, not its 10: a search of tens of trials over several flows would otherwise be mostly random.
-        sampler = TPESampler(seed=cfg.seed + i + (os.getpid() if not create else 0),
-                             n_startup_trials=len(seeds) + STARTUP_TRIALS)
-        if create:
-            study = optuna.create_study(study_name=name, storage=storage, directions=["maximize", "maximize"],
-                                        sampler=sampler, load_if_exists=True)
-            if "search" not in study.user_attrs:
-                with warnings.catch_warnings():  # experimental in Optuna 5, and only labels
-                    warnings.simplefilter("ignore")
-                    study.set_metric_names(["relative_accuracy", "speedup"])
-                study.set_user_attr("search", cfg.model_dump(mode="json"))
-                for params, role in seeds:
-                    study.enqueue_trial(params, user_attrs={"role": role})
-        else:
-            try:
-                study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
-            except KeyError:
-                raise SparsetuneError(f"study {name!r} is not in {cfg.storage_url()}; start the search first") from None
-        studies[key] = study
-    return Flows(studies, classes, num_layers)
+    flows = Flows({}, {}, _num_layers(cfg.model))
+    for flow in cfg.flows:
+        cls = get_flow_class(flow, ReuseFlow) if cfg.kind == "reuse" else get_flow_class(flow)
+        add_flow(cfg, flows, flow, cls, storage=storage, create=create)
+    return flows
+
+
+def fixed_params(cfg: SearchConfig, cls: type) -> dict[str, str]:
+    """The `--param`s a flow takes (a built-in flow takes all, `check_search`; a proposed one those it declares)."""
+    specs = cls.param_specs()
+    return {k: v for k, v in cfg.params.items() if k in specs}
+
+
+def add_flow(cfg: SearchConfig, flows: Flows, flow: str, cls: type, *, storage=None, create: bool,
+             foreign: bool = False) -> str:
+    """Open (`create`: or make, seeded with `seed_trials`) the study of `flow` (a name or a file)
+    and add it to `flows`; returns its key."""
+    from optuna.samplers import TPESampler
+
+    key, name = flow_key(flow), study_name(cfg.study, flow)
+    storage = storage if storage is not None else next(iter(flows.studies.values()))._storage
+    seeds = seed_trials(cls, flows.num_layers, fixed_params(cfg, cls))
+    # TPE (Optuna 5's multi-objective default) after the seeded trials and STARTUP_TRIALS random
+    # ones, not its 10: a search of tens of trials over several flows would otherwise be mostly random.
+    sampler = TPESampler(seed=cfg.seed + len(flows.studies) + (os.getpid() if not create else 0),
+                         n_startup_trials=len(seeds) + STARTUP_TRIALS)
+    if create:
+        study = optuna.create_study(study_name=name, storage=storage, directions=["maximize", "maximize"],
+                                    sampler=sampler, load_if_exists=True)
+        if "search" not in study.user_attrs:
+            with warnings.catch_warnings():  # experimental in Optuna 5, and only labels
+                warnings.simplefilter("ignore")
+                study.set_metric_names(["relative_accuracy", "speedup"])
+            study.set_user_attr("search", cfg.model_dump(mode="json"))
+            for params, role in seeds:  # a proposed flow's defaults are where its study starts, not a baseline
+                study.enqueue_trial(params, user_attrs={"role": "start" if foreign and role == "defaults" else role})
+    else:
+        try:
+            study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        except KeyError:
+            raise SparsetuneError(f"study {name!r} is not in {cfg.storage_url()}; start the search first") from None
+    flows.studies[key], flows.classes[key], flows.args[key] = study, cls, flow
+    if foreign:
+        flows.foreign.add(key)
+    return key
 
 
 # ---- stale trials ---------------------------------------------------------------------------------
@@ -340,15 +359,21 @@ def pick_flow(flows: Flows, records: list[dict[str, Any]], turn: int, min_accura
 
 
 def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event: EventFn | None = None,
-         reserve_s: Callable[[], float] = lambda: 0.0, worker: str | None = None) -> str:
+         reserve_s: Callable[[], float] = lambda: 0.0, worker: str | None = None, run: Callable | None = None,
+         between: Callable[[], None] | None = None) -> str:
     """Run trials until the budget is spent; returns why it stopped. Ctrl-C: the running trial is
-    told FAIL and enqueued again, then KeyboardInterrupt propagates."""
+    told FAIL and enqueued again, then KeyboardInterrupt propagates. `run`: what runs a trial
+    (`run_trial`'s signature; a sandbox's for `--agent`); `between()`: called before each trial (a
+    proposer adds its flows to `flows` there)."""
     emit = on_event or (lambda kind, data: None)
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+    run = run or run_trial
     turn, failures = 0, []
     while True:
         for name in expire_stale(flows):
             emit("expired", {"trial": name})
+        if between is not None:
+            between()
         stop = budget.reason_to_stop(flows, reserve_s())
         if stop is not None:
             return stop
@@ -363,9 +388,9 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
         t0 = time.time()
         params: dict[str, str] = {}
         try:
-            params = suggest(trial, flows.classes[key], flows.num_layers, cfg.params)
+            params = suggest(trial, flows.classes[key], flows.num_layers, fixed_params(cfg, flows.classes[key]))
             emit("start", {"flow": key, "number": trial.number, "params": params, "role": role})
-            rec = run_trial(cfg, evaluator, cfg.flow_arg(key), params, cfg.run_dir / "trials" / f"{key}-{trial.number}")
+            rec = run(cfg, evaluator, flows.args[key], params, cfg.run_dir / "trials" / f"{key}-{trial.number}")
             rec["worker"] = worker
             beat.stop()
             _tell(study, trial, rec, cfg)
@@ -384,7 +409,8 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
             trial.set_user_attr("record", {"params": params, "stage": "failed", "worker": worker})
             study.tell(trial, state=TrialState.FAIL)
             emit("failed", {"flow": key, "number": trial.number, "reason": reason, "params": params})
-            failures.append(reason)
+            if key not in flows.foreign:  # a proposed flow failing says nothing about the engine
+                failures.append(reason)
             if len(failures) >= FAILURES_IN_A_ROW:  # the engine, not the point, is broken
                 return f"{len(failures)} trials in a row failed (last: {reason})"
         else:
@@ -410,7 +436,7 @@ def confirm(cfg: SearchConfig, flows: Flows, evaluator, on_event: EventFn | None
         rounds += 1
         for i, rec in enumerate(todo):
             emit("confirm", {"flow": rec["flow"], "number": rec["number"], "index": i, "total": len(todo), "round": rounds})
-            acc = evaluator.accuracy(cfg.flow_arg(rec["flow"]), rec["params"], samples=cfg.confirm_samples,
+            acc = evaluator.accuracy(flows.args[rec["flow"]], rec["params"], samples=cfg.confirm_samples,
                                      seed=cfg.seed + CONFIRM_SEED_OFFSET, out=cfg.run_dir / "confirm")
             conf = confirmation(acc.to_dict(), rec["accuracy"], cfg.min_accuracy)
             flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", conf)  # a finished trial is read-only
@@ -523,28 +549,39 @@ def finish_workers(procs: list[tuple[subprocess.Popen, Path]], emit: EventFn, ti
         emit("worker", {"pid": proc.pid, "returncode": rc, "log": str(log)})
 
 
-def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = None, workers: int = 1) -> dict[str, Any]:
+def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = None, workers: int = 1,
+               agent=None) -> dict[str, Any]:
     """Run (or continue) the search `cfg.study`: trials until `--trials`/`--hours` (with `workers - 1`
     more processes on this host, `spawn_workers`), then confirmation; returns frontier.json's object.
-    Ctrl-C leaves the study consistent and the files written."""
+    Ctrl-C leaves the study consistent and the files written.
+
+    `agent` (`--agent`; `sparsetune.agents.loop.Agent` is the one there is): `attach(flows, budget,
+    emit)` once the studies are open, then its `evaluator` and `run_trial` run every trial and
+    confirmation, `step()` runs before each trial (where it adds new flows), `close(result)` at the end."""
     from sparsetune.search.report import write_outputs
     from sparsetune.search.trial import EngineEvaluator
 
     flows = open_flows(cfg, create=True)
     write_json_config(cfg)
-    procs = spawn_workers(cfg, workers)
-    evaluator = evaluator or EngineEvaluator(cfg)
     budget = Budget(cfg, time.time())
     emit = _writer(cfg, flows, on_event)
+    if agent is not None:
+        agent.attach(flows, budget, emit)
+        evaluator = agent.evaluator
+    procs = spawn_workers(cfg, workers)
+    evaluator = evaluator or EngineEvaluator(cfg)
     stopped = "interrupted"
     try:
-        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget))
+        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget),
+                       run=agent and agent.run_trial, between=agent and agent.step)
         finish_workers(procs, emit)
         procs = []
         confirm(cfg, flows, evaluator, on_event, deadline=budget.deadline)
     finally:
         finish_workers(procs, emit, timeout=0)  # interrupted: the workers stop too
         result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
+        if agent is not None:
+            agent.close(result)
     if cfg.save_defaults:
         from sparsetune.records import write_json
 
@@ -629,6 +666,11 @@ def show(run_dir: str | Path | None = None, *, study: str | None = None, storage
             raise SparsetuneError(f"no search {study!r} in {storage}")
         cfg = stored.model_copy(update={"storage": storage})
     flows = open_flows(cfg, create=False)
+    storage = next(iter(flows.studies.values()))._storage
+    for name in optuna.get_all_study_names(storage):  # flows a proposer added (`--agent`): records only
+        key = name.removeprefix(f"{cfg.study}/")
+        if name.startswith(f"{cfg.study}/") and key not in flows.studies:
+            flows.studies[key] = optuna.load_study(study_name=name, storage=storage)
     records = trial_records(flows)
     s = summary(cfg, records, complete=False, stopped=None)
     s["records"] = records

@@ -145,9 +145,14 @@ class EngineEvaluator:
         from sparsetune.perf.cost import modeled_speedup
         from sparsetune.registry import build_flow
 
+        from sparsetune.perf.cost import kv_share
+
         model, random, batch, context = self.speed_shape()
-        info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context}
         built = build_flow(flow, params)
+        # the budget on the search's model and context (report.budget_shares): recorded here, where the flow runs
+        share = round(kv_share(model_config(self.cfg.model, True)[1], built, self.cfg.context), 4)
+        info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context,
+                                "kv_share": share}
         if self.speed_kind() == "modeled":
             _name, mcfg = model_config(model, random)
             value = modeled_speedup(mcfg, built, batch, context, 2)

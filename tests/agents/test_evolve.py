@@ -4,12 +4,12 @@ proposes passes the harness."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from sparsetune.agents.evolve import BUILTIN_GENOMES, MUTATIONS, Evolve, Genome, genome_of, source
 from sparsetune.agents.harness import Candidate, validate
+from sparsetune.agents.proposer import Context
 from sparsetune.registry import get_flow_class, load_file
 
 
@@ -66,13 +66,15 @@ def test_genome_round_trips_through_the_file():
     assert genome_of("class X: pass") is None
 
 
+FRONTIER = [{"flow": "quest"}, {"flow": "block_topk"}]
+
+
 def rounds(seed: int, n: int) -> list[str]:
-    evo, out = Evolve(seed), []
+    evo, cands = Evolve(seed), []
     for r in range(n):
-        p = evo.propose(r, ["quest", "block_topk"])
-        evo.learn(genome_of(p.source).name(), p.source)
-        out.append(p.source)
-    return out
+        p = evo.propose(Context(r, "", FRONTIER, list(cands)))
+        cands.append(Candidate(f"{r:04d}", genome_of(p.source).name(), p.proposer, p.source, p.parents))
+    return [c.source for c in cands]
 
 
 def test_reproducible_from_its_seed():
@@ -86,13 +88,10 @@ def test_reproducible_from_its_seed():
 
 @pytest.mark.slow
 def test_twenty_rounds_mostly_pass_the_harness(tmp_path):
-    evo, accepted, verdicts = Evolve(0), set(), []
+    evo, cands = Evolve(0), []
     for r in range(20):
-        p = evo.propose(r, ["quest", "block_topk"], accepted)
+        p = evo.propose(Context(r, "", FRONTIER, list(cands)))
         name = genome_of(p.source).name()
-        cand = validate(Candidate(f"{r:04d}", name, p.proposer, p.source, p.parents, p.rationale), tmp_path)
-        evo.learn(name, p.source)
-        if cand.verdict == "accepted":
-            accepted.add(name)
-        verdicts.append((name, cand.verdict, cand.reason))
-    assert len(accepted) >= 10, verdicts
+        cands.append(validate(Candidate(f"{r:04d}", name, p.proposer, p.source, p.parents, p.rationale), tmp_path))
+    verdicts = [(c.name, c.verdict, c.reason) for c in cands]
+    assert sum(c.verdict == "accepted" for c in cands) >= 10, verdicts

@@ -5,33 +5,17 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from sparsetune.agents.harness import Candidate, load_candidates, validate
 from sparsetune.agents.sandbox import Limits, clean_env, run_limited
+from helpers import FLOW_HEAD, GOOD_INDEX, candidate_flow
 
 LIMITS = Limits(wall_s=60, memory_mb=1500, cpu_s=120)
 
-HEAD = "from sparsetune.flow import DecodeFlow\nfrom sparsetune.flow import ops as F\n"
-
-
-def flow(index: str, cache: str = 'return {"centroid": F.mean(k, dim=1)}', head: str = HEAD) -> str:
-    return head + textwrap.dedent(f"""
-
-        class Cand(DecodeFlow):
-            name = "cand"
-
-            def cache(self, k, v):
-                {cache}
-
-            def index(self, q, fields):
-        """) + textwrap.indent(textwrap.dedent(index).strip(), " " * 8) + "\n"
-
-
-GOOD = 'return F.topk(F.max(F.gemm(fields["centroid"], q), dim=2))'
+HEAD, GOOD, flow = FLOW_HEAD, GOOD_INDEX, candidate_flow
 
 
 def run(tmp_path: Path, source: str, limits: Limits = LIMITS) -> Candidate:
@@ -57,7 +41,7 @@ def test_static_refusals_name_the_line(tmp_path, source, needle):
     assert [s.name for s in cand.stages] == ["static"]  # nothing of it ran
     saved = json.loads((tmp_path / "candidates" / "0001" / "candidate.json").read_text())
     assert saved["verdict"] == "rejected at static" and saved["reason"] == cand.reason
-    assert (tmp_path / "candidates" / "0001" / "flow.py").read_text() == source
+    assert (tmp_path / "candidates" / "0001" / "cand.py").read_text() == source
 
 
 def test_valid_flow_passes_with_its_cost(tmp_path):
@@ -73,7 +57,7 @@ def test_valid_flow_passes_with_its_cost(tmp_path):
 def test_shape_error_is_rejected_with_the_line(tmp_path):
     cand = run(tmp_path, flow('return F.topk(F.gemm(fields["centroid"], q))'))
     assert cand.verdict == "rejected at check"
-    assert cand.reason.endswith("flow.py:12: F.topk needs a score of shape [S, 1, 1], got [4, 1, 4]; reduce the inner axes first")
+    assert cand.reason.endswith("cand.py:12: F.topk needs a score of shape [S, 1, 1], got [4, 1, 4]; reduce the inner axes first")
 
 
 def test_raw_keys_pass_and_cost_their_bytes(tmp_path):

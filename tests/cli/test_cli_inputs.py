@@ -119,7 +119,9 @@ AFTER_TORCH = [
     (("search", "--reuse", "cacheblend", "--task", "niah_single"), ("--task niah_single: no reusable segments",)),
     (("search", "--storage", "postgresql://u@127.0.0.1:1/x"), ("cannot open it", "check the URL and that the server runs")),
     (("search", "--workers", "0"), ("--workers must be at least 1",)),
-    (("search", "--agent", "evolve"), ("--agent: proposing new flows inside a search is not built yet",)),
+    (("search", "--agent", "nosuch"), ("--agent 'nosuch': use one of evolve, claude, openai",)),
+    (("search", "--agent", "evolve", "--workers", "2"), ("--agent with --workers", "use --workers 1")),
+    (("search", "--agent", "evolve", "--reuse", "sparsex"), ("--agent writes decode flows",)),
     (("search", "--flow", "streaming", "--speed-context", "32768"), ("attends a fixed window of tokens",
                                                                      "search it with --speed-context 1024")),
 ]

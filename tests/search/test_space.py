@@ -138,3 +138,21 @@ def test_every_sampled_point_is_a_valid_reuse_flow(name):
         layer = flow.selection_layer(LAYERS)
         assert layer is None or 0 <= layer < LAYERS
         study.tell(trial, 0.0)
+
+
+@pytest.mark.parametrize("flow", ["quest", "block_topk", "tidal", "h2o", "double_sparse", "streaming", "sparsex", "cacheblend"])
+def test_a_flow_class_crosses_a_process_boundary_as_its_params(flow):
+    """What the search reads of a proposed flow comes from the sandbox as JSON: the class rebuilt
+    from it has the same dimensions, defaults and seeds as the flow itself."""
+    import json
+
+    from sparsetune.flow.params import Flow
+    from sparsetune.search.space import spec_class, spec_dicts
+    from sparsetune.search.study import seed_trials
+
+    cls = get_flow_class(flow, Flow)
+    spec = spec_class(json.loads(json.dumps(spec_dicts(cls))))
+    assert dimensions(spec, 30) == dimensions(cls, 30)
+    assert seed_trials(spec, 30, {}) == seed_trials(cls, 30, {})
+    assert {k: p.default for k, p in spec.param_specs().items()} == {k: p.default for k, p in cls.param_specs().items()}
+    assert spec.inapplicable == cls.inapplicable

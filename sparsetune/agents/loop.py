@@ -1,0 +1,273 @@
+"""`sparsetune search --agent NAME`: the search with a proposer writing new flows into it.
+
+`Agent` plugs into `search.study.run_search` (its `agent` hooks). Every trial and confirmation,
+of built-in and proposed flows alike, runs in one sandboxed evaluator (`sandbox.SandboxEvaluator`),
+so the figures of every flow come from the same engine and no candidate code runs in this
+process. Before each trial, `step` decides whether a proposal is due and, if so, takes one
+candidate through the harness:
+
+1. **static** and 2. **check** (`harness.validate`: the syntax tree, then `flows check` in a
+   sandboxed subprocess, which also reports the flow's params: `search.space.spec_dicts`);
+3. **gate**: the candidate at its defaults on prompts drawn for it alone (seed `seed +
+   GATE_SEED_OFFSET + its number`), in the sandbox; it passes at `quick_floor` x the weakest
+   search-set accuracy of the searched flows' defaults (relative to dense; before one is measured,
+   `quick_floor` x the bar);
+4. **study**: its Optuna study joins the search (`search.study.add_flow`, seeded with its
+   defaults), and it competes for trials and the frontier like any flow.
+
+**When a proposal is due**: no enqueued point is waiting (seeds run first), the budget has room
+for a candidate and a trial, the proposer's cost is under `--agent-budget-usd`, and either
+`PROPOSE_EVERY` trials have run since the last proposal or the last one was rejected (at most
+`REJECTS_IN_A_ROW` in a row). Half the trials go to the candidates' warm-up and half to the
+allocation by hypervolume share, so good candidates and the built-in flows keep being tuned.
+
+Everything is in `runs/<study>/candidates/<id>/` (`harness.Candidate`) and `candidates.json`
+(each candidate's verdict, where it landed, and the accepted flows' diversity); a resumed search
+reads them back and finishes a candidate it left half-way.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sparsetune.agents.diversity import diversity
+from sparsetune.agents.harness import CHECK_LIMITS, Candidate, Stage, declared_name, load_candidates, validate
+from sparsetune.agents.proposer import PROPOSERS, Context, NoMoreProposals, Proposer
+from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator
+from sparsetune.errors import SparsetuneError
+from sparsetune.search.config import SearchConfig, flow_key
+from sparsetune.search.frontier import eligible, search_frontier, trial_name
+from sparsetune.search.space import spec_class
+from sparsetune.search.storage import trial_count
+
+PROPOSE_EVERY = 8  # trials between two proposals
+REJECTS_IN_A_ROW = 3  # proposals one after another while each is rejected
+GATE_SEED_OFFSET = 5000
+GOAL = ("Write a decode flow (a DecodeFlow: a cache stage of per-block fields and an index stage that scores blocks) "
+        "that keeps accuracy relative to dense attention at or above the bar while reading fewer bytes per decode "
+        "step than the flows on the frontier: a field's bytes are read every step, so it must be much smaller "
+        "than the block's keys.")
+
+
+def sandbox_limits(cfg: SearchConfig) -> Limits:
+    """The evaluator child's limits: the first request loads the engines and runs the dense pass;
+    memory is the engines' and the candidates' (CUDA cannot run under an address-space limit)."""
+    from sparsetune.device import resolve_device
+
+    cpu_only = resolve_device(cfg.device).type != "cuda"
+    return Limits(wall_s=1800.0, memory_mb=12288 if cpu_only else 65536, cpu_only=cpu_only)
+
+
+def make_proposer(name: str, seed: int = 0) -> Proposer:
+    """The proposer `--agent NAME` runs."""
+    if name == "evolve":
+        from sparsetune.agents.evolve import Evolve
+
+        return Evolve(seed)
+    if name in PROPOSERS:
+        raise SparsetuneError(f"--agent {name}: the {name} proposer is not built yet (issue #15); "
+                              "use --agent evolve (LLM-free program evolution)")
+    raise SparsetuneError(f"--agent {name!r}: use one of {', '.join(PROPOSERS)}")
+
+
+class Agent:
+    """The `agent` of `run_search` (module docstring)."""
+
+    def __init__(self, cfg: SearchConfig, proposer: Proposer, limits: Limits | None = None,
+                 check_limits: Limits = CHECK_LIMITS, propose_every: int = PROPOSE_EVERY,
+                 rejects_in_a_row: int = REJECTS_IN_A_ROW) -> None:
+        self.cfg, self.proposer, self.check_limits = cfg, proposer, check_limits
+        self.propose_every, self.rejects_in_a_row = propose_every, rejects_in_a_row
+        self.root = cfg.run_dir / "candidates"
+        self.evaluator = SandboxEvaluator(cfg, cfg.run_dir / "sandbox", limits or sandbox_limits(cfg))
+        self.candidates: list[Candidate] = load_candidates(self.root)
+        self.step_s: list[float] = []
+        self.flows = self.budget = None
+        self.emit = lambda kind, data: None
+        self._last = 0  # trial count at the last proposal
+        self.stopped: str | None = None  # why proposing stopped (the search goes on)
+
+    # ---- run_search's hooks ----------------------------------------------------------------------
+
+    def run_trial(self, cfg, evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
+        return self.evaluator.run_trial(cfg, evaluator, flow, params, out)
+
+    def attach(self, flows, budget, emit) -> None:
+        """The search's studies are open: add the accepted candidates' (a resumed search)."""
+        self.flows, self.budget, self.emit = flows, budget, emit
+        for cand in self.candidates:
+            if cand.verdict == "accepted" and [s.name for s in cand.stages] == ["static", "check", "gate"]:
+                self._join(cand)
+        self._last = trial_count(flows.studies)
+
+    def step(self) -> None:
+        """Before each trial: take candidates through the harness while one is due (a rejected one
+        is followed by the next at once, up to `rejects_in_a_row`)."""
+        while self._due():
+            t0 = time.time()
+            try:
+                cand = self._next()
+            except NoMoreProposals as e:
+                self.stopped = str(e)
+                self.emit("proposer", {"stopped": self.stopped})
+                return
+            self.emit("candidate", {"id": cand.id, "name": cand.name, "proposer": cand.proposer,
+                                    "parents": cand.parents, "rationale": cand.rationale})
+            self._harness(cand)
+            self.step_s.append(time.time() - t0)
+            self._last = trial_count(self.flows.studies)
+            self.emit("verdict", {"id": cand.id, "name": cand.name, "verdict": cand.verdict, "reason": cand.reason,
+                                  "seconds": round(self.step_s[-1], 1)})
+            self.write()
+
+    def close(self, result: dict[str, Any]) -> None:
+        self.evaluator.close()
+        result["candidates"] = self.write(result)
+
+    # ---- the proposal ----------------------------------------------------------------------------
+
+    def spent_usd(self) -> float:
+        return sum(c.cost_usd for c in self.candidates)
+
+    def _due(self) -> bool:
+        from optuna.trial import TrialState
+
+        flows, budget, cfg = self.flows, self.budget, self.cfg
+        if self.stopped is None and cfg.agent_budget_usd is not None and self.spent_usd() >= cfg.agent_budget_usd:
+            self.stopped = f"--agent-budget-usd {cfg.agent_budget_usd:g} spent (${self.spent_usd():.4f})"
+            self.emit("proposer", {"stopped": self.stopped})
+        if self.stopped is not None:
+            return False
+        if any(s.get_trials(deepcopy=False, states=(TrialState.WAITING,)) for s in flows.studies.values()):
+            return False
+        if budget.reason_to_stop(flows) is not None:
+            return False
+        left = budget.left_s()
+        need = budget.trial_s + (max(self.step_s) if self.step_s else 2 * budget.trial_s)
+        if left is not None and left < need:
+            return False
+        rejected = 0
+        for c in reversed(self.candidates):
+            if c.verdict == "accepted":
+                break
+            rejected += 1
+        if 0 < rejected < self.rejects_in_a_row:
+            return True
+        return not self.candidates or trial_count(flows.studies) - self._last >= self.propose_every
+
+    def context(self) -> Context:
+        from sparsetune.search.study import trial_records
+
+        records = trial_records(self.flows)
+        by_name = {trial_name(r): r for r in records}
+        front = sorted(search_frontier(records, self.cfg.min_accuracy), key=lambda p: -p.speedup)
+        rows = [{"flow": by_name[p.name]["flow"], "trial": p.name, "params": p.params, "relative_accuracy": p.accuracy,
+                 "speedup": p.speedup, "kv_share": (by_name[p.name].get("speed") or {}).get("kv_share")} for p in front]
+        return Context(len(self.candidates), GOAL, rows, list(self.candidates))
+
+    def _next(self) -> Candidate:
+        """The next candidate: one the last run left half-way, else a new proposal."""
+        for cand in self.candidates:
+            if cand.verdict == "accepted" and [s.name for s in cand.stages] != ["static", "check", "gate"]:
+                return cand
+        p = self.proposer.propose(self.context())
+        number = len(self.candidates)
+        name = declared_name(p.source) or f"candidate_{number:04d}"
+        cand = Candidate(f"{number:04d}", name, p.proposer, p.source, p.parents, p.rationale, p.prompt_hash,
+                         dict(p.usage or {}), p.cost_usd)
+        taken = set(self.flows.studies) | {c.name for c in self.candidates}
+        if name in taken:  # its file would stand for another flow in the search
+            cand.stages.append(Stage("static", False, f"the flow name {name!r} is taken in this search; give the "
+                                     f"flow a new `name`", 0.0))
+        self.candidates.append(cand)
+        cand.save(self.root)
+        return cand
+
+    def _harness(self, cand: Candidate) -> None:
+        validate(cand, self.root, self.check_limits)
+        if cand.verdict != "accepted":
+            return
+        cand.stages.append(self._gate(cand))
+        cand.save(self.root)
+        if cand.verdict == "accepted":
+            self._join(cand)
+
+    def gate_bar(self) -> float:
+        from sparsetune.search.study import trial_records
+
+        builtin = {flow_key(f) for f in self.cfg.flows}
+        accs = [r["accuracy"]["relative_accuracy"] for r in trial_records(self.flows)
+                if r["flow"] in builtin and r["role"] == "defaults" and eligible(r, None)]
+        return self.cfg.quick_floor * (min(accs) if accs else (self.cfg.min_accuracy or 1.0))
+
+    def _gate(self, cand: Candidate) -> Stage:
+        """Harness step 3 (module docstring)."""
+        t0 = time.perf_counter()
+        bar = round(self.gate_bar(), 4)
+        seed = self.cfg.seed + GATE_SEED_OFFSET + int(cand.id)
+        try:
+            acc = self.evaluator.accuracy(str(cand.path(self.root)), {}, samples=self.cfg.samples, seed=seed,
+                                          out=cand.folder(self.root) / "gate")
+        except SandboxError as e:
+            return Stage("gate", False, str(e), round(time.perf_counter() - t0, 3), {"bar": bar, "seed": seed})
+        rel = acc.relative
+        detail = {"bar": bar, "seed": seed, "relative_accuracy": rel, "samples": acc.samples, "run_dir": acc.run_dir}
+        ok = rel is not None and rel >= bar
+        why = None if ok else f"relative accuracy {rel} at its defaults on its own prompts < the gate's {bar}"
+        return Stage("gate", ok, why, round(time.perf_counter() - t0, 3), detail)
+
+    def _join(self, cand: Candidate) -> None:
+        """Harness step 4: its study joins the search."""
+        from sparsetune.search.study import add_flow
+
+        spec = next(s for s in cand.stages if s.name == "check").detail["spec"]
+        add_flow(self.cfg, self.flows, str(cand.path(self.root)), spec_class(spec), create=True, foreign=True)
+
+    # ---- records ---------------------------------------------------------------------------------
+
+    def write(self, result: dict[str, Any] | None = None) -> dict[str, Any]:
+        """candidates.json: each candidate's verdict and where it landed; the accepted ones' diversity."""
+        from sparsetune.records import write_json
+        from sparsetune.search.study import trial_records
+
+        records = trial_records(self.flows) if self.flows is not None else []
+        rows = (result or {}).get("confirmed_frontier") or []
+        out = {**candidates_summary(self.candidates, records, rows, self.cfg.min_accuracy), "stopped": self.stopped}
+        write_json(self.cfg.run_dir / "candidates.json", out)
+        return out
+
+
+def candidates_summary(candidates: list[Candidate], records: list[dict[str, Any]], confirmed: list[dict[str, Any]],
+                       min_accuracy: float | None) -> dict[str, Any]:
+    """What `candidates.json` and `search show` say about a search's candidates."""
+    rows = []
+    for c in candidates:
+        mine = [r for r in records if r["flow"] == c.name]
+        best = max((r for r in mine if eligible(r, min_accuracy)), default=None,
+                   key=lambda r: (r["accuracy"]["relative_accuracy"] * r["speed"]["speedup"]))
+        rows.append({"id": c.id, "name": c.name, "proposer": c.proposer, "parents": c.parents, "rationale": c.rationale,
+                     "verdict": c.verdict, "reason": c.reason, "cost_usd": c.cost_usd, "usage": c.usage,
+                     "stages": {s.name: round(s.seconds, 3) for s in c.stages}, "trials": len(mine),
+                     "best": best and {"trial": trial_name(best), "params": best["params"],
+                                       "relative_accuracy": best["accuracy"]["relative_accuracy"],
+                                       "speedup": best["speed"]["speedup"]},
+                     "on_confirmed_frontier": [r["trial"] for r in confirmed if r["flow"] == c.name]})
+    accepted = [c.source for c in candidates if c.verdict == "accepted"]
+    by_stage: dict[str, int] = {}
+    for c in candidates:
+        by_stage[c.verdict] = by_stage.get(c.verdict, 0) + 1
+    return {"proposed": len(candidates), "accepted": len(accepted),
+            "share_valid": round(len(accepted) / len(candidates), 4) if candidates else None,
+            "verdicts": by_stage, "cost_usd": round(sum(c.cost_usd for c in candidates), 6),
+            "diversity": diversity(accepted), "candidates": rows}
+
+
+def show_candidates(run_dir: Path, records: list[dict[str, Any]], confirmed: list[dict[str, Any]],
+                    min_accuracy: float | None) -> dict[str, Any] | None:
+    """`search show`'s candidates (None: the search had no agent)."""
+    root = Path(run_dir) / "candidates"
+    if not root.is_dir():
+        return None
+    return candidates_summary(load_candidates(root), records, confirmed, min_accuracy)

@@ -1,0 +1,115 @@
+"""`search --agent`: proposals go through the harness inside a real search on the embedded model;
+every rejection is recorded with its reason, a hang is killed and the search goes on, accepted
+flows get studies and trials like the built-in ones, and a resumed search keeps them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import FLOW_HEAD, GOOD_INDEX, candidate_flow
+from sparsetune import api
+from sparsetune.agents.loop import Agent
+from sparsetune.agents.proposer import Context, NoMoreProposals, Proposal
+from sparsetune.agents.sandbox import Limits
+from sparsetune.search.config import SearchConfig
+
+CASES = [  # (source, verdict, a phrase of the reason)
+    (candidate_flow(name="c_syntax").replace("def index(self, q, fields):", "def index(self, q, fields)"),
+     "rejected at static", "syntax error"),
+    (candidate_flow(name="c_os", head=FLOW_HEAD + "import os\n"), "rejected at static", "`import os` is not allowed"),
+    (candidate_flow("x = open('/etc/passwd')\n" + GOOD_INDEX, name="c_open"), "rejected at static", "`open` is not allowed"),
+    (candidate_flow("m = __import__('os')\n" + GOOD_INDEX, name="c_import"), "rejected at static", "`__import__` is not allowed"),
+    (candidate_flow(name="c_global", head=FLOW_HEAD + "from sparsetune.flow import check\n"), "rejected at static",
+     "`from sparsetune.flow import check` is not allowed"),
+    (candidate_flow('return F.topk(F.gemm(fields["centroid"], q))', name="c_shape"), "rejected at check",
+     "F.topk needs a score of shape [S, 1, 1]"),
+    (candidate_flow("s = F.gemm(fields['centroid'], q)\nwhile True:\n    s = F.add(s, s)\n" + GOOD_INDEX, name="c_hang"),
+     "rejected at check", "killed by the harness: over its wall-clock limit"),
+    (candidate_flow(name="quest"), "rejected at static", "the flow name 'quest' is taken"),
+    (candidate_flow('return F.topk(F.fill(F.max(F.gemm(fields["centroid"], q), dim=2), 1.0))', name="c_constant"),
+     "accepted", None),
+    (candidate_flow('return F.topk(F.max(F.max(F.gemm(fields["keys"], q), dim=1), dim=2))',
+                    cache='return {"keys": F.scale(k)}', name="c_keys"), "accepted", None),
+    (candidate_flow(name="c_good"), "accepted", None),
+]
+
+
+class Scripted:
+    """A proposer that hands over fixed files, one per round, and records what it was shown."""
+
+    name = "scripted"
+
+    def __init__(self, sources: list[str]) -> None:
+        self.sources, self.seen = sources, []
+
+    def propose(self, ctx: Context) -> Proposal:
+        self.seen.append(ctx)
+        if ctx.round >= len(self.sources):
+            raise NoMoreProposals("the script is done")
+        return Proposal(self.sources[ctx.round], self.name, ["quest"], rationale=f"case {ctx.round}",
+                        usage={"input_tokens": 10}, cost_usd=0.001)
+
+
+@pytest.mark.slow  # a search on the embedded model: about three minutes on 2 CPU cores
+def test_agent_search_records_every_verdict_and_searches_what_passed(tmp_path, monkeypatch):
+    options = dict(tasks=("niah_single",), context=256, samples=1, confirm_samples=1, batch=4, params={"block_size": "16"},
+                   study="ag", out=str(tmp_path), device="cpu", agent="scripted")
+    proposer = Scripted([c[0] for c in CASES])
+
+    def agent(cfg: SearchConfig, _proposer) -> Agent:  # a short check limit for the hang, a proposal every trial
+        return Agent(cfg, proposer, check_limits=Limits(wall_s=15, memory_mb=3072, cpu_s=60), propose_every=1,
+                     rejects_in_a_row=len(CASES))
+
+    monkeypatch.setattr("sparsetune.agents.loop.Agent", agent)
+    monkeypatch.setattr("sparsetune.agents.loop.make_proposer", lambda name, seed: proposer)
+    result = api.search("quest,block_topk", trials=8, **options)
+
+    cands = result["candidates"]
+    got = {r["name"]: (r["verdict"], r["reason"]) for r in cands["candidates"]}
+    assert len(cands["candidates"]) == len(CASES)
+    for (source, verdict, phrase), row in zip(CASES, cands["candidates"]):
+        assert row["verdict"] == verdict, (row["name"], row["reason"])
+        if phrase is not None:
+            assert phrase in row["reason"], (row["name"], row["reason"])
+    assert cands["accepted"] == 3 and cands["share_valid"] == round(3 / len(CASES), 4)
+    assert cands["cost_usd"] == pytest.approx(0.001 * len(CASES))
+    assert cands["stopped"] == "the script is done"
+    assert 0 < cands["diversity"]["mean_distance"] <= 1
+
+    records = [json.loads(line) for line in (tmp_path / "ag" / "trials.jsonl").read_text().splitlines()]
+    by_flow = {}
+    for r in records:
+        by_flow.setdefault(r["flow"], []).append(r)
+    assert {"c_constant", "c_keys", "c_good"} <= set(by_flow)  # each accepted flow has a study with trials
+    assert not {"c_syntax", "c_shape", "c_hang", "c_os"} & set(by_flow)
+    # scored honestly: the raw keys cost their bytes, so at the same point it is slower than a centroid
+    keys, good = by_flow["c_keys"][0], by_flow["c_good"][0]
+    assert keys["params"] == good["params"] and keys["speed"]["kv_share"] == good["speed"]["kv_share"]
+    assert keys["speed"]["speedup"] < good["speed"]["speedup"]
+    assert keys["role"] == "start"  # a candidate's defaults are where its study starts, not a baseline
+    assert {r["role"] for r in result["defaults"]} == {"defaults"} and {r["flow"] for r in result["defaults"]} == {
+        "quest", "block_topk"}
+    # each record on disk: source, proposer, parents, rationale, tokens and cost, the stages with timings
+    folder = tmp_path / "ag" / "candidates" / "0010"
+    saved = json.loads((folder / "candidate.json").read_text())
+    assert (folder / "c_good.py").read_text() == CASES[-1][0]
+    assert saved["proposer"] == "scripted" and saved["parents"] == ["quest"] and saved["rationale"] == "case 10"
+    assert saved["usage"] == {"input_tokens": 10} and saved["cost_usd"] == 0.001
+    assert [s["name"] for s in saved["stages"]] == ["static", "check", "gate"]
+    gate = saved["stages"][2]["detail"]
+    assert gate["seed"] == 5010 and gate["relative_accuracy"] is not None
+    # the proposer saw the verdicts so far
+    last = proposer.seen[-1]
+    assert [c.verdict for c in last.candidates] == [c[1] for c in CASES]
+
+    shown = api.search_show(tmp_path / "ag")
+    assert [r["name"] for r in shown["candidates"]["candidates"]] == [r["name"] for r in cands["candidates"]]
+
+    # resumed: the accepted flows' studies are back in the search, nothing is proposed twice
+    again = api.search("quest,block_topk", trials=10, **options)
+    assert len(again["candidates"]["candidates"]) == len(CASES)
+    records = [json.loads(line) for line in (tmp_path / "ag" / "trials.jsonl").read_text().splitlines()]
+    assert len(records) >= 10 and {"c_constant", "c_keys", "c_good"} <= {r["flow"] for r in records}
+    assert got == {r["name"]: (r["verdict"], r["reason"]) for r in again["candidates"]["candidates"]}
