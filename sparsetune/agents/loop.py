@@ -13,7 +13,8 @@ candidate through the harness:
    search-set accuracy of the searched flows' defaults (relative to dense; before one is measured,
    `quick_floor` x the bar);
 4. **study**: its Optuna study joins the search (`search.study.add_flow`, seeded with its
-   defaults), and it competes for trials and the frontier like any flow.
+   defaults alone), and it competes for trials and the frontier like any flow (the round-robin
+   warm-up gives it `WARM_TRIALS` first).
 
 **When a proposal is due**: no enqueued point is waiting (seeds run first), the budget has room
 for a candidate and a trial, the proposer's cost is under `--agent-budget-usd`, and either
@@ -53,11 +54,12 @@ GOAL = ("Write a decode flow (a DecodeFlow: a cache stage of per-block fields an
 
 def sandbox_limits(cfg: SearchConfig) -> Limits:
     """The evaluator child's limits: the first request loads the engines and runs the dense pass;
-    memory is the engines' and the candidates' (CUDA cannot run under an address-space limit)."""
+    memory is the engines' and the candidates' (CUDA cannot run under an address-space limit); its
+    files are the evaluations' (each prompt's dense KV is kept on disk: gigabytes at long contexts)."""
     from sparsetune.device import resolve_device
 
     cpu_only = resolve_device(cfg.device).type != "cuda"
-    return Limits(wall_s=1800.0, memory_mb=12288 if cpu_only else 65536, cpu_only=cpu_only)
+    return Limits(wall_s=1800.0, memory_mb=12288 if cpu_only else 65536, file_mb=65536, cpu_only=cpu_only)
 
 
 def make_proposer(name: str, seed: int = 0) -> Proposer:
@@ -134,6 +136,8 @@ class Agent:
     def _due(self) -> bool:
         from optuna.trial import TrialState
 
+        from sparsetune.search.study import confirm_reserve
+
         flows, budget, cfg = self.flows, self.budget, self.cfg
         if self.stopped is None and cfg.agent_budget_usd is not None and self.spent_usd() >= cfg.agent_budget_usd:
             self.stopped = f"--agent-budget-usd {cfg.agent_budget_usd:g} spent (${self.spent_usd():.4f})"
@@ -142,7 +146,7 @@ class Agent:
             return False
         if any(s.get_trials(deepcopy=False, states=(TrialState.WAITING,)) for s in flows.studies.values()):
             return False
-        if budget.reason_to_stop(flows) is not None:
+        if budget.reason_to_stop(flows, confirm_reserve(cfg, flows, budget)) is not None:
             return False
         left = budget.left_s()
         need = budget.trial_s + (max(self.step_s) if self.step_s else 2 * budget.trial_s)
@@ -245,14 +249,18 @@ def candidates_summary(candidates: list[Candidate], records: list[dict[str, Any]
     rows = []
     for c in candidates:
         mine = [r for r in records if r["flow"] == c.name]
-        best = max((r for r in mine if eligible(r, min_accuracy)), default=None,
-                   key=lambda r: (r["accuracy"]["relative_accuracy"] * r["speed"]["speedup"]))
+        # its best point: the fastest at the bar, else (none reached it) the most accurate faster than dense
+        held = [r for r in mine if eligible(r, min_accuracy)]
+        best = (max(held, key=lambda r: (r["speed"]["speedup"], r["accuracy"]["relative_accuracy"])) if held else
+                max((r for r in mine if eligible(r, None) and r["speed"]["speedup"] > 1), default=None,
+                    key=lambda r: (r["accuracy"]["relative_accuracy"], r["speed"]["speedup"])))
         rows.append({"id": c.id, "name": c.name, "proposer": c.proposer, "parents": c.parents, "rationale": c.rationale,
                      "verdict": c.verdict, "reason": c.reason, "cost_usd": c.cost_usd, "usage": c.usage,
                      "stages": {s.name: round(s.seconds, 3) for s in c.stages}, "trials": len(mine),
                      "best": best and {"trial": trial_name(best), "params": best["params"],
                                        "relative_accuracy": best["accuracy"]["relative_accuracy"],
-                                       "speedup": best["speed"]["speedup"]},
+                                       "speedup": best["speed"]["speedup"], "kv_share": best["speed"].get("kv_share"),
+                                       "meets_bar": bool(held)},
                      "on_confirmed_frontier": [r["trial"] for r in confirmed if r["flow"] == c.name]})
     accepted = [c.source for c in candidates if c.verdict == "accepted"]
     by_stage: dict[str, int] = {}

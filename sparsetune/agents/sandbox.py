@@ -75,6 +75,9 @@ def clean_env(cpu_only: bool) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     if cpu_only:
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # glibc reserves 64 MB of address space per malloc arena, up to 8 per core: on a many-core host
+        # the threads of torch alone would pass RLIMIT_AS ("cannot allocate memory for thread-local data")
+        env["MALLOC_ARENA_MAX"] = "2"
     return env
 
 

@@ -159,6 +159,8 @@ def add_flow(cfg: SearchConfig, flows: Flows, flow: str, cls: type, *, storage=N
     key, name = flow_key(flow), study_name(cfg.study, flow)
     storage = storage if storage is not None else next(iter(flows.studies.values()))._storage
     seeds = seed_trials(cls, flows.num_layers, fixed_params(cfg, cls))
+    if foreign:  # a proposed flow starts at its defaults; its short study samples the rest
+        seeds = seeds[:1]
     # TPE (Optuna 5's multi-objective default) after the seeded trials and STARTUP_TRIALS random
     # ones, not its 10: a search of tens of trials over several flows would otherwise be mostly random.
     sampler = TPESampler(seed=cfg.seed + len(flows.studies) + (os.getpid() if not create else 0),
