@@ -187,7 +187,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
             raise SparsetuneError("--agent runs every trial in its sandbox; it takes no evaluator")
         from sparsetune.agents.loop import Agent, make_proposer
 
-        agent = Agent(cfg, proposer or make_proposer(cfg.agent, cfg.seed))
+        agent = Agent(cfg, proposer or make_proposer(cfg))
     from sparsetune.search.study import run_search
 
     return run_search(cfg, evaluator, on_event, workers=workers, agent=agent)

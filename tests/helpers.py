@@ -222,3 +222,30 @@ def candidate_flow(index: str = GOOD_INDEX, cache: str = 'return {"centroid": F.
             def index(self, q, fields):
         """) + textwrap.indent(textwrap.dedent(index).strip(), " " * 8) + "\n"
 
+
+# ---- the Anthropic SDK through its own transport hook (no network) ----------------------------------
+
+CLAUDE_MODEL = "claude-sonnet-4-6"
+CLAUDE_USAGE = {"input_tokens": 1234, "output_tokens": 567, "cache_creation_input_tokens": 4000,
+                "cache_read_input_tokens": 8000}
+
+
+def claude_client(handler, max_retries: int = 0):
+    """An `anthropic.Anthropic` whose requests go to `handler(httpx2.Request) -> httpx2.Response`."""
+    import anthropic
+    import httpx2
+
+    return anthropic.Anthropic(api_key="test", base_url="http://mock", max_retries=max_retries,
+                               http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+
+
+def claude_message(tool_input: dict | None, usage: dict = CLAUDE_USAGE, text: str = "") -> dict:
+    """A Messages API reply: the `propose_flow` tool call with `tool_input` (None: text only)."""
+    from sparsetune.agents.llm import TOOL_NAME
+
+    content = [{"type": "text", "text": text}] if text else []
+    if tool_input is not None:
+        content.append({"type": "tool_use", "id": "toolu_1", "name": TOOL_NAME, "input": tool_input})
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": CLAUDE_MODEL, "content": content,
+            "stop_reason": "tool_use" if tool_input is not None else "end_turn", "stop_sequence": None, "usage": usage}
+

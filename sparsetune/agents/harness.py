@@ -122,6 +122,9 @@ def static_stage(path: Path) -> Stage:
 
     t0 = time.perf_counter()
     problems = file_problems(path, path.read_bytes())
+    if not problems and declared_name(path.read_text()) is None:  # e.g. an empty file: an LLM reply without its tool call
+        problems = [f"{path.name}: no flow class with a `name = \"...\"` (a lowercase identifier); write one "
+                    "DecodeFlow subclass as in the examples"]
     return Stage("static", not problems, " | ".join(problems) if problems else None, round(time.perf_counter() - t0, 3),
                  {"problems": problems} if problems else {})
 

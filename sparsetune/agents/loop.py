@@ -62,15 +62,25 @@ def sandbox_limits(cfg: SearchConfig) -> Limits:
     return Limits(wall_s=1800.0, memory_mb=12288 if cpu_only else 65536, file_mb=65536, cpu_only=cpu_only)
 
 
-def make_proposer(name: str, seed: int = 0) -> Proposer:
-    """The proposer `--agent NAME` runs."""
+def make_proposer(cfg: SearchConfig) -> Proposer:
+    """The proposer `--agent NAME` runs (checked before the search starts: a missing key or
+    endpoint is refused here, not in the middle of a search)."""
+    name = cfg.agent
     if name == "evolve":
         from sparsetune.agents.evolve import Evolve
 
-        return Evolve(seed)
-    if name in PROPOSERS:
-        raise SparsetuneError(f"--agent {name}: the {name} proposer is not built yet (issue #15); "
-                              "use --agent evolve (LLM-free program evolution)")
+        return Evolve(cfg.seed)
+    if name == "claude":
+        from sparsetune.agents.llm import DEFAULT_CLAUDE_MODEL, ClaudeProposer
+
+        return ClaudeProposer(cfg.agent_model or DEFAULT_CLAUDE_MODEL)
+    if name == "openai":
+        from sparsetune.agents.llm import OpenAIProposer
+
+        if not cfg.agent_endpoint or not cfg.agent_model:
+            raise SparsetuneError("--agent openai needs --agent-endpoint URL (the server's base URL, e.g. "
+                                  "http://localhost:30000/v1) and --agent-model NAME (the model it serves)")
+        return OpenAIProposer(cfg.agent_endpoint, cfg.agent_model)
     raise SparsetuneError(f"--agent {name!r}: use one of {', '.join(PROPOSERS)}")
 
 
@@ -111,7 +121,7 @@ class Agent:
             t0 = time.time()
             try:
                 cand = self._next()
-            except NoMoreProposals as e:
+            except (NoMoreProposals, SparsetuneError) as e:  # out of ideas, or the API failed: the search goes on
                 self.stopped = str(e)
                 self.emit("proposer", {"stopped": self.stopped})
                 return

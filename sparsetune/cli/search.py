@@ -138,9 +138,14 @@ def search(
     speed_model: str = typer.Option(None, "--speed-model", help="Measure speed on this architecture with random weights."),
     speed_batch: int = typer.Option(None, "--speed-batch", help="Batch for speed (default: --batch)."),
     speed_context: int = typer.Option(None, "--speed-context", help="Context for speed (default: --context)."),
-    agent: str = typer.Option(None, "--agent", help="Also propose new decode flows: evolve (LLM-free program evolution); "
-                              "each is checked in a sandbox, gated, then searched like the others (runs/<study>/candidates/)."),
-    agent_budget_usd: float = typer.Option(None, "--agent-budget-usd", help="Stop proposing once the proposer's calls cost this much."),
+    agent: str = typer.Option(None, "--agent", help="Also propose new decode flows: evolve (LLM-free program evolution), claude "
+                              "(ANTHROPIC_API_KEY) or openai (--agent-endpoint); each is checked in a sandbox, gated, then "
+                              "searched like the others (runs/<study>/candidates/)."),
+    agent_budget_usd: float = typer.Option(None, "--agent-budget-usd", help="Stop proposing once the proposer's calls cost this much (USD)."),
+    agent_model: str = typer.Option(None, "--agent-model", help="claude: the Anthropic model id (default claude-sonnet-4-6); "
+                                    "openai: the name of the model the endpoint serves."),
+    agent_endpoint: str = typer.Option(None, "--agent-endpoint", help="openai: an OpenAI-compatible server's base URL "
+                                       "(e.g. http://localhost:30000/v1 for SGLang)."),
     workers: int = typer.Option(1, "--workers", help="Processes on this host, one engine each: one GPU each on a GPU host "
                                 "(the CPU's cores split on CPU); their logs in runs/<study>/workers/."),
     device: str = opt.device_option(),
@@ -166,7 +171,7 @@ def search(
                    **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
                    study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
                    speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,
-                   agent=agent, agent_budget_usd=agent_budget_usd,
+                   agent=agent, agent_budget_usd=agent_budget_usd, agent_model=agent_model, agent_endpoint=agent_endpoint,
                    device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
     apply_threads(threads)
     result = api.search(flow, reuse=reuse, resume=resume, workers=workers, on_event=_Live(trials, hours), **options)

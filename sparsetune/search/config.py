@@ -66,6 +66,8 @@ class SearchConfig(BaseModel):
     quick_floor: float = 0.5  # the cascade: a point below this share of min_accuracy (or of dense) on the quick set stops there
     agent: str | None = None  # a proposer of new flows (`sparsetune.agents`): evolve, claude, openai
     agent_budget_usd: float | None = None  # proposing stops once the proposer's calls cost this much
+    agent_model: str | None = None  # claude: the Anthropic model id; openai: the served model's name
+    agent_endpoint: str | None = None  # openai: the server's base URL (e.g. http://localhost:30000/v1)
 
     @field_validator("tasks", mode="before")
     @classmethod

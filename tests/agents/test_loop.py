@@ -1,17 +1,19 @@
-"""`search --agent`: proposals go through the harness inside a real search on the embedded model;
-every rejection is recorded with its reason, a hang is killed and the search goes on, accepted
-flows get studies and trials like the built-in ones, and a resumed search keeps them."""
+"""`search --agent`: proposals (from the claude proposer, through the Anthropic SDK's own transport
+hook, scripted) go through the harness inside a real search on the embedded model; every rejection
+is recorded with its reason, a hang is killed and the search goes on, accepted flows get studies
+and trials like the built-in ones, the cost cap stops proposing, and a resumed search keeps them."""
 
 from __future__ import annotations
 
 import json
 
+import httpx2
 import pytest
 
-from helpers import FLOW_HEAD, GOOD_INDEX, candidate_flow
+from helpers import CLAUDE_MODEL, FLOW_HEAD, GOOD_INDEX, candidate_flow, claude_client, claude_message
 from sparsetune import api
+from sparsetune.agents.llm import ClaudeProposer, canonical_hash, cost_usd
 from sparsetune.agents.loop import Agent
-from sparsetune.agents.proposer import Context, NoMoreProposals, Proposal
 from sparsetune.agents.sandbox import Limits
 from sparsetune.search.config import SearchConfig
 
@@ -36,34 +38,38 @@ CASES = [  # (source, verdict, a phrase of the reason)
 ]
 
 
-class Scripted:
-    """A proposer that hands over fixed files, one per round, and records what it was shown."""
+FIRST = {"input_tokens": 1000, "output_tokens": 500, "cache_creation_input_tokens": 4000, "cache_read_input_tokens": 0}
+LATER = {**FIRST, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4000}
 
-    name = "scripted"
 
-    def __init__(self, sources: list[str]) -> None:
-        self.sources, self.seen = sources, []
+class Script:
+    """The Messages API as a mock transport: each request is answered with the next case's file."""
 
-    def propose(self, ctx: Context) -> Proposal:
-        self.seen.append(ctx)
-        if ctx.round >= len(self.sources):
-            raise NoMoreProposals("the script is done")
-        return Proposal(self.sources[ctx.round], self.name, ["quest"], rationale=f"case {ctx.round}",
-                        usage={"input_tokens": 10}, cost_usd=0.001)
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        self.requests.append(json.loads(request.content))
+        i = len(self.requests) - 1
+        return httpx2.Response(200, json=claude_message({"source": CASES[i][0], "rationale": f"case {i}"},
+                                                        usage=FIRST if i == 0 else LATER))
 
 
 @pytest.mark.slow  # a search on the embedded model: about three minutes on 2 CPU cores
 def test_agent_search_records_every_verdict_and_searches_what_passed(tmp_path, monkeypatch):
+    # the budget: every case's call, and not one more (the first writes the cached prefix, the rest read it)
+    spent = [cost_usd(CLAUDE_MODEL, FIRST if i == 0 else LATER) for i in range(len(CASES))]
     options = dict(tasks=("niah_single",), context=256, samples=1, confirm_samples=1, batch=4, params={"block_size": "16"},
-                   study="ag", out=str(tmp_path), device="cpu", agent="scripted")
-    proposer = Scripted([c[0] for c in CASES])
+                   study="ag", out=str(tmp_path), device="cpu", agent="claude", agent_budget_usd=sum(spent) - 1e-4)
+    script = Script()
+    proposer = ClaudeProposer(CLAUDE_MODEL, client=claude_client(script))
 
     def agent(cfg: SearchConfig, _proposer) -> Agent:  # a short check limit for the hang, a proposal every trial
         return Agent(cfg, proposer, check_limits=Limits(wall_s=15, memory_mb=3072, cpu_s=60), propose_every=1,
                      rejects_in_a_row=len(CASES))
 
     monkeypatch.setattr("sparsetune.agents.loop.Agent", agent)
-    monkeypatch.setattr("sparsetune.agents.loop.make_proposer", lambda name, seed: proposer)
+    monkeypatch.setattr("sparsetune.agents.loop.make_proposer", lambda cfg: proposer)
     result = api.search("quest,block_topk", trials=8, **options)
 
     cands = result["candidates"]
@@ -74,8 +80,10 @@ def test_agent_search_records_every_verdict_and_searches_what_passed(tmp_path, m
         if phrase is not None:
             assert phrase in row["reason"], (row["name"], row["reason"])
     assert cands["accepted"] == 3 and cands["share_valid"] == round(3 / len(CASES), 4)
-    assert cands["cost_usd"] == pytest.approx(0.001 * len(CASES))
-    assert cands["stopped"] == "the script is done"
+    assert len(script.requests) == len(CASES)  # the cap stopped the loop: no call past it
+    assert cands["cost_usd"] == pytest.approx(sum(spent))
+    assert cands["stopped"].startswith("--agent-budget-usd")
+    assert all(r["system"][0]["cache_control"] == {"type": "ephemeral"} for r in script.requests)
     assert 0 < cands["diversity"]["mean_distance"] <= 1
 
     records = [json.loads(line) for line in (tmp_path / "ag" / "trials.jsonl").read_text().splitlines()]
@@ -95,21 +103,21 @@ def test_agent_search_records_every_verdict_and_searches_what_passed(tmp_path, m
     folder = tmp_path / "ag" / "candidates" / "0010"
     saved = json.loads((folder / "candidate.json").read_text())
     assert (folder / "c_good.py").read_text() == CASES[-1][0]
-    assert saved["proposer"] == "scripted" and saved["parents"] == ["quest"] and saved["rationale"] == "case 10"
-    assert saved["usage"] == {"input_tokens": 10} and saved["cost_usd"] == 0.001
+    assert saved["proposer"] == "claude" and saved["rationale"] == "case 10"
+    assert saved["usage"] == LATER and saved["cost_usd"] == pytest.approx(spent[-1])
+    assert saved["prompt_hash"] == canonical_hash(script.requests[-1])
     assert [s["name"] for s in saved["stages"]] == ["static", "check", "gate"]
     gate = saved["stages"][2]["detail"]
     assert gate["seed"] == 5010 and gate["relative_accuracy"] is not None
-    # the proposer saw the verdicts so far
-    last = proposer.seen[-1]
-    assert [c.verdict for c in last.candidates] == [c[1] for c in CASES]
+    # the model was shown the verdicts so far: the last request names the hang's reason
+    assert "killed by the harness" in script.requests[-1]["messages"][0]["content"]
 
     shown = api.search_show(tmp_path / "ag")
     assert [r["name"] for r in shown["candidates"]["candidates"]] == [r["name"] for r in cands["candidates"]]
 
     # resumed: the accepted flows' studies are back in the search, nothing is proposed twice
     again = api.search("quest,block_topk", trials=10, **options)
-    assert len(again["candidates"]["candidates"]) == len(CASES)
+    assert len(again["candidates"]["candidates"]) == len(CASES) and len(script.requests) == len(CASES)
     records = [json.loads(line) for line in (tmp_path / "ag" / "trials.jsonl").read_text().splitlines()]
     assert len(records) >= 10 and {"c_constant", "c_keys", "c_good"} <= {r["flow"] for r in records}
     assert got == {r["name"]: (r["verdict"], r["reason"]) for r in again["candidates"]["candidates"]}

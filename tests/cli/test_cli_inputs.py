@@ -121,6 +121,7 @@ AFTER_TORCH = [
     (("search", "--workers", "0"), ("--workers must be at least 1",)),
     (("search", "--agent", "nosuch"), ("--agent 'nosuch': use one of evolve, claude, openai",)),
     (("search", "--agent", "evolve", "--workers", "2"), ("--agent with --workers", "use --workers 1")),
+    (("search", "--agent", "openai", "--agent-model", "m"), ("--agent openai needs --agent-endpoint URL",)),
     (("search", "--agent", "evolve", "--reuse", "sparsex"), ("--agent writes decode flows",)),
     (("search", "--flow", "streaming", "--speed-context", "32768"), ("attends a fixed window of tokens",
                                                                      "search it with --speed-context 1024")),
@@ -193,4 +194,13 @@ def test_a_custom_prompt_too_long_is_refused_before_the_run_directory(tmp_path):
     proc = run("eval", "--task", str(f), "--out", str(out))
     assert proc.returncode == 2, proc.stderr
     assert_clean_error(proc, "long sample 1 (line 2)", "lower --context or --max-new-tokens")
+    assert not out.exists()
+
+
+def test_agent_claude_without_a_key_names_it_and_the_alternatives(tmp_path, monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    out = tmp_path / "runs"
+    proc = run("search", "--agent", "claude", "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert_clean_error(proc, "--agent claude needs ANTHROPIC_API_KEY", "--agent-endpoint", "--agent evolve")
     assert not out.exists()
