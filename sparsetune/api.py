@@ -211,3 +211,12 @@ def search_show(run_dir: str | Path | None = None, *, study: str | None = None, 
     if cands is not None:
         result["candidates"] = cands
     return result
+
+
+def promote_flow(candidate_dir: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """Copy a search's candidate flow that passed the harness into your flows, with a header naming
+    its origin and figures (`agents.loop.promote`)."""
+    from sparsetune.agents.loop import promote
+
+    return promote(candidate_dir, out)
+

@@ -289,3 +289,50 @@ def show_candidates(run_dir: Path, records: list[dict[str, Any]], confirmed: lis
     if not root.is_dir():
         return None
     return candidates_summary(load_candidates(root), records, confirmed, min_accuracy)
+
+
+def promote(candidate_dir: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """`sparsetune flows promote runs/<study>/candidates/<id>`: copy a candidate that passed the
+    harness into the user's flows (`out`, default `./<name>.py`) under a header naming its origin
+    (search, candidate, proposer, parents, rationale, prompt hash) and its figures (its best point
+    on the search set, its confirmed points). Returns what it wrote."""
+    import json
+
+    folder = Path(candidate_dir)
+    record = folder / "candidate.json"
+    if not record.is_file():
+        raise SparsetuneError(f"{folder}: not a candidate folder (no candidate.json); pass runs/<study>/candidates/<id>")
+    cand = Candidate.from_dict(json.loads(record.read_text()))
+    if cand.verdict != "accepted":
+        raise SparsetuneError(f"candidate {cand.id} ({cand.name}) was {cand.verdict}: {cand.reason}; promote one that passed")
+    path = Path(out) if out is not None else Path(f"{cand.name}.py")
+    if path.exists():
+        raise SparsetuneError(f"{path} exists; pick another --out")
+    if not path.parent.is_dir():
+        raise SparsetuneError(f"--out {path}: the directory {path.parent} does not exist; create it first")
+    run_dir = folder.parent.parent
+    trials, front = run_dir / "trials.jsonl", run_dir / "frontier.json"
+    records = [json.loads(line) for line in trials.read_text().splitlines() if line.strip()] if trials.is_file() else []
+    conf = json.loads(front.read_text()).get("confirmed_frontier", []) if front.is_file() else []
+    search = json.loads((run_dir / "search.json").read_text())["search"] if (run_dir / "search.json").is_file() else {}
+    row = next(r for r in candidates_summary([cand], records, conf, search.get("min_accuracy"))["candidates"])
+    lines = [f"promoted by `sparsetune flows promote` from {folder} (search {search.get('study')!r}, "
+             f"model {search.get('model')}, context {search.get('context')})",
+             f"candidate {cand.id} by {cand.proposer}; parents: {', '.join(cand.parents) or '-'}; "
+             f"prompt sha256: {cand.prompt_hash or '-'}; source sha256: {cand.source_hash()}",
+             f"rationale: {cand.rationale or '-'}",
+             "harness: " + "; ".join(f"{s.name} passed in {s.seconds:.1f} s" for s in cand.stages),
+             f"trials: {row['trials']}"]
+    best = row["best"]
+    if best is not None:
+        lines.append(f"best point on the search set: {best['params']}: {100 * best['relative_accuracy']:.1f}% of dense, "
+                     f"speedup {best['speedup']:.2f}x, K/V read {best.get('kv_share')}"
+                     + ("" if best["meets_bar"] else " (below the search's --min-accuracy)"))
+    for r in conf:
+        if r["flow"] == cand.name:
+            lo, hi = r.get("interval") or (None, None)
+            lines.append(f"confirmed frontier: {r['trial']} {r['params']}: {100 * r['confirmed_accuracy']:.1f}% of dense "
+                         f"on fresh prompts [{lo}, {hi}], speedup {r['speedup']:.2f}x ({r.get('speed_kind')})")
+    header = "".join(f"# {line}\n" for line in lines)
+    path.write_text(header + "\n" + cand.source)
+    return {"file": str(path), "candidate": cand.id, "flow": cand.name, "header": lines}

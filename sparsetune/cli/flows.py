@@ -1,4 +1,4 @@
-"""`sparsetune flows list | show | check | new | calibrate`."""
+"""`sparsetune flows list | show | check | new | promote | calibrate`."""
 
 from __future__ import annotations
 
@@ -149,6 +149,23 @@ def new(
     path.write_text(TEMPLATE.format(title=name.replace("_", " ").capitalize(), name=name, cls=cls, file=path))
     err.print(f"wrote {path}; next: sparsetune flows check {path}")
     sys.stdout.write(str(path) + "\n")
+
+
+@app.command()
+def promote(
+    candidate: Path = typer.Argument(..., help="A candidate of a search: runs/<study>/candidates/<id>."),
+    out: Path = typer.Option(None, "--out", help="Where to write (default ./<its name>.py)."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Copy a flow an agent wrote (one that passed the harness) into your flows, with its origin and figures."""
+    from sparsetune import api
+
+    res = api.promote_flow(candidate, out)
+    if json_out:
+        emit_json(res)
+    err.print(f"wrote {res['file']} ({res['flow']}, candidate {res['candidate']}); run it with --flow {res['file']}")
+    if not json_out:
+        sys.stdout.write(res["file"] + "\n")
 
 
 @app.command()
