@@ -16,7 +16,9 @@ candidate through the harness:
    defaults alone), and it competes for trials and the frontier like any flow (the round-robin
    warm-up gives it `WARM_TRIALS` first).
 
-**When a proposal is due**: no enqueued point is waiting (seeds run first), the budget has room
+**When a proposal is due**: no flow's defaults are waiting (the built-in flows' defaults set the
+gate's bar; a candidate's defaults run before the next candidate; the other seeded points may
+interleave with proposals, so a short `--trials` budget still proposes), the budget has room
 for a candidate and a trial, the proposer's cost is under `--agent-budget-usd`, and either
 `PROPOSE_EVERY` trials have run since the last proposal or the last one was rejected (at most
 `REJECTS_IN_A_ROW` in a row). Half the trials go to the candidates' warm-up and half to the
@@ -154,8 +156,9 @@ class Agent:
             self.emit("proposer", {"stopped": self.stopped})
         if self.stopped is not None:
             return False
-        if any(s.get_trials(deepcopy=False, states=(TrialState.WAITING,)) for s in flows.studies.values()):
-            return False
+        waiting = [t for s in flows.studies.values() for t in s.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+        if any(t.user_attrs.get("role") in ("defaults", "start") for t in waiting):
+            return False  # the flows' defaults first (the gate's bar), and each candidate's start before the next
         if budget.reason_to_stop(flows, confirm_reserve(cfg, flows, budget)) is not None:
             return False
         left = budget.left_s()
