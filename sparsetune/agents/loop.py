@@ -86,6 +86,14 @@ def make_proposer(cfg: SearchConfig) -> Proposer:
     raise SparsetuneError(f"--agent {name!r}: use one of {', '.join(PROPOSERS)}")
 
 
+STAGES = ("static", "check", "gate")  # the harness stages a candidate passes before its study joins
+
+
+def _through(cand: Candidate) -> bool:
+    """Every stage run and passed (a resumed search's candidate left half-way is not)."""
+    return cand.verdict == "accepted" and tuple(s.name for s in cand.stages) == STAGES
+
+
 class Agent:
     """The `agent` of `run_search` (module docstring)."""
 
@@ -112,7 +120,7 @@ class Agent:
         """The search's studies are open: add the accepted candidates' (a resumed search)."""
         self.flows, self.budget, self.emit = flows, budget, emit
         for cand in self.candidates:
-            if cand.verdict == "accepted" and [s.name for s in cand.stages] == ["static", "check", "gate"]:
+            if _through(cand):
                 self._join(cand)
         self._last = trial_count(flows.studies)
 
@@ -187,7 +195,7 @@ class Agent:
     def _next(self) -> Candidate:
         """The next candidate: one the last run left half-way, else a new proposal."""
         for cand in self.candidates:
-            if cand.verdict == "accepted" and [s.name for s in cand.stages] != ["static", "check", "gate"]:
+            if cand.verdict == "accepted" and not _through(cand):
                 return cand
         p = self.proposer.propose(self.context())
         number = len(self.candidates)
