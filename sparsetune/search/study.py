@@ -321,10 +321,6 @@ class Budget:
         d = sorted(self.durations[1:])
         return d[len(d) // 2] if d else self.trial_s
 
-    @property
-    def first_s(self) -> float:
-        return self.durations[0] if self.durations else 0.0
-
     def left_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
 
@@ -473,10 +469,11 @@ def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: 
 
 def confirm_reserve(cfg: SearchConfig, flows: Flows, budget: Budget) -> float:
     """Time kept back for confirmation, scaled to `confirm_samples`: the dense pass on the fresh
-    prompts (about the first trial, which ran the search set's), then the frontier points so far
-    plus one and each flow's defaults (about a typical trial each)."""
-    points = len(search_frontier(trial_records(flows), cfg.min_accuracy)) + 1 + len(cfg.flows)
-    return (budget.first_s + points * budget.typical_s) * cfg.confirm_samples / cfg.samples
+    prompts and each point still to confirm (`to_confirm`, a resumed study's confirmed points not
+    among them) plus one the next trial may add, each about a typical trial. (Not the first trial:
+    it also loaded the engines, about a minute on a GPU, which kept short `--hours` runs idle.)"""
+    points = len(to_confirm(trial_records(flows), cfg.min_accuracy)) + 1
+    return (1 + points) * budget.typical_s * cfg.confirm_samples / cfg.samples
 
 
 # ---- entry points ---------------------------------------------------------------------------------

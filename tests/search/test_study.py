@@ -16,8 +16,8 @@ from optuna.trial import TrialState
 from sparsetune.errors import SparsetuneError
 from sparsetune.registry import get_flow_class
 from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import (CONFIRM_SEED_OFFSET, default_trial_params, expire_stale, open_flows, run_search,
-                                     run_trial, trial_records)
+from sparsetune.search.study import (CONFIRM_SEED_OFFSET, Budget, confirm_reserve, default_trial_params, expire_stale,
+                                     open_flows, run_search, run_trial, to_confirm, trial_records)
 from helpers import SyntheticEvaluator
 
 
@@ -176,6 +176,25 @@ def test_hours_budget_starts_no_trial_that_cannot_finish(tmp_path):
     ev = SyntheticEvaluator(cfg, sleep=0.4)
     result = run_search(cfg, ev)
     assert "--hours" in result["stopped"] and 1 <= result["trials"]["finished"] <= 4
+
+
+def test_the_confirmation_reserve_counts_what_is_left_to_confirm_not_the_engines_load(tmp_path):
+    cfg = _cfg(tmp_path, hours=1.0, trials=None, samples=4, confirm_samples=10)
+    flows = open_flows(cfg, create=True)
+    budget = Budget(cfg, time.time())
+    budget.durations = [60.0, 4.0, 2.0, 3.0]  # the first trial loaded the engines
+    # nothing run yet: the dense pass on the fresh prompts and one point, at a typical trial each (3 s), x 10/4
+    assert confirm_reserve(cfg, flows, budget) == pytest.approx(2 * 3.0 * 10 / 4)
+    run_search(cfg.model_copy(update=dict(hours=None, trials=8)), SyntheticEvaluator(cfg))  # confirms what it found
+    flows = open_flows(cfg, create=False)
+    records = trial_records(flows)
+    assert to_confirm(records, cfg.min_accuracy) == [] and any(r["confirm"] for r in records)
+    assert confirm_reserve(cfg, flows, budget) == pytest.approx(2 * 3.0 * 10 / 4)  # a resume does not redo them
+    # a finished trial not yet confirmed (a new frontier point) adds one typical trial
+    study = flows.studies["quest"]
+    study.set_user_attr("confirm:0", None)
+    assert len(to_confirm(trial_records(flows), cfg.min_accuracy)) == 1
+    assert confirm_reserve(cfg, flows, budget) == pytest.approx(3 * 3.0 * 10 / 4)
 
 
 def test_optuna_storage_is_one_study_per_flow(tmp_path):
