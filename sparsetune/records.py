@@ -42,14 +42,17 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def package_version(pkg: str) -> str | None:
+    """An installed distribution's version, or None."""
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def env_info(device: Any = None) -> dict[str, Any]:
     """Package versions, Python, host and device facts for `env.json`."""
-    versions = {}
-    for pkg in _PACKAGES:
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
+    versions = {pkg: package_version(pkg) for pkg in _PACKAGES}
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),

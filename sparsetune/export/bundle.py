@@ -1,0 +1,209 @@
+"""A bundle: one tuned decode flow packed for serving (issue #16).
+
+    DIR/
+      <flow>.py      the flow's source, byte for byte (its sha256 is in the manifest)
+      bundle.json    the manifest: the flow, its resolved parameters, the model and what was
+                     measured where (the search's figures with their confidence interval)
+
+A bundle is made from a search's run folder (a confirmed point, by `--trial` or a `--pick` rule)
+or from a flow and `--param`s alone; `check_bundle` re-reads one and names every problem (a
+changed source, parameters the flow does not declare or accept). What serves a bundle (the SGLang
+backend) reads it through `read_bundle`, so a bundle that does not check does not load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sparsetune.errors import SparsetuneError
+
+SCHEMA = "sparsetune.bundle/1"
+MANIFEST = "bundle.json"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---- choosing a point of a search --------------------------------------------------------------
+
+_PICK = re.compile(r"^\s*(max|min)\s+(speedup|accuracy|share)\s*(?:where\s+(.+?))?\s*$")
+_COND = re.compile(r"^\s*(speedup|accuracy|share)\s*(>=|<=|>|<)\s*([0-9.]+)\s*$")
+_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+PICK_HELP = ('write "max|min speedup|accuracy|share [where accuracy|speedup|share >=|<=|>|< NUMBER [and ...]]", '
+             'e.g. "max speedup where accuracy >= 0.95"')
+
+
+def _value(row: dict[str, Any], what: str) -> float:
+    """A confirmed point's figure: accuracy is the confirmed one (fresh prompts), relative to dense."""
+    return {"speedup": row["speedup"], "accuracy": row["confirmed_accuracy"], "share": row.get("share")}[what]
+
+
+def pick_point(rows: list[dict[str, Any]], rule: str) -> dict[str, Any]:
+    """The confirmed point a `--pick` rule chooses, e.g. "max speedup where accuracy >= 0.95"."""
+    m = _PICK.match(rule)
+    if not m:
+        raise SparsetuneError(f"--pick {rule!r}: {PICK_HELP}")
+    how, what, where = m.groups()
+    conds = []
+    for part in re.split(r"\s+and\s+", where) if where else []:
+        c = _COND.match(part)
+        if not c:
+            raise SparsetuneError(f"--pick {rule!r}: cannot read {part.strip()!r}; {PICK_HELP}")
+        conds.append((c.group(1), _OPS[c.group(2)], float(c.group(3))))
+    ok = [r for r in rows if all(_value(r, k) is not None and op(_value(r, k), x) for k, op, x in conds)]
+    if not ok:
+        raise SparsetuneError(f"--pick {rule!r}: no confirmed point meets it (confirmed: "
+                              f"{', '.join(r['trial'] for r in rows) or 'none'}); loosen it or pass --trial")
+    return (max if how == "max" else min)(ok, key=lambda r: _value(r, what))
+
+
+def _flow_source(run_dir: Path, flow: str) -> Path:
+    """A built-in flow's file, or a proposed flow's from the run's candidates."""
+    from sparsetune.registry import builtin_flows
+
+    builtin = builtin_flows()
+    if flow in builtin:
+        return builtin[flow]
+    for path in sorted((run_dir / "candidates").glob(f"*/{flow}.py")):
+        return path
+    raise SparsetuneError(f"flow {flow!r} of {run_dir} is neither built in nor among its candidates/")
+
+
+def point_of_run(run_dir: Path, trial: str | None = None, pick: str | None = None) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """(flow file, the chosen confirmed point's row, the search's summary) of a run folder; by
+    default the fastest confirmed point that holds the search's accuracy bar."""
+    summary_path = run_dir / "frontier.json"
+    if not summary_path.is_file():
+        raise SparsetuneError(f"{run_dir} has no frontier.json: pass a search's run folder (runs/<study>), "
+                              "or --flow with --param for a bundle without a search")
+    summary = json.loads(summary_path.read_text())
+    if summary.get("kind") != "decode":
+        raise SparsetuneError(f"{run_dir} is a {summary.get('kind')} search; only decode flows export (reuse flows do not run in SGLang yet)")
+    held = summary.get("confirmed_frontier") or []
+    if trial is not None:
+        rows = held + summary.get("not_confirmed", []) + summary.get("defaults", [])
+        row = next((r for r in rows if r["trial"] == trial), None)
+        if row is None:
+            raise SparsetuneError(f"--trial {trial!r}: not a confirmed point or default of {run_dir} "
+                                  f"(confirmed frontier: {', '.join(r['trial'] for r in held) or 'none'})")
+        if not row.get("holds"):
+            raise SparsetuneError(f"--trial {trial}: it did not hold on fresh prompts "
+                                  f"({row.get('confirmed_accuracy')} of dense); pick a point of the confirmed frontier")
+    else:
+        bar = summary.get("min_accuracy")
+        row = pick_point(held, pick or ("max speedup" + (f" where accuracy >= {bar}" if bar is not None else "")))
+    return _flow_source(run_dir, row["flow"]), row, summary
+
+
+# ---- writing, reading, checking -------------------------------------------------------------------
+
+def _resolve(flow_file: Path, raw: dict[str, str]) -> tuple[type, dict[str, str]]:
+    """The flow class and every declared parameter that has a value, as text (the given ones validated)."""
+    from sparsetune.flow.base import DecodeFlow
+    from sparsetune.registry import load_file
+
+    cls = load_file(flow_file)
+    if not issubclass(cls, DecodeFlow):
+        raise SparsetuneError(f"{flow_file} is a reuse flow; only decode flows export (reuse flows do not run in SGLang yet)")
+    flow = cls.from_strings(raw)
+    return cls, {k: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+                 for k, v in flow.params().items() if v is not None}
+
+
+def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: str | None = None,
+                 measured: dict[str, Any] | None = None, origin: dict[str, Any] | None = None,
+                 overwrite: bool = False) -> dict[str, Any]:
+    """Write a bundle to `out` (a new folder, or an existing bundle with `overwrite`); returns the manifest."""
+    from sparsetune import records
+
+    cls, resolved = _resolve(flow_file, params)
+    if out.exists() and not (overwrite and (out / MANIFEST).is_file()):
+        raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if (out / MANIFEST).is_file() else ""))
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    source = out / f"{cls.name}.py"
+    shutil.copyfile(flow_file, source)
+    manifest = {
+        "schema": SCHEMA,
+        "flow": cls.name,
+        "source": source.name,
+        "source_sha256": sha256(source),
+        "params": resolved,
+        "block_size": int(resolved["block_size"]),
+        "model": model,
+        "origin": origin or {"from": "params"},
+        "measured": measured,
+        "sparsetune": records.package_version("sparsetune"),
+    }
+    records.write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+def export_run(run_dir: Path, out: Path, *, trial: str | None = None, pick: str | None = None,
+               overwrite: bool = False) -> dict[str, Any]:
+    """A bundle of a search's confirmed point, with the figures the search measured for it."""
+    flow_file, row, summary = point_of_run(run_dir, trial, pick)
+    config = json.loads((run_dir / "search.json").read_text())["search"] if (run_dir / "search.json").is_file() else {}
+    measured = {
+        "accuracy": {"on": f"{summary['model']}, RULER-style suite at {summary['context']} tokens",
+                     "search": row["relative_accuracy"], "confirmed": row["confirmed_accuracy"],
+                     "interval_95": row.get("interval"), "relative_to": "dense on the same prompts",
+                     "dense_accuracy": (summary.get("dense") or {}).get("accuracy")},
+        "speedup": row["speedup"], "speed_kind": row.get("speed_kind"), "speed_note": summary.get("speed_note"),
+        "speed_shape": {k: config.get(k) for k in ("speed_model", "speed_batch", "speed_context") if k in config},
+        "kv_share": row.get("share"),
+    }
+    origin = {"from": "search", "run_dir": str(run_dir), "study": summary.get("study"), "trial": row["trial"]}
+    return write_bundle(out, flow_file, row["params"], model=summary.get("model"), measured=measured,
+                        origin=origin, overwrite=overwrite)
+
+
+def read_bundle(path: Path) -> dict[str, Any]:
+    """The manifest of a bundle that checks, else one error naming every problem."""
+    problems = check_bundle(path)
+    if problems:
+        raise SparsetuneError(f"bundle {path} does not check: " + "; ".join(problems))
+    return json.loads((path / MANIFEST).read_text())
+
+
+def check_bundle(path: Path) -> list[str]:
+    """Every problem of a bundle: missing or unreadable files, a source that changed since export,
+    parameters the flow does not declare or accept, or that differ from the resolved ones."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return [f"no {MANIFEST} in {path} (is it a bundle? `sparsetune export ... --out DIR` writes one)"]
+    try:
+        m = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{MANIFEST} is not JSON ({e.msg}, line {e.lineno})"]
+    if not isinstance(m, dict) or m.get("schema") != SCHEMA:
+        return [f"{MANIFEST}: schema {m.get('schema') if isinstance(m, dict) else None!r}, expected {SCHEMA!r}"]
+    missing = [k for k in ("flow", "source", "source_sha256", "params") if k not in m]
+    if missing:
+        return [f"{MANIFEST} lacks {', '.join(missing)}"]
+    source = path / m["source"]
+    if Path(m["source"]).name != m["source"] or not source.is_file():
+        return [f"the flow source {m['source']!r} is not in the bundle"]
+    problems = []
+    if sha256(source) != m["source_sha256"]:
+        problems.append(f"{m['source']} changed since export (sha256 {sha256(source)[:12]}…, manifest {m['source_sha256'][:12]}…); export again")
+    try:
+        cls, resolved = _resolve(source, m["params"])
+    except SparsetuneError as e:
+        return problems + [str(e)]
+    if cls.name != m["flow"]:
+        problems.append(f"{m['source']} defines flow {cls.name!r}, the manifest says {m['flow']!r}")
+    changed = {k: (v, m["params"].get(k)) for k, v in resolved.items() if m["params"].get(k) != v}
+    if changed:
+        problems.append("params not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items()))
+    if str(m.get("block_size")) != resolved.get("block_size"):
+        problems.append(f"block_size {m.get('block_size')!r} differs from the flow's {resolved.get('block_size')!r}")
+    return problems

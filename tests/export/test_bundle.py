@@ -1,0 +1,111 @@
+"""Bundles: a search's confirmed point (or a flow and params alone) packed with its source, hash,
+resolved parameters and figures; `check_bundle` names every way a bundle can go bad."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import SyntheticEvaluator
+from sparsetune.errors import SparsetuneError
+from sparsetune.export.bundle import MANIFEST, check_bundle, export_run, pick_point, read_bundle, write_bundle
+from sparsetune.registry import build_flow, flow_path
+from sparsetune.search.config import SearchConfig
+from sparsetune.search.study import run_search
+
+
+@pytest.fixture(scope="module")
+def search_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    cfg = SearchConfig(study="s", out=str(out), trials=10, context=2048, min_accuracy=0.9, confirm_samples=2)
+    run_search(cfg, SyntheticEvaluator(cfg))
+    return out / "s"
+
+
+def test_a_search_exports_its_fastest_confirmed_point_above_the_bar_with_its_figures(search_run, tmp_path):
+    summary = json.loads((search_run / "frontier.json").read_text())
+    held = summary["confirmed_frontier"]
+    assert held
+    want = max((r for r in held if r["confirmed_accuracy"] >= 0.9), key=lambda r: r["speedup"])
+    m = export_run(search_run, tmp_path / "b")
+    assert m["origin"]["trial"] == want["trial"] and m["flow"] == want["flow"]
+    assert m["measured"]["speedup"] == want["speedup"]
+    assert m["measured"]["accuracy"]["confirmed"] == want["confirmed_accuracy"]
+    assert m["measured"]["accuracy"]["interval_95"] == want["interval"]
+    # the bundle runs exactly the trial's point: same flow parameters as the search built
+    bundled = build_flow(str(tmp_path / "b" / m["source"]), m["params"]).params()
+    assert bundled == build_flow(want["flow"], want["params"]).params()
+    assert m["block_size"] == int(want["params"]["block_size"])
+    assert (tmp_path / "b" / m["source"]).read_bytes() == flow_path(want["flow"]).read_bytes()
+    assert check_bundle(tmp_path / "b") == [] and read_bundle(tmp_path / "b") == m
+
+
+def test_trial_and_pick_choose_points_and_refuse_what_does_not_hold(search_run, tmp_path):
+    held = json.loads((search_run / "frontier.json").read_text())["confirmed_frontier"]
+    slowest = min(held, key=lambda r: r["speedup"])
+    assert export_run(search_run, tmp_path / "a", trial=slowest["trial"])["origin"]["trial"] == slowest["trial"]
+    most = max(held, key=lambda r: r["confirmed_accuracy"])
+    assert pick_point(held, "max accuracy")["trial"] == most["trial"]
+    assert pick_point(held, "min share where speedup > 0")["trial"] == min(held, key=lambda r: r["share"])["trial"]
+    with pytest.raises(SparsetuneError, match="no confirmed point meets it"):
+        pick_point(held, "max speedup where accuracy >= 2")
+    with pytest.raises(SparsetuneError, match="write \"max|min"):
+        pick_point(held, "fastest please")
+    with pytest.raises(SparsetuneError, match="cannot read 'accuracy = 1'"):
+        pick_point(held, "max speedup where accuracy = 1")
+    with pytest.raises(SparsetuneError, match="not a confirmed point"):
+        export_run(search_run, tmp_path / "c", trial="quest#999")
+    with pytest.raises(SparsetuneError, match="no frontier.json"):
+        export_run(tmp_path, tmp_path / "d")
+
+
+def test_a_flow_and_params_alone_make_a_bundle_and_bad_params_are_refused(tmp_path):
+    m = write_bundle(tmp_path / "q", flow_path("quest"), {"budget_ratio": "0.125", "block_size": "16"}, model="smollm2-135m")
+    assert m["params"]["budget_ratio"] == "0.125" and m["block_size"] == 16 and m["measured"] is None
+    assert m["params"]["dense_layers"] == ",".join(map(str, build_flow("quest").dense_layers))  # defaults resolved
+    assert check_bundle(tmp_path / "q") == []
+    with pytest.raises(SparsetuneError, match="exists"):
+        write_bundle(tmp_path / "q", flow_path("quest"), {})
+    assert "budget_ratio" not in write_bundle(tmp_path / "q", flow_path("quest"), {}, overwrite=True)["params"]  # the default: a token budget
+    with pytest.raises(SparsetuneError, match="has no parameter 'nosuch'"):
+        write_bundle(tmp_path / "x", flow_path("quest"), {"nosuch": "1"})
+    with pytest.raises(SparsetuneError, match="reuse flow"):
+        write_bundle(tmp_path / "y", flow_path("cacheblend"), {})
+
+
+def _edit(bundle, **changes):
+    m = json.loads((bundle / MANIFEST).read_text())
+    for k, v in changes.items():
+        m[k] = v(m) if callable(v) else v
+    (bundle / MANIFEST).write_text(json.dumps(m))
+
+
+def test_check_names_each_problem_of_a_bad_bundle(tmp_path):
+    def fresh(name):
+        write_bundle(tmp_path / name, flow_path("block_topk"), {"block_size": "8"})
+        return tmp_path / name
+
+    b = fresh("src")
+    (b / "block_topk.py").write_text((b / "block_topk.py").read_text() + "\n# edited\n")
+    assert [p for p in check_bundle(b) if "changed since export" in p]
+    b = fresh("param")
+    _edit(b, params=lambda m: {**m["params"], "block_size": "3"})
+    assert any("block_size" in p for p in check_bundle(b))
+    b = fresh("unknown")
+    _edit(b, params=lambda m: {**m["params"], "nosuch": "1"})
+    assert check_bundle(b) == ["flow 'block_topk' has no parameter 'nosuch'; it has: " +
+                               ", ".join(sorted(build_flow("block_topk").param_specs()))]
+    b = fresh("blocks")
+    _edit(b, block_size=16)
+    assert check_bundle(b) == ["block_size 16 differs from the flow's '8'"]
+    b = fresh("schema")
+    _edit(b, schema="other/1")
+    assert "expected 'sparsetune.bundle/1'" in check_bundle(b)[0]
+    b = fresh("escape")
+    _edit(b, source="../block_topk.py")
+    assert check_bundle(b) == ["the flow source '../block_topk.py' is not in the bundle"]
+    (tmp_path / "empty").mkdir()
+    assert "no bundle.json" in check_bundle(tmp_path / "empty")[0]
+    with pytest.raises(SparsetuneError, match="does not check"):
+        read_bundle(tmp_path / "empty")
