@@ -1,4 +1,5 @@
-"""Run records: `runs/<timestamp>-<what>-<model>/` directories, environment facts, atomic JSON writes."""
+"""Run records: `runs/<timestamp>-<what>-<model>/` directories, environment facts, atomic JSON writes,
+new output files."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from sparsetune.errors import SparsetuneError
 
 DEFAULT_RUNS_DIR = Path("runs")
 _PACKAGES = ("sparsetune", "torch", "triton", "transformers", "tokenizers", "numpy", "gguf")
@@ -33,6 +36,17 @@ def new_run_dir(out: Path | str | None, *parts: str) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"cannot create a run directory under {root}")
+
+
+def new_file(path: Path) -> Path:
+    """`path` for a file the user asked a command to write (`--out`): refused if it exists or its
+    directory does not (nothing of theirs is overwritten, nothing is created where they did not mean)."""
+    if path.exists():
+        raise SparsetuneError(f"{path} exists; pick another --out")
+    if not path.parent.is_dir():
+        raise SparsetuneError(f"--out {path}: the directory {path.parent} does not exist; create it first "
+                              f"(mkdir -p {path.parent}) or pick another --out")
+    return path
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -40,6 +40,7 @@ from sparsetune.agents.harness import CHECK_LIMITS, Candidate, Stage, declared_n
 from sparsetune.agents.proposer import PROPOSERS, Context, NoMoreProposals, Proposer
 from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator
 from sparsetune.errors import SparsetuneError
+from sparsetune.records import new_file
 from sparsetune.search.config import SearchConfig, flow_key
 from sparsetune.search.frontier import eligible, search_frontier, trial_name
 from sparsetune.search.space import spec_class
@@ -316,11 +317,7 @@ def promote(candidate_dir: str | Path, out: str | Path | None = None) -> dict[st
     cand = Candidate.from_dict(json.loads(record.read_text()))
     if cand.verdict != "accepted":
         raise SparsetuneError(f"candidate {cand.id} ({cand.name}) was {cand.verdict}: {cand.reason}; promote one that passed")
-    path = Path(out) if out is not None else Path(f"{cand.name}.py")
-    if path.exists():
-        raise SparsetuneError(f"{path} exists; pick another --out")
-    if not path.parent.is_dir():
-        raise SparsetuneError(f"--out {path}: the directory {path.parent} does not exist; create it first")
+    path = new_file(Path(out) if out is not None else Path(f"{cand.name}.py"))
     run_dir = folder.parent.parent
     trials, front = run_dir / "trials.jsonl", run_dir / "frontier.json"
     records = [json.loads(line) for line in trials.read_text().splitlines() if line.strip()] if trials.is_file() else []

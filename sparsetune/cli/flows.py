@@ -136,15 +136,11 @@ def new(
 ) -> None:
     """Write a commented starting file for a new flow."""
     from sparsetune.errors import SparsetuneError
+    from sparsetune.records import new_file
 
     if not name.isidentifier():
         raise SparsetuneError(f"flow name {name!r} must be a Python identifier (letters, digits, _)")
-    path = out or Path(f"{name}.py")
-    if path.exists():
-        raise SparsetuneError(f"{path} exists; pick another --out")
-    if not path.parent.is_dir():
-        raise SparsetuneError(f"--out {path}: the directory {path.parent} does not exist; create it first "
-                              f"(mkdir -p {path.parent}) or pick another --out")
+    path = new_file(out or Path(f"{name}.py"))
     cls = "".join(p.capitalize() for p in name.split("_")) or "MyFlow"
     path.write_text(TEMPLATE.format(title=name.replace("_", " ").capitalize(), name=name, cls=cls, file=path))
     err.print(f"wrote {path}; next: sparsetune flows check {path}")
