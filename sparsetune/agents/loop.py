@@ -48,6 +48,7 @@ from sparsetune.search.storage import trial_count
 
 PROPOSE_EVERY = 8  # trials between two proposals
 REJECTS_IN_A_ROW = 3  # proposals one after another while each is rejected
+FAILURES_IN_A_ROW = 3  # proposer errors (the API down, after its SDK's retries) before proposing stops
 GATE_SEED_OFFSET = 5000
 GOAL = ("Write a decode flow (a DecodeFlow: a cache stage of per-block fields and an index stage that scores blocks) "
         "that keeps accuracy relative to dense attention at or above the bar while reading fewer bytes per decode "
@@ -111,6 +112,7 @@ class Agent:
         self.emit = lambda kind, data: None
         self._last = 0  # trial count at the last proposal
         self.stopped: str | None = None  # why proposing stopped (the search goes on)
+        self.failures = 0  # proposer errors in a row
 
     # ---- run_search's hooks ----------------------------------------------------------------------
 
@@ -132,10 +134,18 @@ class Agent:
             t0 = time.time()
             try:
                 cand = self._next()
-            except (NoMoreProposals, SparsetuneError) as e:  # out of ideas, or the API failed: the search goes on
-                self.stopped = str(e)
-                self.emit("proposer", {"stopped": self.stopped})
+            except NoMoreProposals as e:  # out of ideas, or may not spend more: the search goes on
+                self._stop(str(e))
                 return
+            except SparsetuneError as e:  # the proposer failed (an API error): ask again after a round of trials
+                self.failures += 1
+                self._last = trial_count(self.flows.studies)
+                if self.failures >= FAILURES_IN_A_ROW:
+                    self._stop(f"{e} ({self.failures} failures in a row)")
+                else:
+                    self.emit("proposer", {"error": str(e), "retry_after_trials": self.propose_every})
+                return
+            self.failures = 0
             self.emit("candidate", {"id": cand.id, "name": cand.name, "proposer": cand.proposer,
                                     "parents": cand.parents, "rationale": cand.rationale})
             self._harness(cand)
@@ -151,6 +161,10 @@ class Agent:
 
     # ---- the proposal ----------------------------------------------------------------------------
 
+    def _stop(self, why: str) -> None:
+        self.stopped = why
+        self.emit("proposer", {"stopped": why})
+
     def spent_usd(self) -> float:
         return sum(c.cost_usd for c in self.candidates)
 
@@ -161,8 +175,7 @@ class Agent:
 
         flows, budget, cfg = self.flows, self.budget, self.cfg
         if self.stopped is None and cfg.agent_budget_usd is not None and self.spent_usd() >= cfg.agent_budget_usd:
-            self.stopped = f"--agent-budget-usd {cfg.agent_budget_usd:g} spent (${self.spent_usd():.4f})"
-            self.emit("proposer", {"stopped": self.stopped})
+            self._stop(f"--agent-budget-usd {cfg.agent_budget_usd:g} spent (${self.spent_usd():.4f})")
         if self.stopped is not None:
             return False
         waiting = [t for s in flows.studies.values() for t in s.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
@@ -174,6 +187,8 @@ class Agent:
         need = budget.trial_s + (max(self.step_s) if self.step_s else 2 * budget.trial_s)
         if left is not None and left < need:
             return False
+        if self.failures:  # the last ask failed: a round of trials before the next
+            return trial_count(flows.studies) - self._last >= self.propose_every
         rejected = 0
         for c in reversed(self.candidates):
             if c.verdict == "accepted":

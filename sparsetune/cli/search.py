@@ -101,6 +101,8 @@ class _Live:
             ok = data["verdict"] == "accepted"
             err.print(f"  {'[green]accepted[/]' if ok else '[yellow]' + data['verdict'] + '[/]: ' + str(data['reason'])[:300]}"
                       f" ({data['seconds']:.0f} s)")
+        elif kind == "proposer" and "error" in data:
+            err.print(f"[yellow]the proposer failed: {data['error']}[/] (asking again after {data['retry_after_trials']} trials)")
         elif kind == "proposer":
             err.print(f"[yellow]proposing stopped: {data['stopped']}[/] (the search goes on)")
         elif kind == "worker":
