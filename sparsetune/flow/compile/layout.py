@@ -25,16 +25,8 @@ class KVLayout(Protocol):
     whose K/V are read) and `dst_blk` (the row written: the null row when nothing completes).
     A layout may set further names of its own for `token_tile`.
 
-    A token-paged layout (SGLang: `req_to_token[req, pos] -> slot` into flat K/V buffers
-    `[slots, Hkv, D]`, page size P) would provide: `index_params` the req_to_token pointer and
-    stride, the batch's req_pool_indices and the null page; `index_rows` setting `blk` to the
-    page of block j's first token (`slot // P`: with block_size == P a block is one page, so
-    pages are the field rows) and keeping the request's req_to_token row for `token_tile`;
-    `pool_params`/`pool_args` a buffer's pointer and its slot and head strides (no block
-    stride); `token_tile` a gather: token t of block j at `req_to_token[req, j*bs + t]`;
-    `cache_params`/`cache_rows` the same lookups for one block (`copy_args`: pages; in decode,
-    the page holding `positions[i]`, written only when that token completes it); `grid` the
-    batch and its widest request in blocks. Fields sized by pages, not by this engine's blocks.
+    SGLang's token-paged pool is `sglang.SGLangLayout`: `req_to_token[req, pos] -> slot` into flat
+    K/V buffers `[slots, Hkv, D]`, pages of the block size as the field rows.
     """
 
     def grid(self, blocks: Any) -> tuple[int, int]:
@@ -83,3 +75,18 @@ class KVLayout(Protocol):
         masked) of KV head `h` in pool `pool` (as named in `pool_params`): the indexer's blocks `j`
         when `over_s`, else the cache stage's block; `extra` (`& <[S, bs, 1] mask>`) masks more."""
         ...
+
+
+def position_rows(find_blk: list[str], block_size: int) -> list[str]:
+    """A layout's `cache_rows`, given its statements that set `blk` from a decode position `pos`:
+    in decode (FROM_POSITIONS) `src` holds each request's new position and the block is written
+    only when that token completes it (else to the null row); otherwise `src` and `dst` are rows."""
+    bs = block_size
+    return ["if FROM_POSITIONS:",
+            "    pos = tl.load(src + i)",
+            *(f"    {line}" for line in find_blk),
+            f"    done = (pos % {bs} == {bs - 1}) & (tl.load(seq_lens + i) > 0)",
+            "    dst_blk = tl.where(done, blk, NULL).to(tl.int64)",
+            "else:",
+            "    blk = tl.load(src + i).to(tl.int64)",
+            "    dst_blk = tl.load(dst + i).to(tl.int64)"]
