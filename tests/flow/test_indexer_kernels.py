@@ -58,8 +58,8 @@ def test_select_topk_matches_brute_force(radix_bits, width, monkeypatch):
 
 # ---- the generated indexer and cache stage ------------------------------------------------------
 
-from sparsetune.flow.compile import PagedBlocks, build_cache, build_indexer, why_not  # noqa: E402
-from sparsetune.flow.compile.sglang import SGLANG, SGLangBlocks  # noqa: E402
+from sparsetune.flow.compile import PagedBlocks, PagedLayout, build_cache, build_indexer, why_not  # noqa: E402
+from sparsetune.flow.compile.emit import p2  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.registry import build_flow  # noqa: E402
 from sparsetune.flow.attention import FlowAttention  # noqa: E402
@@ -267,23 +267,45 @@ KEYS_FLOW = textwrap.dedent('''
 ''')
 
 
-def _sglang_pool(kv, bt, seq_lens):
-    """The same KV as SGLang holds it: flat slot buffers `[slots, Hkv, D]` with pages = this pool's
-    blocks (page size = block size), and `req_to_token` rows in another order than the batch's,
-    row 0 left as SGLang's padding row."""
-    bs = kv.block_size
-    k, v = (t[0].permute(0, 2, 1, 3).reshape(-1, HKV, HEAD_DIM) for t in (kv.k, kv.v))
-    rpi = torch.arange(bt.shape[0], 0, -1, device=bt.device)  # request b lives in row B - b
-    pos = torch.arange(bt.shape[1] * bs, device=bt.device)
-    r2t = torch.zeros(bt.shape[0] + 1, pos.numel(), dtype=torch.int32, device=bt.device)
-    r2t[rpi] = (bt[:, pos // bs] * bs + pos % bs).to(torch.int32)
-    width = int((seq_lens.max() + bs - 1) // bs)
-    return k, v, SGLangBlocks(r2t, rpi, width, kv.null_block)
+@dataclasses.dataclass(frozen=True)
+class TokenLayout(PagedLayout):
+    """The indexer half of a token-paged target, written against `KVLayout` alone: a token's slot
+    is `req_to_token[b, pos]` in K `[slots, Hkv, D]`; pages of `page` slots are the field rows."""
+
+    page: int = 4
+
+    def grid(self, blocks):
+        return blocks[0].shape[0], blocks[0].shape[1] // self.page
+
+    def index_params(self):
+        return ["rt", "stride_rt", "NULL"]
+
+    def index_rows(self, block_size):
+        return [f"blk = tl.load(rt + b * stride_rt + j * {block_size}, mask=live, other=NULL * {block_size}).to(tl.int64)"
+                f" // {block_size}"]
+
+    def index_args(self, blocks):
+        return [blocks[0], blocks[0].stride(0), blocks[1]]
+
+    def pool_params(self, var):
+        return [f"{var}_ptr", f"{var}_s0", f"{var}_s1"]
+
+    def pool_args(self, pool):
+        return [pool, pool.stride(0), pool.stride(1)]
+
+    def token_tile(self, var, pool, block_size, head_dim, over_s, extra=""):
+        assert over_s  # the indexer's blocks j
+        t, d = f"tl.arange(0, {p2(block_size)})", f"tl.arange(0, {p2(head_dim)})"
+        mask = f"({t} < {block_size})[None, :, None] & ({d} < {head_dim})[None, None, :]{extra}"
+        return [f"slot = tl.load(rt + b * stride_rt + j[:, None, None] * {block_size} + {t}[None, :, None], mask={mask},"
+                " other=0).to(tl.int64)",
+                f"{var} = tl.load({pool}_ptr + slot * {pool}_s0 + h * {pool}_s1 + {d}[None, None, :], mask={mask},"
+                " other=0.0).to(tl.float32)"]
 
 
 def test_kv_layouts_score_alike(tmp_path):
-    """The paged target's indexer for a key-reading flow equals the reference executor; SGLang's
-    token-paged target over the same KV, laid out as its slots, scores the same."""
+    """The paged target's indexer for a key-reading flow equals the reference executor; a
+    token-paged target (`TokenLayout`) over the same KV, laid out as slots, scores the same."""
     block_size = 4
     lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
     kv, bt, meta, q = _case(block_size, lens, seed=9)
@@ -301,47 +323,65 @@ def test_kv_layouts_score_alike(tmp_path):
     assert torch.equal(counts, want_counts) and torch.equal(torch.isinf(score), torch.isinf(want_score))
     torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
 
-    k, _, blocks = _sglang_pool(kv, bt, meta.seq_lens)
-    sgl = build_indexer(flow, GROUP, HEAD_DIM, SGLANG)
-    assert sgl is not paged and "stride_r2t" in sgl.source and "stride_bt" not in sgl.source
-    got, got_counts = sgl(q, blocks, meta.seq_lens, stores, k, {}, HKV, rule)
+    token = build_indexer(flow, GROUP, HEAD_DIM, TokenLayout(block_size))
+    assert token is not paged and "stride_rt" in token.source and "stride_bt" not in token.source
+    slots = k_pool.permute(0, 2, 1, 3).reshape(-1, HKV, HEAD_DIM)  # slot = block * block_size + token
+    pos = torch.arange(bt.shape[1] * block_size, device=bt.device)
+    req_to_token = (bt[:, pos // block_size] * block_size + pos % block_size).to(torch.int32)
+    got, got_counts = token(q, (req_to_token, kv.null_block), meta.seq_lens, stores, slots, {}, HKV, rule)
     assert torch.equal(got_counts, counts)
-    torch.testing.assert_close(got, score[:, : blocks.width])
+    torch.testing.assert_close(got, score)
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse"])
-def test_sglang_layout_caches_fields_like_the_paged_one(name, tmp_path):
-    """On SGLang's pool the generated cache stage writes each page's fields as the paged target
-    writes each block's: whole pages given (extend), and at decode only the page the new token
-    completes (else the null row); the indexer then scores alike."""
+@pytest.mark.parametrize("name", ["quest", "block_topk", "keys"])
+def test_sglang_pool_runs_through_the_paged_layout(name, tmp_path):
+    """SGLang's pool (flat `[slots, Hkv, D]` K/V, `req_to_token` rows in another order than the
+    batch's, row 0 padding) with page size = block size needs no layout of its own: its buffer
+    viewed `[pages, Hkv, P, D]` (strided, not copied) and a page table `req_to_token[rpi, ::P] // P`
+    are a paged pool. The generated cache stage (extend and decode) and indexer give on it what
+    they give on this engine's pool holding the same KV."""
     block_size = 4
-    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size]  # at decode the 2nd and 3rd complete a page
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size]  # at decode the 2nd and 3rd complete a block
     kv, bt, meta, q = _case(block_size, lens, seed=11)
-    flow = _flow(name, block_size, tmp_path)
+    if name == "keys":
+        (tmp_path / "keys.py").write_text(KEYS_FLOW)
+        flow = build_flow(str(tmp_path / "keys.py"), {"block_size": str(block_size), "budget": str(6 * block_size)})
+    else:
+        flow = _flow(name, block_size, tmp_path)
+    # SGLang's layout of the same KV: slot = page * P + offset, requests in rows B..1 of req_to_token
+    k_flat, v_flat = (t[0].permute(0, 2, 1, 3).reshape(-1, HKV, HEAD_DIM).clone() for t in (kv.k, kv.v))
+    rpi = torch.arange(bt.shape[0], 0, -1, device=bt.device)
+    pos = torch.arange(bt.shape[1] * block_size, device=bt.device)
+    r2t = torch.zeros(bt.shape[0] + 1, pos.numel(), dtype=torch.int32, device=bt.device)
+    r2t[rpi] = (bt[:, pos // block_size] * block_size + pos % block_size).to(torch.int32)
+    # what a backend builds per step: the strided views and the page table
+    k_view, v_view = (t.view(-1, block_size, HKV, HEAD_DIM).permute(0, 2, 1, 3) for t in (k_flat, v_flat))
+    assert k_view.data_ptr() == k_flat.data_ptr() and not k_view.is_contiguous()
+    pages = (r2t[rpi][:, ::block_size] // block_size).to(torch.int32)
     gen = _attn(flow, "compiled", use_triton=True)
     consts = gen.constants(0, kv)
-    k, v, blocks = _sglang_pool(kv, bt, meta.seq_lens)
+    cache = build_cache(flow, HEAD_DIM)
     full = torch.cat([bt[i, : n // block_size] for i, n in enumerate(lens)]).long()
-    paged, sgl = build_cache(flow, HEAD_DIM), build_cache(flow, HEAD_DIM, SGLANG)
+    stores = {}
     for mode in ("extend", "decode"):
         want = {n: torch.zeros_like(t) for n, t in gen.stores(0, kv).items()}
         got = {n: torch.zeros_like(t) for n, t in want.items()}
         if mode == "extend":
-            paged(kv.k[0], kv.v[0], full, full, want, consts)
-            sgl(k, v, full, full, got, consts)
+            cache(kv.k[0], kv.v[0], full, full, want, consts)
+            cache(k_view, v_view, full, full, got, consts)
+            stores = got
         else:
-            pos = meta.seq_lens.long() - 1
-            paged.decode(kv.k[0], kv.v[0], pos, PagedBlocks(bt, kv.null_block), meta.seq_lens, want, consts)
-            sgl.decode(k, v, pos, blocks, meta.seq_lens, got, consts)
+            last = meta.seq_lens.long() - 1
+            cache.decode(kv.k[0], kv.v[0], last, PagedBlocks(bt, kv.null_block), meta.seq_lens, want, consts)
+            cache.decode(k_view, v_view, last, PagedBlocks(pages, kv.null_block), meta.seq_lens, got, consts)
         for field, w in want.items():
             assert int((w[:-1].flatten(1).abs().sum(1) > 0).sum()) == (len(full) if mode == "extend" else 2)
-            torch.testing.assert_close(got[field][:-1], w[:-1], rtol=1e-6, atol=1e-6)  # the null row is scratch
-        if mode == "extend":
-            fields = got
+            torch.testing.assert_close(got[field][:-1], w[:-1], rtol=0, atol=0)  # the null row is scratch
     rule = flow.budget_rule.tensor(q.device)
-    want_score, want_counts = build_indexer(flow, GROUP, HEAD_DIM)(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, fields,
-                                                                   None, consts, HKV, rule)
-    score, counts = build_indexer(flow, GROUP, HEAD_DIM, SGLANG)(q, blocks, meta.seq_lens, fields, None, consts, HKV, rule)
-    assert torch.isfinite(score).sum() > score.numel() // 2  # scored blocks, not only forced ones
-    assert torch.equal(counts, want_counts)
-    torch.testing.assert_close(score, want_score[:, : blocks.width])
+    indexer = build_indexer(flow, GROUP, HEAD_DIM)
+    want_score, want_counts = indexer(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores, kv.k[0], consts, HKV, rule)
+    score, counts = indexer(q, PagedBlocks(pages, kv.null_block), meta.seq_lens, stores, k_view, consts, HKV, rule)
+    assert torch.equal(counts, want_counts) and torch.isfinite(score).sum() > score.numel() // 4
+    finite = torch.isfinite(want_score)
+    assert torch.equal(finite, torch.isfinite(score))
+    torch.testing.assert_close(score[finite], want_score[finite], rtol=0, atol=0)

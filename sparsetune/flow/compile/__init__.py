@@ -8,7 +8,7 @@ blocks (softmax/normalize/reductions over dim 0, conv1d), `reshape` and state (`
 not block-local: such a flow keeps the Inductor path, and `why_not` says why.
 
 `emit.py` turns the op graph into statements over named tiles, each op's emission read from its
-`ops.Op`; a `KVLayout` (`layout.py`; this engine's: `paged.py`; SGLang's: `sglang.py`) says where the blocks are;
+`ops.Op`; a `KVLayout` (`layout.py`; this engine's: `paged.py`) says where the blocks are;
 `cache.py` loads each source once and shares equal kernels.
 """
 

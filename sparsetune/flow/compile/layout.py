@@ -25,8 +25,14 @@ class KVLayout(Protocol):
     whose K/V are read) and `dst_blk` (the row written: the null row when nothing completes).
     A layout may set further names of its own for `token_tile`.
 
-    SGLang's token-paged pool is `sglang.SGLangLayout`: `req_to_token[req, pos] -> slot` into flat
-    K/V buffers `[slots, Hkv, D]`, pages of the block size as the field rows.
+    SGLang's pool (flat K/V `[slots, Hkv, D]`, `req_to_token[req, pos] -> slot`) needs no layout of
+    its own when its page size is the flow's block size: its buffers viewed `[pages, Hkv, P, D]`
+    (strided, not copied) with a page table `req_to_token[req_pool_indices, ::P] // P` are a paged
+    pool, pages the field rows (`tests/flow/test_indexer_kernels.py::
+    test_sglang_pool_runs_through_the_paged_layout`); the sparse attention kernel
+    (`kernels/paged_decode.py`) takes a block table and K/V strides alike (not yet tested on such
+    a view). A
+    token-paged layout (the test's `TokenLayout`) would serve a pool whose pages are not blocks.
     """
 
     def grid(self, blocks: Any) -> tuple[int, int]:
@@ -75,18 +81,3 @@ class KVLayout(Protocol):
         masked) of KV head `h` in pool `pool` (as named in `pool_params`): the indexer's blocks `j`
         when `over_s`, else the cache stage's block; `extra` (`& <[S, bs, 1] mask>`) masks more."""
         ...
-
-
-def position_rows(find_blk: list[str], block_size: int) -> list[str]:
-    """A layout's `cache_rows`, given its statements that set `blk` from a decode position `pos`:
-    in decode (FROM_POSITIONS) `src` holds each request's new position and the block is written
-    only when that token completes it (else to the null row); otherwise `src` and `dst` are rows."""
-    bs = block_size
-    return ["if FROM_POSITIONS:",
-            "    pos = tl.load(src + i)",
-            *(f"    {line}" for line in find_blk),
-            f"    done = (pos % {bs} == {bs - 1}) & (tl.load(seq_lens + i) > 0)",
-            "    dst_blk = tl.where(done, blk, NULL).to(tl.int64)",
-            "else:",
-            "    blk = tl.load(src + i).to(tl.int64)",
-            "    dst_blk = tl.load(dst + i).to(tl.int64)"]

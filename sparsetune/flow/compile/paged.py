@@ -14,7 +14,6 @@ from typing import NamedTuple
 import torch
 
 from sparsetune.flow.compile.emit import ptr_params, tile_load, with_strides
-from sparsetune.flow.compile.layout import position_rows
 
 
 class PagedBlocks(NamedTuple):
@@ -45,7 +44,15 @@ class PagedLayout:
         return ["src", "dst", "bt", "stride_bt", "seq_lens", "NULL"]
 
     def cache_rows(self, block_size: int) -> list[str]:
-        return position_rows([f"blk = tl.load(bt + i * stride_bt + pos // {block_size}).to(tl.int64)"], block_size)
+        bs = block_size
+        return ["if FROM_POSITIONS:",  # decode: src holds each request's new position
+                "    pos = tl.load(src + i)",
+                f"    blk = tl.load(bt + i * stride_bt + pos // {bs}).to(tl.int64)",
+                f"    done = (pos % {bs} == {bs - 1}) & (tl.load(seq_lens + i) > 0)",
+                "    dst_blk = tl.where(done, blk, NULL).to(tl.int64)",
+                "else:",
+                "    blk = tl.load(src + i).to(tl.int64)",
+                "    dst_blk = tl.load(dst + i).to(tl.int64)"]
 
     def copy_args(self, src: torch.Tensor, dst: torch.Tensor) -> list[object]:
         return [src, dst, src, src.stride(0), src, 0]  # the table and lengths are unused
