@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from sparsetune.kernels import paged_decode  # noqa: E402
 from sparsetune.kernels import select_topk as topk_mod  # noqa: E402
 
 if not torch.cuda.is_available() and not topk_mod._INTERPRET:
@@ -338,8 +339,8 @@ def test_sglang_pool_runs_through_the_paged_layout(name, tmp_path):
     """SGLang's pool (flat `[slots, Hkv, D]` K/V, `req_to_token` rows in another order than the
     batch's, row 0 padding) with page size = block size needs no layout of its own: its buffer
     viewed `[pages, Hkv, P, D]` (strided, not copied) and a page table `req_to_token[rpi, ::P] // P`
-    are a paged pool. The generated cache stage (extend and decode) and indexer give on it what
-    they give on this engine's pool holding the same KV."""
+    are a paged pool. The generated cache stage (extend and decode), the indexer and the sparse
+    attention give on it exactly what they give on this engine's pool holding the same KV."""
     block_size = 4
     lens = [23 * block_size + 5, 9 * block_size, 40 * block_size]  # at decode the 2nd and 3rd complete a block
     kv, bt, meta, q = _case(block_size, lens, seed=11)
@@ -385,3 +386,11 @@ def test_sglang_pool_runs_through_the_paged_layout(name, tmp_path):
     finite = torch.isfinite(want_score)
     assert torch.equal(finite, torch.isfinite(score))
     torch.testing.assert_close(score[finite], want_score[finite], rtol=0, atol=0)
+    # the sparse attention over the selected blocks reads the view through the page table alike
+    b = q.shape[0]
+    sel = score.topk(int(counts.max()), dim=1).indices.view(b, HKV, -1).to(torch.int32)
+    args = (meta.seq_lens, sel, counts.view(b, HKV), HEAD_DIM**-0.5)
+    want_out = paged_decode.sparse_paged_decode_attention(q, kv.k[0], kv.v[0], bt, *args)
+    got_out = paged_decode.sparse_paged_decode_attention(q, k_view, v_view, pages, *args)
+    assert want_out.abs().sum() > 0
+    torch.testing.assert_close(got_out, want_out, rtol=0, atol=0)

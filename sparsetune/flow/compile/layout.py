@@ -28,10 +28,8 @@ class KVLayout(Protocol):
     SGLang's pool (flat K/V `[slots, Hkv, D]`, `req_to_token[req, pos] -> slot`) needs no layout of
     its own when its page size is the flow's block size: its buffers viewed `[pages, Hkv, P, D]`
     (strided, not copied) with a page table `req_to_token[req_pool_indices, ::P] // P` are a paged
-    pool, pages the field rows (`tests/flow/test_indexer_kernels.py::
-    test_sglang_pool_runs_through_the_paged_layout`); the sparse attention kernel
-    (`kernels/paged_decode.py`) takes a block table and K/V strides alike (not yet tested on such
-    a view). A
+    pool, pages the field rows, for the generated stages and the sparse attention kernel alike
+    (`tests/flow/test_indexer_kernels.py::test_sglang_pool_runs_through_the_paged_layout`). A
     token-paged layout (the test's `TokenLayout`) would serve a pool whose pages are not blocks.
     """
 
