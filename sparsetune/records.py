@@ -3,6 +3,7 @@ new output files."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -54,6 +55,11 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def file_sha256(path: Path | str) -> str:
+    """The sha256 (hex) of a file's bytes: a flow source's content hash in run records and bundles."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def package_version(pkg: str) -> str | None:

@@ -36,7 +36,7 @@ from sparsetune.perf.fit import check_fits
 from sparsetune.perf.speed import measure_speed
 from sparsetune.flow.defaults import tuned_config
 from sparsetune.registry import resolve_decode_flow
-from sparsetune.records import env_info, new_run_dir, write_json
+from sparsetune.records import env_info, file_sha256, new_run_dir, write_json
 
 # on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.
 ProgressFn = Callable[[float, int, str], None]  # done may be fractional mid-chunk
@@ -91,7 +91,7 @@ def _resolve_flow(cfg: EvalConfig) -> EvalConfig:
 
 def _flow_source_hash(llm: LLM) -> str | None:
     path = getattr(type(llm.flow), "path", None) if llm.flow is not None else None
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+    return file_sha256(path) if path else None
 
 
 def _ids_hash(ids: list[int]) -> str:

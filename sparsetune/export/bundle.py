@@ -13,7 +13,6 @@ backend) reads it through `read_bundle`, so a bundle that does not check does no
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 import re
@@ -22,13 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from sparsetune.errors import SparsetuneError
+from sparsetune.records import file_sha256, package_version, write_json
 
 SCHEMA = "sparsetune.bundle/1"
 MANIFEST = "bundle.json"
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ---- choosing a point of a search --------------------------------------------------------------
@@ -121,11 +117,10 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
                  measured: dict[str, Any] | None = None, origin: dict[str, Any] | None = None,
                  overwrite: bool = False) -> dict[str, Any]:
     """Write a bundle to `out` (a new folder, or an existing bundle with `overwrite`); returns the manifest."""
-    from sparsetune import records
-
     cls, resolved = _resolve(flow_file, params)
-    if out.exists() and not (overwrite and (out / MANIFEST).is_file()):
-        raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if (out / MANIFEST).is_file() else ""))
+    is_bundle = (out / MANIFEST).is_file()
+    if out.exists() and not (overwrite and is_bundle):
+        raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if is_bundle else ""))
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -135,15 +130,15 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
         "schema": SCHEMA,
         "flow": cls.name,
         "source": source.name,
-        "source_sha256": sha256(source),
+        "source_sha256": file_sha256(source),
         "params": resolved,
         "block_size": int(resolved["block_size"]),
         "model": model,
         "origin": origin or {"from": "params"},
         "measured": measured,
-        "sparsetune": records.package_version("sparsetune"),
+        "sparsetune": package_version("sparsetune"),
     }
-    records.write_json(out / MANIFEST, manifest)
+    write_json(out / MANIFEST, manifest)
     return manifest
 
 
@@ -193,8 +188,9 @@ def check_bundle(path: Path) -> list[str]:
     if Path(m["source"]).name != m["source"] or not source.is_file():
         return [f"the flow source {m['source']!r} is not in the bundle"]
     problems = []
-    if sha256(source) != m["source_sha256"]:
-        problems.append(f"{m['source']} changed since export (sha256 {sha256(source)[:12]}…, manifest {m['source_sha256'][:12]}…); export again")
+    digest = file_sha256(source)
+    if digest != m["source_sha256"]:
+        problems.append(f"{m['source']} changed since export (sha256 {digest[:12]}…, manifest {m['source_sha256'][:12]}…); export again")
     try:
         cls, resolved = _resolve(source, m["params"])
     except SparsetuneError as e:
