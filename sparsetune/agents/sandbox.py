@@ -1,8 +1,9 @@
 """Run code an agent wrote in a subprocess with limits, never in this process.
 
 `run_limited` starts a command in its own session (process group) with a clean environment (no
-API keys or tokens), OS limits set in the child before it runs anything (address space on CPU-only
-children, CPU seconds, file size, no core files), and a watchdog in this process that kills the
+API keys or tokens), OS limits set in the child before it runs anything (CPU seconds, file size, no
+core files), an address-space cap a CPU-only child sets on itself once its imports are done and
+before any candidate code runs (`cap_address_space`), and a watchdog in this process that kills the
 whole group (SIGKILL) when the wall clock or the group's resident memory passes its limit. What
 the child printed goes to a log file; what it returns is one JSON file it writes.
 
@@ -33,13 +34,14 @@ from typing import Any
 # Environment variables a child never sees: credentials of any kind.
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
 POLL_S = 0.05
+_AS_ENV = "SPARSETUNE_SANDBOX_AS_MB"  # set for a CPU-only child: the address space it may add after its imports
 
 
 @dataclass(frozen=True)
 class Limits:
     """What a sandboxed child may use. `memory_mb`: resident memory of its process group (the
-    watchdog), and on a CPU-only child also its address space (`RLIMIT_AS`, which CUDA cannot run
-    under). `cpu_s`: CPU seconds (`RLIMIT_CPU`); None: only the wall clock bounds it."""
+    watchdog), and on a CPU-only child also the address space it may add after its imports
+    (`cap_address_space`; CUDA cannot run under `RLIMIT_AS`). `cpu_s`: CPU seconds (`RLIMIT_CPU`); None: only the wall clock bounds it."""
 
     wall_s: float = 120.0
     memory_mb: int = 4096
@@ -70,15 +72,33 @@ class Outcome:
         return f"the sandbox exited with code {self.returncode}" + (f": {tail[-1][:300]}" if tail else "")
 
 
-def clean_env(cpu_only: bool) -> dict[str, str]:
+def clean_env(limits: Limits) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not _SECRET.search(k)}
     env["PYTHONUNBUFFERED"] = "1"
-    if cpu_only:
+    if limits.cpu_only:
         env["CUDA_VISIBLE_DEVICES"] = ""
+        env[_AS_ENV] = str(limits.memory_mb)
         # glibc reserves 64 MB of address space per malloc arena, up to 8 per core: on a many-core host
         # the threads of torch alone would pass RLIMIT_AS ("cannot allocate memory for thread-local data")
         env["MALLOC_ARENA_MAX"] = "2"
     return env
+
+
+def cap_address_space() -> None:
+    """In a CPU-only child, once its imports are done: cap its address space (`RLIMIT_AS`, soft and
+    hard, so it cannot be raised again) at what it maps now plus its `memory_mb`. Set before the
+    imports instead, the cap would have to guess what torch maps: a CUDA build of torch maps
+    several GB of libraries even with no GPU visible, and a fixed cap set from a CPU build failed
+    one check in 38 on a GPU host ("cannot allocate memory for thread-local data")."""
+    extra_mb = os.environ.get(_AS_ENV)
+    if not extra_mb:
+        return
+    import resource
+
+    with open("/proc/self/status") as f:
+        mapped_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    cap = (mapped_kb << 10) + (int(extra_mb) << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
 def _set_limits(limits: Limits):
@@ -89,8 +109,6 @@ def _set_limits(limits: Limits):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb << 20,) * 2)
         if limits.cpu_s is not None:
             resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5))
-        if limits.cpu_only:  # torch on CPU maps ~0.7 GB at import; CUDA maps far more and cannot run under it
-            resource.setrlimit(resource.RLIMIT_AS, ((limits.memory_mb + 1024) << 20,) * 2)
 
     return apply
 
@@ -134,7 +152,7 @@ def run_limited(cmd: list[str], limits: Limits, log: Path, result: Path, cwd: Pa
     killed, peak = None, 0.0
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                env=clean_env(limits.cpu_only), start_new_session=True,
+                                env=clean_env(limits), start_new_session=True,
                                 preexec_fn=_set_limits(limits))
         try:
             while proc.poll() is None:
@@ -242,10 +260,10 @@ class SandboxEvaluator:
         config = self.folder / "sandbox-config.json"
         config.write_text(self.cfg.model_dump_json())
         read_fd, write_fd = os.pipe()
-        env = {**clean_env(self.limits.cpu_only), "SPARSETUNE_SANDBOX_FD": str(write_fd)}
+        serving = replace(self.limits, cpu_s=None)  # CPU seconds add up over a child's requests: time them one by one
+        env = {**clean_env(serving), "SPARSETUNE_SANDBOX_FD": str(write_fd)}
         self.starts += 1
         log = open(self.folder / f"sandbox-{self.starts}.log", "wb")
-        serving = replace(self.limits, cpu_s=None)  # CPU seconds add up over a child's requests: time them one by one
         self._proc = subprocess.Popen(python_cmd("serve", str(config)), stdin=subprocess.PIPE, stdout=log,
                                       stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,), start_new_session=True,
                                       preexec_fn=_set_limits(serving))
@@ -293,6 +311,7 @@ def _check(path: str) -> dict[str, Any]:
     from sparsetune.registry import flow_kind, load_file
     from sparsetune.search.space import spec_dicts
 
+    cap_address_space()
     try:
         cls = load_file(Path(path), all_problems=True)
         if flow_kind(cls) != "decode":
@@ -314,6 +333,7 @@ def _serve(config: str) -> int:
 
     cfg = SearchConfig.model_validate_json(Path(config).read_text())
     evaluator = EngineEvaluator(cfg)
+    cap_address_space()
     with os.fdopen(int(os.environ["SPARSETUNE_SANDBOX_FD"]), "w") as answers:
         for line in sys.stdin:
             msg = json.loads(line)

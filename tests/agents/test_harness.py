@@ -98,7 +98,7 @@ def test_children_get_no_credentials(tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
     monkeypatch.setenv("SOME_TOKEN", "t")
     monkeypatch.setenv("SPARSETUNE_PLAIN", "kept")
-    assert not {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "SOME_TOKEN"} & set(clean_env(True))
+    assert not {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "SOME_TOKEN"} & set(clean_env(Limits()))
     out = tmp_path / "env.json"
     code = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
     res = run_limited([sys.executable, "-c", code], Limits(wall_s=30), tmp_path / "env.log", out)
@@ -106,6 +106,26 @@ def test_children_get_no_credentials(tmp_path, monkeypatch):
     assert "ANTHROPIC_API_KEY" not in res.result and "SOME_TOKEN" not in res.result
     assert res.result["SPARSETUNE_PLAIN"] == "kept" and res.result["CUDA_VISIBLE_DEVICES"] == ""
     assert res.result["MALLOC_ARENA_MAX"] == "2"  # else RLIMIT_AS fails torch's threads on a many-core host
+
+
+def test_the_address_space_cap_counts_from_what_the_imports_mapped(tmp_path):
+    """A CUDA build of torch maps GB of libraries with no GPU visible: the cap is set after the imports,
+    on top of what they mapped, and still stops an allocation past `memory_mb`."""
+    out = tmp_path / "as.json"
+    code = f"""import json, mmap
+from sparsetune.agents.sandbox import cap_address_space
+libs = mmap.mmap(-1, 6 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=0)  # PROT_NONE
+cap_address_space()
+fits = bytearray(256 << 20)
+try:
+    bytearray(2 << 30)
+    over = "allocated"
+except MemoryError:
+    over = "MemoryError"
+json.dump({{"over": over}}, open({str(out)!r}, "w"))
+"""
+    res = run_limited([sys.executable, "-c", code], Limits(wall_s=60, memory_mb=1024), tmp_path / "as.log", out)
+    assert res.killed is None and res.result == {"over": "MemoryError"}, res.reason()
 
 
 def test_a_child_that_writes_nothing_says_why(tmp_path):
