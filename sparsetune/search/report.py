@@ -16,7 +16,7 @@ from typing import Any
 
 from sparsetune.records import write_json
 from sparsetune.search.config import SearchConfig, flow_key
-from sparsetune.search.frontier import (confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
+from sparsetune.search.frontier import (Point, confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
                                        search_frontier, trial_name)
 
 SCHEMA = "sparsetune.search/1"
@@ -170,6 +170,16 @@ def markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot_groups(done: list[dict[str, Any]], shown: list[Point]) -> tuple[list[str], list[str]]:
+    """Which flows the frontier plot names one by one (the searched flows, which have a defaults
+    trial, and the flows of the frontier points in `shown`) and which it draws as one grey series
+    (the agent's other proposals: a search with an agent has dozens, and a legend entry each
+    would bury the plot)."""
+    flows = sorted({r["flow"] for r in done})
+    keep = {r["flow"] for r in done if r["role"] == "defaults"} | {p.name.rsplit("#", 1)[0] for p in shown}
+    return [f for f in flows if f in keep], [f for f in flows if f not in keep]
+
+
 def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | None, kind: str = "decode") -> None:
     import matplotlib
 
@@ -177,17 +187,24 @@ def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | No
     import matplotlib.pyplot as plt
 
     done = [r for r in records if r["state"] == "COMPLETE" and (r.get("accuracy") or {}).get("relative_accuracy") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    flows = sorted({r["flow"] for r in done})
-    for i, flow in enumerate(flows):
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    front = search_frontier(records, min_accuracy)
+    held = confirmed_frontier(done)
+    named, others = plot_groups(done, front + held)
+
+    def xy(pts: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+        return [r["speed"]["speedup"] for r in pts], [r["accuracy"]["relative_accuracy"] for r in pts]
+
+    if others:
+        ax.scatter(*xy([r for r in done if r["flow"] in others]), s=12, alpha=0.3, color="0.6",
+                   label=f"{len(others)} other proposed flows")
+    for i, flow in enumerate(named):
         pts = [r for r in done if r["flow"] == flow]
-        ax.scatter([r["speed"]["speedup"] for r in pts], [r["accuracy"]["relative_accuracy"] for r in pts],
-                   s=18, alpha=0.45, color=f"C{i}", label=f"{flow} trials")
+        ax.scatter(*xy(pts), s=18, alpha=0.45, color=f"C{i % 10}", label=f"{flow} trials")
         for r in pts:
             if r["role"] == "defaults":
-                ax.scatter([r["speed"]["speedup"]], [r["accuracy"]["relative_accuracy"]], marker="s", s=70,
-                           facecolors="none", edgecolors=f"C{i}", linewidths=2, label=f"{flow} defaults")
-    front = search_frontier(records, min_accuracy)
+                ax.scatter(*xy([r]), marker="s", s=70, facecolors="none", edgecolors=f"C{i % 10}", linewidths=2,
+                           label=f"{flow} defaults")
     if front:
         ax.step([p.speedup for p in front], [p.accuracy for p in front], where="post", color="grey", lw=0.8)
         ax.scatter([p.speedup for p in front], [p.accuracy for p in front], color="grey", s=22, label="search-set frontier")
@@ -195,7 +212,6 @@ def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | No
     if failed:
         ax.scatter([r["speed"]["speedup"] for r in failed], [r["accuracy"]["relative_accuracy"] for r in failed],
                    marker="x", color="red", s=30, lw=1, label="did not hold on fresh prompts")
-    held = confirmed_frontier(done)
     if held:
         ax.step([p.speedup for p in held], [p.accuracy for p in held], where="post", color="k", lw=1.2)
         ax.scatter([p.speedup for p in held], [p.accuracy for p in held], color="k", s=34,
@@ -207,10 +223,10 @@ def plots(run_dir: Path, records: list[dict[str, Any]], min_accuracy: float | No
     ax.set_xlabel(f"decode speedup over dense ({speed})" if kind == "decode" else
                   f"prefill speedup over full recompute ({speed})")
     ax.set_ylabel("accuracy relative to dense")
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the points, never over them
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(run_dir / "frontier.png", dpi=120)
+    fig.savefig(run_dir / "frontier.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from sparsetune.search.frontier import Point, dominates, hypervolume, pareto, wilson_interval
-from sparsetune.search.report import against_defaults, against_defaults_lines
+from sparsetune.search.report import against_defaults, against_defaults_lines, plot_groups
 
 
 def _brute_front(points: list[Point]) -> set[str]:
@@ -79,3 +79,11 @@ def test_against_defaults_is_the_fastest_held_point_that_reads_no_more_and_beats
     assert slower["quest#0"]["point"] == "block_topk#7" and not slower["quest#0"]["dominates"]
     assert slower["block_topk#1"]["speed_ratio"] == round(1.80 / 2.51, 4)
     assert against_defaults(defaults, held[2:3])[0]["point"] is None
+
+
+def test_the_plot_names_the_searched_flows_and_the_frontiers_and_groups_the_other_proposals():
+    done = [{"flow": f, "role": "defaults"} for f in ("quest", "tidal")]
+    done += [{"flow": f"evo_{i:02d}", "role": "start" if i % 2 else "search"} for i in range(30)]
+    named, others = plot_groups(done, [Point("evo_07#3", 0.99, 1.4), Point("quest#12", 0.97, 1.1)])
+    assert named == ["evo_07", "quest", "tidal"]
+    assert len(others) == 29 and "evo_07" not in others and not set(others) & {"quest", "tidal"}
