@@ -122,9 +122,9 @@ class FlowAttention(DenseAttention):
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> None:
         super().write_kv(layer, k, v, kv, meta)
         with stage("cache_stage"):
-            self._write_fields(layer, kv, meta)
+            self.write_fields(layer, kv, meta)
 
-    def _write_fields(self, layer: int, kv: KVCache, meta: AttentionMetadata) -> None:
+    def write_fields(self, layer: int, kv: KVCache, meta: AttentionMetadata) -> None:
         """The cache stage for the blocks this step's KV write completed. A block the write starts but
         does not complete gets zero fields: it may hold a previous owner's (a flow's state included)."""
         bs = kv.block_size

@@ -268,12 +268,12 @@ def test_a_started_block_loses_the_previous_owners_fields():
     attn = FlowAttention(build_flow("loopserve_decode", {"budget": "64"}), HEAD_DIM**-0.5)
     for t in attn.stores(0, kv).values():
         t.fill_(7.0)
-    attn._write_fields(0, kv, meta)
+    attn.write_fields(0, kv, meta)
     started, other = bt[0, 5].item(), bt[1, 3].item()
     for t in attn.fields[0].values():
         assert (t[started] == 0).all() and (t[other] == 7.0).all()
     prefill = AttentionMetadata(True, torch.tensor([0]), torch.zeros(1, dtype=torch.long), bt[1:],
                                 torch.tensor([lens[1]], dtype=torch.int32), [lens[1]], [0, lens[1]], [0])
-    attn._write_fields(0, kv, prefill)
+    attn.write_fields(0, kv, prefill)
     for t in attn.fields[0].values():
         assert (t[other] == 0).all() and not (t[bt[1, 0].item()] == 7.0).all()

@@ -1,0 +1,202 @@
+"""`SparsetuneBackend`: a bundle's decode flow as an SGLang attention backend (SGLang 0.5.13-0.5.16).
+
+SGLang builds it through the plugin (`plugin.register`, `--attention-backend sparsetune`), with the
+bundle from `SPARSETUNE_BUNDLE`. It wraps a stock dense backend (`triton` on a GPU, `torch_native`
+on CPU; `SPARSETUNE_DENSE_BACKEND` picks another) for every extend (prefill) and for the flow's
+dense layers, and decodes the sparse layers with this package's own flow machinery, the very
+`FlowAttention` the embedded engine runs, on **SGLang's** KV pool:
+
+- SGLang's pool is flat, `k_buffer[layer]` `[slots, Hkv, D]`, with `req_to_token[row, pos] -> slot`
+  and pages of `page_size` consecutive slots. With page size = the flow's block size, its buffers
+  viewed `[pages, Hkv, P, D]` (strided, not copied: `PagedPool`) and the page table
+  `req_to_token[req_pool_indices, ::P] // P` are this engine's paged pool, pages the blocks and
+  the field rows (`flow/compile/layout.py` says why no layout of its own is needed). Page 0 is
+  SGLang's padding page: the null block that padded rows read and write.
+- extend: the dense backend writes the KV and attends; then the flow's cache stage fills the
+  fields of every page the extend completed (`FlowAttention.write_fields`).
+- decode, sparse layer: the new K/V go into SGLang's pool, the cache stage updates the fields of a
+  page the token completes, the indexer scores the request's pages, the radix-select top-k picks
+  them, and the sparse paged attention reads the picked pages from SGLang's buffers.
+- CUDA graphs: the dense backend's graph state and hooks, plus the page table gathered inside the
+  graph (`init_forward_metadata_in_graph`) into a buffer as wide as the longest request
+  SGLang admits; the flow's decode reads tensors only, as in the embedded engine's graphs.
+
+Out of scope (refused with one line when SGLang is launched so): reuse flows, calibrated flows
+(their per-layer constants come from a calibration file of the embedded model), MLA or hybrid
+(SWA) pools, the page-major pool, and a page size other than the bundle's block size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+
+from sparsetune.engine.attention import AttentionMetadata
+from sparsetune.errors import SparsetuneError
+from sparsetune.export.bundle import read_bundle
+from sparsetune.export.sglang import BUNDLE_ENV, NAME
+from sparsetune.flow.attention import FlowAttention
+from sparsetune.flow.base import DecodeFlow
+from sparsetune.registry import build_flow
+
+DENSE_ENV = "SPARSETUNE_DENSE_BACKEND"
+
+
+def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any]]:
+    """The decode flow a bundle holds (its parameters resolved) and its manifest."""
+    if not bundle:
+        raise SparsetuneError(f"--attention-backend {NAME} needs a bundle: set {BUNDLE_ENV}=DIR "
+                              "(`sparsetune export ... --out DIR` writes one; its launch_sglang.sh sets it)")
+    path = Path(bundle)
+    manifest = read_bundle(path)
+    flow = build_flow(str(path / manifest["source"]), manifest["params"])
+    if flow.calibrated:
+        raise SparsetuneError(f"bundle {path}: flow {flow.name!r} is calibrated; the SGLang backend serves flows without "
+                              "per-model calibration only")
+    return flow, manifest
+
+
+class _Layers:
+    """One of SGLang's K or V buffers, per layer, as this engine's `[pages, Hkv, P, D]` blocks."""
+
+    def __init__(self, get, page_size: int, like: torch.Tensor) -> None:
+        self._get, self._page = get, page_size
+        self.dtype, self.device, self.is_cuda = like.dtype, like.device, like.is_cuda
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        buf = self._get(layer)  # [slots, Hkv, D], slots = pages * P
+        return buf.view(-1, self._page, buf.shape[1], buf.shape[2]).permute(0, 2, 1, 3)
+
+
+class PagedPool:
+    """SGLang's `MHATokenToKVPool` seen as this engine's paged pool (the `KVCache` face that
+    `FlowAttention` reads): blocks are pages, block 0 (SGLang's padding page) the null block."""
+
+    null_block = 0
+
+    def __init__(self, pool: MHATokenToKVPool, page_size: int) -> None:
+        k0 = pool.get_key_buffer(pool.start_layer)
+        self.block_size = page_size
+        self.num_blocks = k0.shape[0] // page_size
+        self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
+        self.k = _Layers(pool.get_key_buffer, page_size, k0)
+        self.v = _Layers(pool.get_value_buffer, page_size, k0)
+
+
+def page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
+    """`[B, pages]` int32 page ids of each request's first `pages` pages (past its end: page 0)."""
+    return (req_to_token.index_select(0, req_pool_indices.long())[:, : pages * page_size : page_size] // page_size).to(torch.int32)
+
+
+def step_metadata(fb, req_to_token: torch.Tensor, page_size: int, pages: int | None = None) -> AttentionMetadata:
+    """This engine's `AttentionMetadata` of an SGLang `ForwardBatch`. `pages`: the page table's
+    width (a CUDA graph's fixed one); None: as wide as the batch's longest request needs."""
+    b = fb.batch_size
+    seq_lens = fb.seq_lens.to(torch.int32)
+    decode = fb.forward_mode.is_decode()
+    if decode:
+        seq_cpu = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None and pages is None else []
+        qsl = list(range(b + 1))
+        positions = seq_lens.long() - 1
+    else:
+        seq_cpu = fb.seq_lens_cpu.tolist()
+        qsl = [0]
+        for n in fb.extend_seq_lens_cpu:
+            qsl.append(qsl[-1] + int(n))
+        positions = fb.positions
+    if pages is None:
+        longest = max(seq_cpu) if seq_cpu else req_to_token.shape[1]
+        pages = -(-int(longest) // page_size)
+    return AttentionMetadata(
+        is_prefill=not decode, positions=positions, slot_mapping=fb.out_cache_loc,
+        block_tables=page_table(req_to_token, fb.req_pool_indices, page_size, pages), seq_lens=seq_lens,
+        seq_lens_cpu=[int(n) for n in seq_cpu], query_start_loc_cpu=qsl, seq_ids=list(range(b)),
+    )
+
+
+class SparsetuneBackend(AttentionBackend):
+    """The `sparsetune` attention backend; see the module docstring."""
+
+    def __init__(self, model_runner, bundle: str | Path | None = None, dense: str | None = None,
+                 executor: str | None = None) -> None:
+        super().__init__()
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.flow, self.manifest = load_flow(bundle or os.environ.get(BUNDLE_ENV))
+        page = int(model_runner.page_size)
+        if page != self.flow.block_size:
+            raise SparsetuneError(f"SGLang's page size is {page} but the bundle's flow uses blocks of {self.flow.block_size} "
+                                  f"tokens: launch with --page-size {self.flow.block_size}")
+        if type(self.token_to_kv_pool) is not MHATokenToKVPool:
+            raise SparsetuneError(f"the {NAME} backend runs on SGLang's MHATokenToKVPool (MHA/GQA models, no hybrid or "
+                                  f"page-major pool); this model's pool is {type(self.token_to_kv_pool).__name__}")
+        self.page_size = page
+        cuda = torch.device(self.device).type == "cuda"
+        dense = dense or os.environ.get(DENSE_ENV) or ("triton" if cuda else "torch_native")
+        if dense == NAME or dense not in ATTENTION_BACKENDS:
+            raise SparsetuneError(f"{DENSE_ENV}={dense!r}: not one of SGLang's attention backends "
+                                  f"({', '.join(sorted(k for k in ATTENTION_BACKENDS if k != NAME))})")
+        self.dense = ATTENTION_BACKENDS[dense](model_runner)
+        self.dense_name = dense
+        self.executor = executor or ("compiled" if cuda else "reference")
+        self.pool = PagedPool(self.token_to_kv_pool, page)
+        self.attn: FlowAttention | None = None  # built at the first layer (its scaling)
+        self.meta: AttentionMetadata | None = None
+        self._graph_pages = 0  # the page table's width in CUDA graphs (0: no graphs)
+
+    # ---- metadata --------------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.dense.init_forward_metadata(forward_batch)
+        self.meta = step_metadata(forward_batch, self.req_to_token_pool.req_to_token, self.page_size)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+        self._graph_pages = -(-self.req_to_token_pool.req_to_token.shape[1] // self.page_size)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.dense.get_cuda_graph_seq_len_fill_value()
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        self.dense.init_forward_metadata_out_graph(forward_batch, in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        self.dense.init_forward_metadata_in_graph(forward_batch)
+        self.meta = step_metadata(forward_batch, self.req_to_token_pool.req_to_token, self.page_size,
+                                  pages=self._graph_pages or None)
+
+    # ---- attention -------------------------------------------------------------------------------
+
+    def is_sparse(self, layer) -> bool:
+        return layer.layer_id not in self.flow.dense_layers
+
+    def flow_attention(self, layer) -> FlowAttention:
+        if self.attn is None:
+            self.attn = FlowAttention(self.flow, layer.scaling, executor=self.executor)
+        elif layer.scaling != self.attn.scale:
+            raise SparsetuneError(f"layer {layer.layer_id} scales attention by {layer.scaling}, layer 0 by "
+                                  f"{self.attn.scale}: the {NAME} backend needs one scale")
+        return self.attn
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        out = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if self.is_sparse(layer):
+            self.flow_attention(layer).write_fields(layer.layer_id, self.pool, self.meta)
+        return out
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        if not self.is_sparse(layer):
+            return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if save_kv_cache and k is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
+        attn = self.flow_attention(layer)
+        attn.write_fields(layer.layer_id, self.pool, self.meta)
+        qh = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        return attn.decode(layer.layer_id, qh, self.pool, self.meta).reshape(qh.shape[0], -1)

@@ -1,0 +1,23 @@
+"""Tests that import SGLang itself. They run where SGLang imports: `tests/export/test_sglang.py` runs
+them in a child process whose path starts with a site folder holding SGLang 0.5.16 and the few
+packages its import chain needs (installed with `--no-deps`, so this venv's torch stays). Where
+SGLang is not importable (the main test process), this folder is not collected."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+if importlib.util.find_spec("sglang") is None:
+    collect_ignore_glob = ["test_*.py"]
+else:
+    try:
+        torch.ops.torchvision.nms
+    except (AttributeError, RuntimeError):
+        # The index's torchvision is a CUDA build whose operators do not load beside a CPU torch;
+        # SGLang imports one image decoder of it, and torchvision registers fakes for these two
+        # operators at import: their schemas are enough.
+        _lib = torch.library.Library("torchvision", "DEF")
+        _lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")

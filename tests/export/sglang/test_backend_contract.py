@@ -1,0 +1,188 @@
+"""The `sparsetune` backend on SGLang's own objects (0.5.16, CPU): its real `ReqToTokenPool`,
+`MHATokenToKVPool`, `RadixAttention` layers and `ForwardBatch`es, through an extend and decodes.
+
+- At a budget that covers the context, the backend's output equals SGLang's `torch_native` backend.
+- At a partial budget, the pages it selects (per request and KV head) and its output equal what
+  this package's own engine selects and computes for the same keys and queries on its own pool.
+- The plugin registers the backend, SGLang's argument parser accepts `--attention-backend
+  sparsetune`, and a launch that cannot work says why in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from sparsetune.engine.attention import AttentionMetadata, DenseAttention
+from sparsetune.engine.kv_cache import KVCache
+from sparsetune.errors import SparsetuneError
+from sparsetune.export.bundle import write_bundle
+from sparsetune.export.sglang import plugin
+from sparsetune.export.sglang.backend import SparsetuneBackend
+from sparsetune.flow.attention import FlowAttention
+from sparsetune.registry import build_flow, flow_path
+
+P, HKV, HQ, D, LAYERS = 4, 2, 6, 32, 3
+SCALE = D**-0.5
+LENS = [23 * P + 3, 9 * P, 17 * P + 1]  # prompt lengths; decodes complete a page of the 2nd, then the 1st
+ROWS = [3, 1, 2]  # each request's row of req_to_token (row 0 is SGLang's padding row)
+STEPS = 2
+MAX_LEN = 160
+
+
+class World:
+    """SGLang's pools holding three requests, pages handed out in a scrambled order (page 0 is the
+    padding page), and this engine's pool holding the same tokens in other blocks."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        pages_per = [-(-(n + STEPS) // P) for n in LENS]
+        total = sum(pages_per) + 5
+        self.req_to_token = ReqToTokenPool(size=4, max_context_len=MAX_LEN, device="cpu", enable_memory_saver=False)
+        self.kv_pool = MHATokenToKVPool(size=total * P, page_size=P, dtype=torch.float32, head_num=HKV, head_dim=D,
+                                        layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        order = (torch.randperm(total, generator=g) + 1).tolist()  # pages 1..total, scrambled
+        self.pages = []
+        for row, n in zip(ROWS, pages_per):
+            mine, order = order[:n], order[n:]
+            self.pages.append(mine)
+            pos = torch.arange(n * P)
+            self.req_to_token.req_to_token[row, : n * P] = (torch.tensor(mine)[pos // P] * P + pos % P).to(torch.int32)
+        self.runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token, token_to_kv_pool=self.kv_pool,
+                                      page_size=P)
+        # this engine's pool: the same requests in blocks of another order
+        self.kv = KVCache(LAYERS, total + 1, HKV, P, D, torch.float32, "cpu")
+        blocks = torch.randperm(total + 1, generator=g).tolist()
+        self.tables = torch.full((len(LENS), MAX_LEN // P), self.kv.null_block, dtype=torch.int32)
+        for i, n in enumerate(pages_per):
+            self.tables[i, :n] = torch.tensor(blocks[:n], dtype=torch.int32)
+            blocks = blocks[n:]
+        self.layers = [RadixAttention(HQ, D, SCALE, HKV, layer_id=i) for i in range(LAYERS)]
+        self.g = g
+
+    def slots(self, i: int, positions: torch.Tensor) -> torch.Tensor:
+        return self.req_to_token.req_to_token[ROWS[i], positions].long()
+
+    def qkv(self, n: int):
+        return tuple(torch.randn(n, h, D, generator=self.g) for h in (HQ, HKV, HKV))
+
+    def extend_batch(self) -> tuple[ForwardBatch, AttentionMetadata]:
+        pos = [torch.arange(n) for n in LENS]
+        loc = torch.cat([self.slots(i, p) for i, p in enumerate(pos)])
+        lens = torch.tensor(LENS, dtype=torch.int32)
+        fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(LENS), input_ids=torch.zeros(int(lens.sum()), dtype=torch.long),
+                          req_pool_indices=torch.tensor(ROWS), seq_lens=lens, out_cache_loc=loc, seq_lens_sum=int(lens.sum()),
+                          seq_lens_cpu=lens.clone(), positions=torch.cat(pos), extend_seq_lens=lens.clone(),
+                          extend_prefix_lens=torch.zeros_like(lens), extend_prefix_lens_cpu=[0] * len(LENS),
+                          extend_seq_lens_cpu=list(LENS), extend_num_tokens=int(lens.sum()))
+        qsl = [0]
+        for n in LENS:
+            qsl.append(qsl[-1] + n)
+        meta = AttentionMetadata(True, torch.cat(pos), self._engine_slots(pos), self.tables, lens.clone(), list(LENS), qsl,
+                                 list(range(len(LENS))))
+        return fb, meta
+
+    def decode_batch(self, step: int) -> tuple[ForwardBatch, AttentionMetadata]:
+        pos = torch.tensor([n + step for n in LENS])
+        loc = torch.cat([self.slots(i, pos[i : i + 1]) for i in range(len(LENS))])
+        lens = (pos + 1).to(torch.int32)
+        fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(LENS), input_ids=torch.zeros(len(LENS), dtype=torch.long),
+                          req_pool_indices=torch.tensor(ROWS), seq_lens=lens, out_cache_loc=loc, seq_lens_sum=int(lens.sum()),
+                          seq_lens_cpu=lens.clone(), positions=pos)
+        meta = AttentionMetadata(False, pos, self._engine_slots([p.view(1) for p in pos]), self.tables, lens.clone(),
+                                 lens.tolist(), list(range(len(LENS) + 1)), list(range(len(LENS))))
+        return fb, meta
+
+    def _engine_slots(self, pos: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([self.kv.slots(self.tables[i], p) for i, p in enumerate(pos)])
+
+
+def bundle(tmp_path, flow: str, **params) -> str:
+    out = tmp_path / f"{flow}-bundle"
+    write_bundle(out, flow_path(flow), {k: str(v) for k, v in params.items()})
+    return str(out)
+
+
+def run_steps(world: World, backends, engine: FlowAttention | None = None):
+    """The extend, then STEPS decodes, every layer: each backend's outputs (and the engine's: the
+    flow on its sparse layers, dense attention on the others, as the engine assigns them)."""
+    dense = DenseAttention(SCALE)
+    outs = {name: [] for name in list(backends) + (["engine"] if engine else [])}
+    for step in range(-1, STEPS):
+        fb, meta = world.extend_batch() if step < 0 else world.decode_batch(step)
+        for b in backends.values():
+            b.init_forward_metadata(fb)
+        for layer in world.layers:
+            q, k, v = world.qkv(int(fb.out_cache_loc.numel()))
+            for name, b in backends.items():
+                outs[name].append(b.forward(q.reshape(len(q), -1), k, v, layer, fb).view(len(q), HQ, D))
+            if engine is not None:
+                per_layer = dense if layer.layer_id in engine.flow.dense_layers else engine
+                outs["engine"].append(per_layer.forward(layer.layer_id, q, k, v, world.kv, meta))
+    return outs
+
+
+def test_at_a_budget_covering_the_context_the_backend_equals_torch_native(tmp_path):
+    world = World(seed=1)
+    path = bundle(tmp_path, "block_topk", block_size=P, budget=4096, dense_layers="")
+    ours = SparsetuneBackend(world.runner, bundle=path, dense="torch_native")
+    outs = run_steps(world, {"ours": ours, "torch_native": TorchNativeAttnBackend(world.runner)})
+    assert len(outs["ours"]) == (STEPS + 1) * LAYERS
+    for got, want in zip(outs["ours"], outs["torch_native"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(ours.attn.last_selection) == set(range(LAYERS))  # every layer decoded through the flow
+
+
+@pytest.mark.parametrize("flow", ["quest", "block_topk"])
+def test_at_a_partial_budget_it_selects_and_attends_as_this_engine_does(flow, tmp_path):
+    world = World(seed=2)
+    params = dict(block_size=P, budget=6 * P, sink_blocks=1, local_blocks=2, dense_layers="0")
+    ours = SparsetuneBackend(world.runner, bundle=bundle(tmp_path, flow, **params), dense="torch_native")
+    engine = FlowAttention(build_flow(flow, {k: str(v) for k, v in params.items()}), SCALE)
+    outs = run_steps(world, {"ours": ours}, engine)
+    for got, want in zip(outs["ours"], outs["engine"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(ours.attn.last_selection) == {1, 2}  # layer 0 is dense
+    for layer in (1, 2):
+        blocks, counts = ours.attn.last_selection[layer]
+        want_blocks, want_counts = engine.last_selection[layer]
+        assert torch.equal(counts, want_counts) and int(counts.min()) == 6  # the budget, not the whole context
+        for got_row, want_row, n in zip(blocks.flatten(0, 1), want_blocks.flatten(0, 1), counts.flatten()):
+            assert sorted(got_row[:n].tolist()) == sorted(want_row[:n].tolist())
+
+
+def test_the_plugin_registers_the_backend_and_the_parser_accepts_it():
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs
+
+    load_plugins()  # through the entry point sparsetune's metadata declares
+    plugin.register()  # idempotent
+    assert ATTENTION_BACKEND_CHOICES.count("sparsetune") == 1 and "sparsetune" in ATTENTION_BACKENDS
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--attention-backend", "sparsetune", "--page-size", str(P)])
+    assert args.attention_backend == "sparsetune" and args.page_size == P
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--attention-backend", "nosuch"])
+
+
+def test_a_launch_that_cannot_work_says_why(tmp_path, monkeypatch):
+    world = World(seed=3)
+    monkeypatch.delenv(plugin.BUNDLE_ENV, raising=False)
+    with pytest.raises(SparsetuneError, match="SPARSETUNE_BUNDLE"):
+        SparsetuneBackend(world.runner)
+    path = bundle(tmp_path, "quest", block_size=2 * P)
+    with pytest.raises(SparsetuneError, match=f"launch with --page-size {2 * P}"):
+        SparsetuneBackend(world.runner, bundle=path)
+    with pytest.raises(SparsetuneError, match="does not check"):
+        SparsetuneBackend(world.runner, bundle=str(tmp_path))
+    with pytest.raises(SparsetuneError, match="not one of SGLang's attention backends"):
+        SparsetuneBackend(world.runner, bundle=bundle(tmp_path, "block_topk", block_size=P), dense="nosuch")
