@@ -220,3 +220,36 @@ def promote_flow(candidate_dir: str | Path, out: str | Path | None = None) -> di
 
     return promote(candidate_dir, out)
 
+
+
+def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | None = None,
+           params: dict[str, str] | None = None, trial: str | None = None, pick: str | None = None,
+           model: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Write a bundle of a tuned decode flow to `out` (`export.bundle`): a search's confirmed point
+    (`run_dir`, by `trial` or a `pick` rule; by default the fastest above the search's bar), or a
+    flow with `params` and no search. Returns the manifest, with the bundle's folder as `bundle`."""
+    out = Path(out)
+    if (run_dir is None) == (flow is None):
+        raise SparsetuneError("export a search's run folder (runs/<study>) or a --flow with --param, not both and not neither")
+    if run_dir is not None and (params or model):
+        raise SparsetuneError("--param and --model come from the search when exporting its run folder; drop them")
+    if flow is not None and (trial or pick):
+        raise SparsetuneError("--trial and --pick choose a point of a search: pass its run folder, not --flow")
+    from sparsetune.export.bundle import export_run, write_bundle
+    from sparsetune.registry import flow_path
+
+    if run_dir is not None:
+        manifest = export_run(Path(run_dir), out, trial=trial, pick=pick, overwrite=force)
+    else:
+        manifest = write_bundle(out, flow_path(flow), params or {}, model=model, overwrite=force)
+    return {**manifest, "bundle": str(out)}
+
+
+def check_export(bundle: str | Path, *, require_sglang: bool = False) -> dict[str, Any]:
+    """A bundle's problems (`export.bundle.check_bundle`) and whether this environment's SGLang can
+    serve it; `ok` is False when the bundle has a problem, or, with `require_sglang`, SGLang does."""
+    from sparsetune.export.bundle import check_bundle, sglang_problem, sglang_version
+
+    problems, sglang = check_bundle(Path(bundle)), sglang_problem()
+    return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
+            "ok": not problems and not (require_sglang and sglang)}

@@ -40,34 +40,16 @@ def _root(
     """Try, tune and ship sparse-attention and KV-reuse flows for LLM serving."""
 
 
-# Commands that are not built yet: each says so in one line and exits non-zero.
-_NOT_BUILT = {
-    "export": "Export a tuned flow as a bundle that runs inside SGLang (not built yet).",
-}
-
-
-def _not_built_command(name: str):
-    def command() -> None:
-        raise SparsetuneError(f"`sparsetune {name}` is not built yet; today `sparsetune search` tunes flows, "
-                              "`sparsetune eval` measures one and `sparsetune profile` breaks down its decode step")
-
-    return command
-
-
-for _name, _help in _NOT_BUILT.items():
-    app.command(name=_name, help=_help, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-        _not_built_command(_name)
-    )
-
-
 def _register() -> None:
     from sparsetune.cli import eval as eval_cli
+    from sparsetune.cli import export as export_cli
     from sparsetune.cli import flows, generate, models, profile
     from sparsetune.cli import search as search_cli
 
     app.command(name="generate")(generate.generate)
     app.command(name="eval")(eval_cli.eval_command)
     app.command(name="profile")(profile.profile)
+    app.command(name="export")(export_cli.export)
     app.add_typer(models.app, name="models")
     app.add_typer(flows.app, name="flows")
     app.add_typer(search_cli.app, name="search")

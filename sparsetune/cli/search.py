@@ -13,19 +13,10 @@ from sparsetune.cli import options as opt
 from sparsetune.cli.options import apply_threads
 from sparsetune.cli.output import emit_json, err
 from sparsetune.errors import SparsetuneError
+from sparsetune.flow.params import parse_param_args
 
 app = typer.Typer(help="Search flows and their params for the accuracy/speed frontier (Optuna, multi-objective).",
                   invoke_without_command=True, no_args_is_help=False, rich_markup_mode=None)
-
-
-def _params(param: list[str] | None) -> dict[str, str]:
-    out = {}
-    for p in param or []:
-        key, sep, value = p.partition("=")
-        if not sep or not key.strip():
-            raise SparsetuneError(f"--param {p!r}: write key=value, e.g. --param block_size=4")
-        out[key.strip()] = value.strip()
-    return out
 
 
 _SHORT = {"block_size": "block", "budget_ratio": "ratio", "sink_blocks": "sink", "local_blocks": "local",
@@ -170,7 +161,7 @@ def search(
     from sparsetune import api
 
     options = dict(model=model, tasks=task, context=context, batch=batch,
-                   **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
+                   **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=parse_param_args(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
                    study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
                    speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,
                    agent=agent, agent_budget_usd=agent_budget_usd, agent_model=agent_model, agent_endpoint=agent_endpoint,

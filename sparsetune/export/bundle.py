@@ -1,9 +1,14 @@
 """A bundle: one tuned decode flow packed for serving (issue #16).
 
     DIR/
-      <flow>.py      the flow's source, byte for byte (its sha256 is in the manifest)
-      bundle.json    the manifest: the flow, its resolved parameters, the model and what was
-                     measured where (the search's figures with their confidence interval)
+      <flow>.py          the flow's source, byte for byte (its sha256 is in the manifest)
+      bundle.json        the manifest: the flow, its resolved parameters, the model and what was
+                         measured where (the search's figures with their confidence interval)
+      sglang.json        how SGLang serves it: the attention backend, page size = block size, the
+                         environment, the SGLang versions the backend supports, whether SGLang has
+                         a native flag for the flow (no sparse flow has one on 0.5.16)
+      launch_sglang.sh   `launch_sglang.sh MODEL_PATH [launch_server args]`: checks the bundle and
+                         SGLang, then `python -m sglang.launch_server` with the backend
 
 A bundle is made from a search's run folder (a confirmed point, by `--trial` or a `--pick` rule)
 or from a flow and `--param`s alone; `check_bundle` re-reads one and names every problem (a
@@ -25,6 +30,14 @@ from sparsetune.records import file_sha256, package_version, write_json
 
 SCHEMA = "sparsetune.bundle/1"
 MANIFEST = "bundle.json"
+SGLANG_CONFIG = "sglang.json"
+LAUNCH = "launch_sglang.sh"
+# Serving in SGLang (`export/sglang/`): the backend's name, the variable that gives it the bundle,
+# and the SGLang versions it is written for (0.5.16; 0.5.13 is the first with the out-of-graph /
+# in-graph metadata hooks and the pools on the backend rather than the batch).
+BACKEND = "sparsetune"
+BUNDLE_ENV = "SPARSETUNE_BUNDLE"
+SUPPORTED = ((0, 5, 13), (0, 5, 16))
 
 
 # ---- choosing a point of a search --------------------------------------------------------------
@@ -139,7 +152,47 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
         "sparsetune": package_version("sparsetune"),
     }
     write_json(out / MANIFEST, manifest)
+    write_json(out / SGLANG_CONFIG, sglang_config(manifest))
+    (out / LAUNCH).write_text(launch_script(manifest))
+    (out / LAUNCH).chmod(0o755)
     return manifest
+
+
+def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`sglang.json`: what serving the bundle in SGLang takes (`launch_sglang.sh` is its command line)."""
+    dense = manifest["flow"] == "dense"
+    lo, hi = supported_range()
+    return {
+        "sglang": f">={lo},<={hi}",
+        "plugin": "sparsetune (entry point sglang.srt.plugins; pip install sparsetune in SGLang's environment)",
+        "server_args": {"attention_backend": "triton" if dense else BACKEND, "page_size": manifest["block_size"]},
+        "env": {} if dense else {BUNDLE_ENV: "this bundle's folder (launch_sglang.sh sets it)"},
+        "native": ("dense attention is SGLang's own backend: no plugin needed" if dense else
+                   f"SGLang {hi} has no launch flag for {manifest['flow']!r}: the {BACKEND} attention backend (plugin) runs it"),
+        "cuda_graph": "on: the backend captures the flow's decode with the dense backend's graph hooks",
+        "memory": "the flow's per-page fields are allocated beside SGLang's KV pool: lower --mem-fraction-static "
+                  "a little if the first decode runs out of memory",
+    }
+
+
+def launch_script(manifest: dict[str, Any]) -> str:
+    args = sglang_config(manifest)["server_args"]
+    return f"""#!/usr/bin/env bash
+# Serve a model with this bundle's flow ({manifest['flow']}) inside SGLang. Written by `sparsetune export`.
+#   ./launch_sglang.sh MODEL_PATH [more python -m sglang.launch_server arguments]
+# MODEL_PATH: a Hugging Face-format model folder (or hub id) that SGLang loads.
+set -euo pipefail
+here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+model="${{1:-}}"
+if [ -z "$model" ]; then echo "usage: $0 MODEL_PATH [sglang.launch_server args]" >&2; exit 2; fi
+shift
+if [ -d "$model" ] && [ ! -f "$model/config.json" ]; then
+    echo "error: $model has no config.json: SGLang loads Hugging Face-format model folders" >&2; exit 2
+fi
+sparsetune export --check "$here" --require-sglang
+export {BUNDLE_ENV}="$here"
+exec python -m sglang.launch_server --model-path "$model" --attention-backend {args['attention_backend']} --page-size {args['page_size']} "$@"
+"""
 
 
 def export_run(run_dir: Path, out: Path, *, trial: str | None = None, pick: str | None = None,
@@ -202,4 +255,47 @@ def check_bundle(path: Path) -> list[str]:
         problems.append("params not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items()))
     if str(m.get("block_size")) != resolved.get("block_size"):
         problems.append(f"block_size {m.get('block_size')!r} differs from the flow's {resolved.get('block_size')!r}")
+    try:
+        served = json.loads((path / SGLANG_CONFIG).read_text())["server_args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return problems + [f"{SGLANG_CONFIG} is missing or unreadable; export again"]
+    if str(served.get("page_size")) != resolved.get("block_size"):
+        problems.append(f"{SGLANG_CONFIG}: page_size {served.get('page_size')!r} is not the flow's block size "
+                        f"{resolved.get('block_size')!r} (SGLang's pages are the flow's blocks)")
     return problems
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """(0, 5, 16) of "0.5.16" or "0.5.16.post1"; non-numeric parts end it."""
+    parts = []
+    for p in version.split("."):
+        if not p.isdigit():
+            break
+        parts.append(int(p))
+    return tuple(parts)
+
+
+def supported_range() -> tuple[str, str]:
+    """The oldest and newest SGLang the backend supports, as version strings."""
+    return ".".join(map(str, SUPPORTED[0])), ".".join(map(str, SUPPORTED[1]))
+
+
+def sglang_version() -> str | None:
+    """The installed SGLang's version (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def sglang_problem(version: str | None = None) -> str | None:
+    """Why an SGLang (by default the installed one) cannot host the backend (None: it can)."""
+    version = sglang_version() if version is None else version
+    lo, hi = supported_range()
+    if version is None:
+        return f"SGLang is not installed: pip install 'sglang>={lo},<={hi}' (or 'sparsetune[sglang]')"
+    if not SUPPORTED[0] <= version_tuple(version)[:3] <= SUPPORTED[1]:
+        return f"SGLang {version} is not supported by sparsetune's backend (supported: {lo} to {hi}): pip install sglang=={hi}"
+    return None

@@ -113,9 +113,9 @@ def parse_param_args(args: list[str] | None) -> dict[str, str]:
     """`["budget=512", "block_size=16"]` → {"budget": "512", ...} (values parsed later per flow)."""
     out: dict[str, str] = {}
     for a in args or []:
-        if "=" not in a:
+        k, sep, v = a.partition("=")
+        if not sep or not k.strip():
             raise SparsetuneError(f"--param {a!r}: write key=value, e.g. --param budget=512")
-        k, v = a.split("=", 1)
         out[k.strip()] = v.strip()
     return out
 

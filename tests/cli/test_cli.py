@@ -96,10 +96,6 @@ def test_prompt_longer_than_context():
     assert_clean_error(run("generate", "--prompt", "word " * 9000), "context holds 8192")
 
 
-def test_unbuilt_command_says_so():
-    assert_clean_error(run("export", "--out", "x"), "not built yet")
-
-
 @pytest.mark.parametrize("args,needle", [
     (["--reuse", "quest"], "is a decode flow, not a reuse flow; pass it with --flow quest"),
     (["--reuse", "cacheblend", "--reuse-param", "ratio=2"], "must be in [0.0, 1.0]"),

@@ -85,7 +85,9 @@ BEFORE_TORCH = [
     (("search", "--reuse", "sparsex", "--save-defaults", "--min-accuracy", "0.9"), ("--save-defaults: tuned defaults are for decode flows",)),
     (("eval", "--flow", "quest", "--defaults", "mine"), ("--defaults 'mine': use tuned or published",)),
     (("search", "show", "nowhere"), ("not a search folder",)),
-    (("export",), ("not built yet",)),
+    (("export",), ("--out DIR: where to write the bundle",)),
+    (("export", "runs/s", "--flow", "quest", "--out", "b"), ("a search's run folder (runs/<study>) or a --flow",)),
+    (("export", "--check", "b", "--flow", "quest"), ("--check takes only the bundle's folder",)),
 ]
 
 

@@ -109,3 +109,35 @@ def test_check_names_each_problem_of_a_bad_bundle(tmp_path):
     assert "no bundle.json" in check_bundle(tmp_path / "empty")[0]
     with pytest.raises(SparsetuneError, match="does not check"):
         read_bundle(tmp_path / "empty")
+
+
+def test_the_cli_exports_checks_and_refuses_a_bundle_that_changed(search_run, tmp_path):
+    from helpers import assert_clean_error, run
+
+    proc = run("export", str(search_run), "--out", str(tmp_path / "b"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout)
+    assert m["bundle"] == str(tmp_path / "b") and "launch_sglang.sh" in proc.stderr
+    served = json.loads((tmp_path / "b" / "sglang.json").read_text())
+    assert served["server_args"] == {"attention_backend": "sparsetune", "page_size": m["block_size"]}
+    launch = (tmp_path / "b" / "launch_sglang.sh").read_text()
+    assert f"--attention-backend sparsetune --page-size {m['block_size']}" in launch and "SPARSETUNE_BUNDLE" in launch
+    ok = run("export", "--check", str(tmp_path / "b"), "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["problems"] == [], ok.stderr
+    # here SGLang is not installed: a launch's check says so in one line
+    assert_clean_error(run("export", "--check", str(tmp_path / "b"), "--require-sglang"), "SGLang is not installed")
+    source = tmp_path / "b" / m["source"]
+    source.write_text(source.read_text() + "\n# edited\n")
+    assert_clean_error(run("export", "--check", str(tmp_path / "b")), "changed since export")
+    proc = run("export", "--flow", "quest", "--param", "block_size=8", "--param", "budget=512", "--out", str(tmp_path / "q"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "q" / "sglang.json").read_text())["server_args"]["page_size"] == 8
+
+
+def test_sglang_versions_outside_the_supported_range_are_refused_by_name():
+    from sparsetune.export.bundle import sglang_problem
+
+    assert sglang_problem("0.5.16") is None and sglang_problem("0.5.13.post1") is None
+    assert "SGLang 0.5.12 is not supported" in sglang_problem("0.5.12")
+    assert "pip install sglang==0.5.16" in sglang_problem("0.5.23")
+    assert "is not supported" in sglang_problem("garbage")

@@ -39,8 +39,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 
 from sparsetune.engine.attention import AttentionMetadata
 from sparsetune.errors import SparsetuneError
-from sparsetune.export.bundle import read_bundle
-from sparsetune.export.sglang import BUNDLE_ENV, NAME
+from sparsetune.export.bundle import BACKEND as NAME
+from sparsetune.export.bundle import BUNDLE_ENV, read_bundle
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.registry import build_flow

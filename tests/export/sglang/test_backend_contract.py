@@ -26,6 +26,7 @@ from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import write_bundle
 from sparsetune.export.sglang import plugin
+from sparsetune.export.bundle import BUNDLE_ENV
 from sparsetune.export.sglang.backend import SparsetuneBackend
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.registry import build_flow, flow_path
@@ -174,9 +175,16 @@ def test_the_plugin_registers_the_backend_and_the_parser_accepts_it():
         parser.parse_args(["--model-path", "m", "--attention-backend", "nosuch"])
 
 
+def test_a_bundle_checks_against_this_sglang(tmp_path):
+    from sparsetune.api import check_export
+
+    result = check_export(bundle(tmp_path, "quest", block_size=P), require_sglang=True)
+    assert result["ok"] and result["sglang"] == "0.5.16" and result["sglang_problem"] is None
+
+
 def test_a_launch_that_cannot_work_says_why(tmp_path, monkeypatch):
     world = World(seed=3)
-    monkeypatch.delenv(plugin.BUNDLE_ENV, raising=False)
+    monkeypatch.delenv(BUNDLE_ENV, raising=False)
     with pytest.raises(SparsetuneError, match="SPARSETUNE_BUNDLE"):
         SparsetuneBackend(world.runner)
     path = bundle(tmp_path, "quest", block_size=2 * P)

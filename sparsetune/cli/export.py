@@ -1,0 +1,62 @@
+"""`sparsetune export`: a tuned flow as a bundle that runs inside SGLang, and `--check` of one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from sparsetune.cli import options as opt
+from sparsetune.cli.output import emit_json, err
+from sparsetune.errors import SparsetuneError
+from sparsetune.flow.params import parse_param_args
+
+
+def export(
+    run_dir: Path = typer.Argument(None, help="A search's run folder (runs/<study>): export one of its confirmed points."),
+    out: Path = typer.Option(None, "--out", help="The bundle's folder (new; --force replaces a bundle there)."),
+    trial: str = typer.Option(None, "--trial", help="The confirmed point to export, e.g. quest#12 (default: --pick's)."),
+    pick: str = typer.Option(None, "--pick", help='Which confirmed point, e.g. "max speedup where accuracy >= 0.95" '
+                             "(the default, with the search's own bar)."),
+    flow: str = typer.Option(None, "--flow", help="Export this flow (name or .py path) with --param values, no search."),
+    param: list[str] = opt.param_option(),
+    model: str = typer.Option(None, "--model", help="With --flow: the model the params were tuned for (recorded)."),
+    force: bool = typer.Option(False, "--force", help="Replace the bundle at --out."),
+    check: Path = typer.Option(None, "--check", help="Check a bundle instead: files, hashes, params, SGLang version."),
+    require_sglang: bool = typer.Option(False, "--require-sglang", help="With --check: fail unless this environment's "
+                                        "SGLang can serve the bundle (launch_sglang.sh passes it)."),
+    json_out: bool = opt.json_option("Print the manifest (or the check's result) as JSON to stdout."),
+) -> None:
+    """Export a tuned flow as a bundle that runs inside SGLang (sglang.json, launch_sglang.sh)."""
+    from sparsetune.api import check_export
+    from sparsetune.api import export as export_bundle
+    from sparsetune.export.bundle import supported_range
+
+    if check is not None:
+        if any(x is not None for x in (run_dir, out, trial, pick, flow, model)) or param:
+            raise SparsetuneError("--check takes only the bundle's folder (and --require-sglang, --json)")
+        result = check_export(check, require_sglang=require_sglang)
+        if json_out:
+            emit_json(result)
+        for p in result["problems"]:
+            err.print(f"[red]problem:[/] {p}")
+        if result["sglang_problem"]:
+            err.print(f"[{'red' if require_sglang else 'yellow'}]sglang:[/] {result['sglang_problem']}")
+        if result["ok"]:
+            err.print(f"{check}: the bundle checks" + (f"; SGLang {result['sglang']} can serve it" if not result["sglang_problem"] else ""))
+            return
+        raise SparsetuneError(f"{check} does not check: " + "; ".join(result["problems"] + [result["sglang_problem"] or ""]).strip("; "))
+    if out is None:
+        raise SparsetuneError("--out DIR: where to write the bundle")
+    m = export_bundle(run_dir, out=out, flow=flow, params=parse_param_args(param), trial=trial, pick=pick, model=model,
+                      force=force)
+    if json_out:
+        emit_json(m)
+    measured = m.get("measured") or {}
+    figures = ""
+    if measured:
+        acc = measured["accuracy"]
+        figures = f": {acc['confirmed']:.0%} of dense on fresh prompts, {measured['speedup']:.2f}x decode ({measured.get('speed_kind')})"
+    err.print(f"bundle {out}: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())}){figures}")
+    lo, hi = supported_range()
+    err.print(f"serve it: {out}/launch_sglang.sh MODEL_PATH   (needs SGLang {lo} to {hi} with sparsetune installed beside it)")
