@@ -4,6 +4,7 @@ resolved parameters and figures; `check_bundle` names every way a bundle can go 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,21 @@ def test_sglang_versions_outside_the_supported_range_are_refused_by_name():
     assert "SGLang 0.5.12 is not supported" in sglang_problem("0.5.12")
     assert "pip install sglang==0.5.16" in sglang_problem("0.5.23")
     assert "is not supported" in sglang_problem("garbage")
+
+
+def test_the_launch_script_refuses_a_folder_sglang_cannot_load_and_a_missing_sglang(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    write_bundle(tmp_path / "b", flow_path("quest"), {"block_size": "16"})
+    script = str(tmp_path / "b" / "launch_sglang.sh")
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    usage = subprocess.run(["bash", script], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    (tmp_path / "weights").mkdir()
+    no_model = subprocess.run(["bash", script, str(tmp_path / "weights")], capture_output=True, text=True, env=env)
+    assert no_model.returncode == 2 and "has no config.json" in no_model.stderr
+    (tmp_path / "weights" / "config.json").write_text("{}")
+    no_sglang = subprocess.run(["bash", script, str(tmp_path / "weights")], capture_output=True, text=True, env=env)
+    assert no_sglang.returncode == 2 and "SGLang is not installed" in no_sglang.stderr  # stops before launching
