@@ -221,7 +221,6 @@ def promote_flow(candidate_dir: str | Path, out: str | Path | None = None) -> di
     return promote(candidate_dir, out)
 
 
-
 def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | None = None,
            params: dict[str, str] | None = None, trial: str | None = None, pick: str | None = None,
            model: str | None = None, force: bool = False) -> dict[str, Any]:

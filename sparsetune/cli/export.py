@@ -45,7 +45,8 @@ def export(
         if result["ok"]:
             err.print(f"{check}: the bundle checks" + (f"; SGLang {result['sglang']} can serve it" if not result["sglang_problem"] else ""))
             return
-        raise SparsetuneError(f"{check} does not check: " + "; ".join(result["problems"] + [result["sglang_problem"] or ""]).strip("; "))
+        causes = result["problems"] + ([result["sglang_problem"]] if require_sglang and result["sglang_problem"] else [])
+        raise SparsetuneError(f"{check} does not check: " + "; ".join(causes))
     if out is None:
         raise SparsetuneError("--out DIR: where to write the bundle")
     m = export_bundle(run_dir, out=out, flow=flow, params=parse_param_args(param), trial=trial, pick=pick, model=model,

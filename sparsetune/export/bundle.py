@@ -151,9 +151,10 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
         "measured": measured,
         "sparsetune": package_version("sparsetune"),
     }
+    served = sglang_config(manifest)
     write_json(out / MANIFEST, manifest)
-    write_json(out / SGLANG_CONFIG, sglang_config(manifest))
-    (out / LAUNCH).write_text(launch_script(manifest))
+    write_json(out / SGLANG_CONFIG, served)
+    (out / LAUNCH).write_text(launch_script(manifest["flow"], served["server_args"]))
     (out / LAUNCH).chmod(0o755)
     return manifest
 
@@ -175,10 +176,10 @@ def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def launch_script(manifest: dict[str, Any]) -> str:
-    args = sglang_config(manifest)["server_args"]
+def launch_script(flow: str, args: dict[str, Any]) -> str:
+    """`launch_sglang.sh` of a bundle of `flow`, launching SGLang with `sglang.json`'s server args."""
     return f"""#!/usr/bin/env bash
-# Serve a model with this bundle's flow ({manifest['flow']}) inside SGLang. Written by `sparsetune export`.
+# Serve a model with this bundle's flow ({flow}) inside SGLang. Written by `sparsetune export`.
 #   ./launch_sglang.sh MODEL_PATH [more python -m sglang.launch_server arguments]
 # MODEL_PATH: a Hugging Face-format model folder (or hub id) that SGLang loads.
 set -euo pipefail
