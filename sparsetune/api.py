@@ -124,6 +124,14 @@ def eval(flow: str | None = None, *, out: str | Path | None = None, resume: str 
     return result.dump()
 
 
+def model_dir(model: str, *, random_weights: bool = False) -> Path:
+    """The model as an HF-format folder for other engines (`models.resolve.hf_dir`): what
+    `launch_sglang.sh` of an exported bundle takes as MODEL_PATH."""
+    from sparsetune.models.resolve import hf_dir
+
+    return hf_dir(model, random_weights)
+
+
 def list_models() -> list[dict[str, Any]]:
     rows = []
     for spec in REGISTRY.values():

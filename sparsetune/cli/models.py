@@ -36,3 +36,21 @@ def list_(json_out: bool = typer.Option(False, "--json", help="Print JSON to std
         "~/.cache/sparsetune/models/NAME, or use --random-weights for speed runs). "
         "Any local HF-format Llama/Qwen2/Qwen3 directory also works: --model PATH"
     )
+
+
+@app.command("path")
+def path(
+    model: str = typer.Argument(..., help="a registered name (sparsetune models list) or an HF-format directory"),
+    random_weights: bool = typer.Option(False, "--random-weights",
+                                        help="no weights needed: a folder with config.json only (SGLang's --load-format dummy)"),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON to stdout."),
+) -> None:
+    """Print the model's HF-format folder, for SGLang and transformers (the embedded default is
+    converted from its GGUF once, to float32 safetensors with its tokenizer)."""
+    from sparsetune.api import model_dir
+
+    folder = model_dir(model, random_weights=random_weights)
+    if json_out:
+        emit_json({"model": model, "path": str(folder), "weights": not random_weights or any(folder.glob("*.safetensors"))})
+    else:
+        print(folder)

@@ -181,8 +181,11 @@ def launch_script(flow: str, args: dict[str, Any]) -> str:
     return f"""#!/usr/bin/env bash
 # Serve a model with this bundle's flow ({flow}) inside SGLang. Written by `sparsetune export`.
 #   ./launch_sglang.sh MODEL_PATH [more python -m sglang.launch_server arguments]
-# MODEL_PATH: a Hugging Face-format model folder (or hub id) that SGLang loads.
+# MODEL_PATH: a Hugging Face-format model folder (or hub id) that SGLang loads
+# (`sparsetune models path NAME` prints one for a model sparsetune knows).
+# PYTHON: the interpreter of SGLang's environment, with sparsetune installed there (default python3).
 set -euo pipefail
+py="${{PYTHON:-python3}}"
 here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 model="${{1:-}}"
 if [ -z "$model" ]; then echo "usage: $0 MODEL_PATH [sglang.launch_server args]" >&2; exit 2; fi
@@ -190,9 +193,9 @@ shift
 if [ -d "$model" ] && [ ! -f "$model/config.json" ]; then
     echo "error: $model has no config.json: SGLang loads Hugging Face-format model folders" >&2; exit 2
 fi
-sparsetune export --check "$here" --require-sglang
+"$py" -m sparsetune.cli.main export --check "$here" --require-sglang
 export {BUNDLE_ENV}="$here"
-exec python -m sglang.launch_server --model-path "$model" --attention-backend {args['attention_backend']} --page-size {args['page_size']} "$@"
+exec "$py" -m sglang.launch_server --model-path "$model" --attention-backend {args['attention_backend']} --page-size {args['page_size']} "$@"
 """
 
 

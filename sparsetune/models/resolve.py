@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,3 +101,22 @@ def resolve_model(name_or_path: str, random_weights: bool = False) -> ResolvedMo
         raise missing_weights_error(spec, looked)
     config = ModelConfig.from_json_file(directory / "config.json")
     return ResolvedModel(spec.name, config, None if random_weights else directory, directory, spec, random_weights)
+
+
+def hf_dir(name_or_path: str, random_weights: bool = False) -> Path:
+    """An HF-format folder of the model that other engines (SGLang, transformers) load: a local
+    directory as given; the embedded default's copy converted from its GGUF (float32, with its
+    tokenizer); a registered model's local weights. With `random_weights` and no weights, a folder
+    holding only the registered config.json (bfloat16), for SGLang's `--load-format dummy`."""
+    path = _local_dir(name_or_path)
+    if path is not None:
+        _check_local_dir(path, random_weights)
+        return path
+    resolved = resolve_model(name_or_path, random_weights)
+    if resolved.tokenizer_dir is not None:
+        return resolved.tokenizer_dir
+    spec = get_spec(name_or_path)
+    out = models_dir() / f"{spec.name}-config"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**spec.hf_config, "torch_dtype": "bfloat16"}, indent=2) + "\n")
+    return out

