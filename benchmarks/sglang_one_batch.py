@@ -13,6 +13,8 @@ Same arguments and output as `python -m sglang.bench_one_batch` (SGLang 0.5.16: 
   its running batch. One 16 x 32K extend holds 0.5M tokens of activations at once (its MLP alone
   needs ~40 GB) and does not fit beside a KV pool for that batch on one 141 GB GPU. Decode steps, the
   measured figure, are unchanged: one forward of the whole batch per step, CUDA graphs as configured.
+- `--kernel-profile B` prints the GPU kernels of one decode step at batch size B (the 10th step of
+  each run at that size; CUDA graphs replay as usual), heaviest first.
 - `--warmup-input-len N` (default: the first `--input-len`) shortens the warm-up run's prompts: it
   compiles the same kernels (the CUDA graphs are captured before it) in less time.
 """
@@ -49,6 +51,39 @@ def _split_extend(one_batch, max_tokens: int):
     return extend
 
 
+def _profiled_decode(one_batch, batch_size: int, step: int = 10):
+    whole = one_batch.decode
+    calls = {"n": 0, "batch": None}
+
+    def decode(input_token_ids, batch, model_runner):
+        if len(batch.reqs) != batch_size:
+            return whole(input_token_ids, batch, model_runner)
+        if calls["batch"] is not batch:  # a new run
+            calls.update(n=0, batch=batch)
+        calls["n"] += 1
+        if calls["n"] != step:
+            return whole(input_token_ids, batch, model_runner)
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = whole(input_token_ids, batch, model_runner)
+            torch.cuda.synchronize()
+        kernels: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if ev.device_type.name == "CUDA":
+                k = kernels.setdefault(ev.name[:90], [0.0, 0])
+                k[0] += ev.device_time_total / 1e3
+                k[1] += 1
+        total = sum(v[0] for v in kernels.values())
+        print(f"kernel profile, batch {batch_size}, context {int(batch.seq_lens.max())}, one decode step: {total:.2f} ms of GPU kernels")
+        for name, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:14]:
+            print(f"  {ms:7.3f} ms {100 * ms / total:5.1f}%  x{n:<4d} {name}")
+        return out
+
+    return decode
+
+
 def _first_call_input_len(fn, arg: int, input_len: int):
     """`fn` with its positional argument `arg` (an input length) replaced by `input_len` on its first call."""
     calls = []
@@ -75,6 +110,7 @@ def main() -> None:
     argv = sys.argv[1:]
     max_tokens = _pop(argv, "--extend-tokens") or 65536
     warmup_len = _pop(argv, "--warmup-input-len")
+    profile_bs = _pop(argv, "--kernel-profile")
     sys.argv = [sys.argv[0], *argv]
     from sglang.srt.plugins import load_plugins
 
@@ -82,6 +118,8 @@ def main() -> None:
     from sglang.benchmark import one_batch
 
     one_batch.extend = _split_extend(one_batch, max_tokens)
+    if profile_bs:
+        one_batch.decode = _profiled_decode(one_batch, profile_bs)
     if warmup_len:  # latency_test: prepare_synthetic_inputs(batch, input_len), then run_once(.., batch, input_len, ..)
         one_batch.prepare_synthetic_inputs_for_latency_test = _first_call_input_len(
             one_batch.prepare_synthetic_inputs_for_latency_test, 1, warmup_len)

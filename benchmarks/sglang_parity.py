@@ -30,9 +30,11 @@ def post(url: str, body: dict, timeout: float = 600.0) -> list[dict]:
     return out if isinstance(out, list) else [out]
 
 
-def wait_ready(url: str, seconds: float) -> None:
+def wait_ready(url: str, seconds: float, pid: int | None) -> None:
     end = time.time() + seconds
     while time.time() < end:
+        if pid is not None and not Path(f"/proc/{pid}").exists():
+            raise SystemExit(f"the SGLang server (pid {pid}) exited before answering at {url}: see its log")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="the HF-format folder the server loads")
     ap.add_argument("--bundle", help="the exported bundle (for --engine: its flow and params; none: dense)")
     ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--server-pid", type=int, help="the server's process: stop waiting if it exits")
     ap.add_argument("--engine", action="store_true", help="run sparsetune's engine instead of querying a server")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=10)
@@ -82,7 +85,7 @@ def main() -> None:
             outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in lengths], chat=False)
             return [tok.decode(o.token_ids) for o in outs]
     else:
-        wait_ready(args.url, 300)
+        wait_ready(args.url, 300, args.server_pid)
 
         def run(prompts: list[list[int]], lengths: list[int]) -> list[str]:
             outs = post(args.url, {"input_ids": prompts, "sampling_params": [

@@ -128,6 +128,16 @@ def init_random(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, p.shape[1] ** -0.5, generator=gen)
 
 
+def _name_architecture(config_file: Path) -> None:
+    """Write `architectures` into a converted copy's config.json where it is missing (SGLang and
+    transformers' Auto classes pick the model class from it): the class of its `model_type`."""
+    cfg = json.loads(config_file.read_text())
+    if not cfg.get("architectures"):
+        cfg["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                 "qwen3": "Qwen3ForCausalLM"}[cfg["model_type"]]]
+        config_file.write_text(json.dumps(cfg, indent=2))
+
+
 def materialize_gguf(gguf: Path, cache_root: Path) -> Path:
     """Convert a GGUF file once into an HF-format directory (dequantized, float32) and return it.
 
@@ -138,6 +148,7 @@ def materialize_gguf(gguf: Path, cache_root: Path) -> Path:
     key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:12]
     out = cache_root / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        _name_architecture(out / "config.json")  # a copy converted before architectures were written
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -158,6 +169,7 @@ def materialize_gguf(gguf: Path, cache_root: Path) -> Path:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         hf_cfg = hf.config.to_dict()
         hf_cfg.pop("quantization_config", None)
+        hf_cfg["architectures"] = hf_cfg.get("architectures") or [type(hf).__name__]  # GGUF configs lack it; SGLang needs it
         hf_cfg["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         tok.save_pretrained(str(tmp))
