@@ -112,6 +112,7 @@ def hf_dir(name_or_path: str, random_weights: bool = False) -> Path:
     if path is not None:
         _check_local_dir(path, random_weights)
         return path
+    model_config(name_or_path, random_weights)  # what is missing, said before torch loads
     resolved = resolve_model(name_or_path, random_weights)
     if resolved.tokenizer_dir is not None:
         return resolved.tokenizer_dir
