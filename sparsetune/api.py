@@ -252,11 +252,14 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
     return {**manifest, "bundle": str(out)}
 
 
-def check_export(bundle: str | Path, *, require_sglang: bool = False) -> dict[str, Any]:
-    """A bundle's problems (`export.bundle.check_bundle`) and whether this environment's SGLang can
-    serve it; `ok` is False when the bundle has a problem, or, with `require_sglang`, SGLang does."""
-    from sparsetune.export.bundle import check_bundle, sglang_problem, sglang_version
+def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str | Path | None = None) -> dict[str, Any]:
+    """A bundle's problems (`export.bundle.check_bundle`; with `model`, the model folder's for serving
+    it, `check_model`) and whether this environment's SGLang can serve it; `ok` is False when the
+    bundle or the model has a problem, or, with `require_sglang`, SGLang does."""
+    from sparsetune.export.bundle import check_bundle, check_model, read_bundle, sglang_problem, sglang_version
 
     problems, sglang = check_bundle(Path(bundle)), sglang_problem()
+    if model is not None and not problems:
+        problems = check_model(model, read_bundle(Path(bundle))["params"])
     return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
             "ok": not problems and not (require_sglang and sglang)}

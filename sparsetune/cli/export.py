@@ -20,7 +20,8 @@ def export(
                              "(the default, with the search's own bar)."),
     flow: str = typer.Option(None, "--flow", help="Export this flow (name or .py path) with --param values, no search."),
     param: list[str] = opt.param_option(),
-    model: str = typer.Option(None, "--model", help="With --flow: the model the params were tuned for (recorded)."),
+    model: str = typer.Option(None, "--model", help="With --flow: the model the params were tuned for (recorded). "
+                              "With --check: the model folder SGLang will serve the bundle on (checked too)."),
     force: bool = typer.Option(False, "--force", help="Replace the bundle at --out."),
     check: Path = typer.Option(None, "--check", help="Check a bundle instead: files, hashes, params, SGLang version."),
     require_sglang: bool = typer.Option(False, "--require-sglang", help="With --check: fail unless this environment's "
@@ -33,9 +34,9 @@ def export(
     from sparsetune.export.bundle import supported_range
 
     if check is not None:
-        if any(x is not None for x in (run_dir, out, trial, pick, flow, model)) or param:
-            raise SparsetuneError("--check takes only the bundle's folder (and --require-sglang, --json)")
-        result = check_export(check, require_sglang=require_sglang)
+        if any(x is not None for x in (run_dir, out, trial, pick, flow)) or param:
+            raise SparsetuneError("--check takes only the bundle's folder (and --model, --require-sglang, --json)")
+        result = check_export(check, require_sglang=require_sglang, model=model)
         if json_out:
             emit_json(result)
         for p in result["problems"]:

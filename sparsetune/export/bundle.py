@@ -193,7 +193,7 @@ shift
 if [ -d "$model" ] && [ ! -f "$model/config.json" ]; then
     echo "error: $model has no config.json: SGLang loads Hugging Face-format model folders" >&2; exit 2
 fi
-"$py" -m sparsetune.cli.main export --check "$here" --require-sglang
+"$py" -m sparsetune.cli.main export --check "$here" --require-sglang --model "$model"
 export {BUNDLE_ENV}="$here"
 exec "$py" -m sglang.launch_server --model-path "$model" --attention-backend {args['attention_backend']} --page-size {args['page_size']} "$@"
 """
@@ -266,6 +266,36 @@ def check_bundle(path: Path) -> list[str]:
     if str(served.get("page_size")) != resolved.get("block_size"):
         problems.append(f"{SGLANG_CONFIG}: page_size {served.get('page_size')!r} is not the flow's block size "
                         f"{resolved.get('block_size')!r} (SGLang's pages are the flow's blocks)")
+    return problems
+
+
+def check_model(model: str | Path, params: dict[str, str]) -> list[str]:
+    """What keeps SGLang from serving a bundle's flow on a local model folder (a hub id is SGLang's to
+    fetch: nothing to check here): no or an unreadable config.json, no `architectures` (SGLang picks
+    the model class from it), an attention the backend does not serve, layer indices past the model's."""
+    path = Path(model)
+    if not path.is_dir():
+        return [] if not str(model).startswith((".", "/", "~")) else [f"model folder {model} does not exist"]
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except OSError:
+        return [f"{path} has no config.json: SGLang loads Hugging Face-format model folders "
+                "(`sparsetune models path NAME` prints one for a model sparsetune knows)"]
+    except ValueError as e:
+        return [f"{path}/config.json is not JSON ({e})"]
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    problems = []
+    if not cfg.get("architectures"):
+        problems.append(f"{path}/config.json names no architectures: SGLang picks the model class from it "
+                        "(a copy converted by sparsetune before 0.1: `sparsetune models path NAME` completes it)")
+    if cfg.get("kv_lora_rank") or cfg.get("attention_type") == "mla":
+        problems.append(f"{path} is an MLA model: the {BACKEND} backend serves MHA/GQA attention only")
+    layers = cfg.get("num_hidden_layers")
+    for key in ("dense_layers", "select_layers"):
+        bad = [i for i in params.get(key, "").split(",") if i.strip() and isinstance(layers, int) and int(i) >= layers]
+        if bad:
+            problems.append(f"{key}={params[key]} names layer {bad[0]} but {path} has {layers} layers; export again "
+                            "with layers of this model")
     return problems
 
 

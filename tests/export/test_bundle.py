@@ -157,6 +157,32 @@ def test_the_launch_script_refuses_a_folder_sglang_cannot_load_and_a_missing_sgl
     (tmp_path / "weights").mkdir()
     no_model = subprocess.run(["bash", script, str(tmp_path / "weights")], capture_output=True, text=True, env=env)
     assert no_model.returncode == 2 and "has no config.json" in no_model.stderr
-    (tmp_path / "weights" / "config.json").write_text("{}")
+    (tmp_path / "weights" / "config.json").write_text('{"num_hidden_layers": 4}')
+    unnamed = subprocess.run(["bash", script, str(tmp_path / "weights")], capture_output=True, text=True, env=env)
+    assert unnamed.returncode == 2 and "names no architectures" in unnamed.stderr
+    (tmp_path / "weights" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}')
     no_sglang = subprocess.run(["bash", script, str(tmp_path / "weights")], capture_output=True, text=True, env=env)
     assert no_sglang.returncode == 2 and "SGLang is not installed" in no_sglang.stderr  # stops before launching
+    assert "architectures" not in no_sglang.stderr
+
+
+def test_check_model_names_what_keeps_sglang_from_serving_the_bundle_on_a_model(tmp_path):
+    import json
+
+    from sparsetune.export.bundle import check_model
+
+    m = tmp_path / "m"
+    assert check_model(tmp_path / "nowhere", {}) == [f"model folder {tmp_path / 'nowhere'} does not exist"]
+    assert check_model("Qwen/Qwen3-8B", {}) == []  # a hub id: SGLang's to fetch
+    m.mkdir()
+    assert "has no config.json" in check_model(m, {})[0]
+    (m / "config.json").write_text("{oops")
+    assert "is not JSON" in check_model(m, {})[0]
+    ok = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 36}
+    (m / "config.json").write_text(json.dumps(ok))
+    assert check_model(m, {"dense_layers": "0,1", "select_layers": ""}) == []
+    assert check_model(m, {"dense_layers": "0,40"}) == [
+        f"dense_layers=0,40 names layer 40 but {m} has 36 layers; export again with layers of this model"]
+    (m / "config.json").write_text(json.dumps({**ok, "architectures": None, "kv_lora_rank": 512}))
+    problems = check_model(m, {})
+    assert len(problems) == 2 and "names no architectures" in problems[0] and "MLA model" in problems[1]
