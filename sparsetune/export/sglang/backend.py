@@ -1,7 +1,8 @@
 """`SparsetuneBackend`: a bundle's decode flow as an SGLang attention backend (SGLang 0.5.13-0.5.16).
 
 SGLang builds it through the plugin (`plugin.register`, `--attention-backend sparsetune`), with the
-bundle from `SPARSETUNE_BUNDLE`. It wraps a stock dense backend (`triton` on a GPU, `torch_native`
+bundle from `SPARSETUNE_BUNDLE` or the server argument `--json-model-override-args
+'{"sparsetune_bundle": "DIR"}'`. It wraps a stock dense backend (`triton` on a GPU, `torch_native`
 on CPU; `SPARSETUNE_DENSE_BACKEND` picks another) for every extend (prefill) and for the flow's
 dense layers, and decodes the sparse layers with this package's own flow machinery, the very
 `FlowAttention` the embedded engine runs, on **SGLang's** KV pool:
@@ -46,13 +47,24 @@ from sparsetune.flow.base import DecodeFlow
 from sparsetune.registry import build_flow
 
 DENSE_ENV = "SPARSETUNE_DENSE_BACKEND"
+# The server-argument way to name the bundle: `--json-model-override-args '{"sparsetune_bundle": "DIR"}'`
+# (SGLang merges those keys into the model's HF config, which every one of its processes reads).
+CONFIG_KEY = "sparsetune_bundle"
+
+
+def bundle_of(model_runner) -> str | None:
+    """The bundle a launch names: the server argument (the HF config's `sparsetune_bundle`), else
+    `SPARSETUNE_BUNDLE`."""
+    hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
+    return getattr(hf, CONFIG_KEY, None) or os.environ.get(BUNDLE_ENV)
 
 
 def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any]]:
     """The decode flow a bundle holds (its parameters resolved) and its manifest."""
     if not bundle:
-        raise SparsetuneError(f"--attention-backend {NAME} needs a bundle: set {BUNDLE_ENV}=DIR "
-                              "(`sparsetune export ... --out DIR` writes one; its launch_sglang.sh sets it)")
+        raise SparsetuneError(f"--attention-backend {NAME} needs a bundle: set {BUNDLE_ENV}=DIR or pass "
+                              f"--json-model-override-args '{{\"{CONFIG_KEY}\": \"DIR\"}}' (`sparsetune export ... --out DIR` "
+                              "writes one; its launch_sglang.sh sets the variable)")
     path = Path(bundle)
     manifest = read_bundle(path)
     flow = build_flow(str(path / manifest["source"]), manifest["params"])
@@ -129,7 +141,7 @@ class SparsetuneBackend(AttentionBackend):
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.flow, self.manifest = load_flow(bundle or os.environ.get(BUNDLE_ENV))
+        self.flow, self.manifest = load_flow(bundle or bundle_of(model_runner))
         page = int(model_runner.page_size)
         if page != self.flow.block_size:
             raise SparsetuneError(f"SGLang's page size is {page} but the bundle's flow uses blocks of {self.flow.block_size} "

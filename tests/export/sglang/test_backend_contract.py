@@ -160,6 +160,31 @@ def test_at_a_partial_budget_it_selects_and_attends_as_this_engine_does(flow, tm
             assert sorted(got_row[:n].tolist()) == sorted(want_row[:n].tolist())
 
 
+def test_shared_selection_and_dense_layers_run_as_in_this_engine(tmp_path):
+    world = World(seed=4)
+    params = dict(block_size=P, budget=5 * P, sink_blocks=1, local_blocks=1, dense_layers="0", select_layers="1")
+    ours = SparsetuneBackend(world.runner, bundle=bundle(tmp_path, "tidal", **params), dense="torch_native")
+    engine = FlowAttention(build_flow("tidal", {k: str(v) for k, v in params.items()}), SCALE)
+    outs = run_steps(world, {"ours": ours}, engine)
+    for got, want in zip(outs["ours"], outs["engine"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # layer 1 selects (5 pages of each request and KV head), layer 2 reuses exactly its pages
+    blocks, counts = ours.attn.last_selection[1]
+    assert int(counts.min()) == 5 and set(ours.attn.last_selection) == {1, 2}
+    assert torch.equal(ours.attn.last_selection[2][0], blocks) and torch.equal(ours.attn.last_selection[2][1], counts)
+
+
+def test_the_bundle_may_come_as_a_server_argument(tmp_path, monkeypatch):
+    world = World(seed=5)
+    monkeypatch.delenv(BUNDLE_ENV, raising=False)
+    path = bundle(tmp_path, "quest", block_size=P)
+    # `--json-model-override-args '{"sparsetune_bundle": DIR}'`: SGLang merges it into the HF config
+    world.runner.model_config = SimpleNamespace(hf_config=SimpleNamespace(sparsetune_bundle=path))
+    assert SparsetuneBackend(world.runner, dense="torch_native").flow.name == "quest"
+    monkeypatch.setenv(BUNDLE_ENV, bundle(tmp_path, "block_topk", block_size=P))
+    assert SparsetuneBackend(world.runner, dense="torch_native").flow.name == "quest"  # the server argument wins
+
+
 def test_the_plugin_registers_the_backend_and_the_parser_accepts_it():
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs
