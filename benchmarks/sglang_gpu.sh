@@ -11,14 +11,18 @@
 #   2. carry .carry/sgl/c2:                 bash benchmarks/sglang_gpu.sh place c2
 #   3. carry .carry/sgl/c3 .carry/stw .carry/wheels .carry/srv:
 #                                           bash benchmarks/sglang_gpu.sh place c3 && bash benchmarks/sglang_gpu.sh install && bash benchmarks/sglang_gpu.sh smoke
-#   4. carry .carry/ga:                     bash benchmarks/sglang_gpu.sh place ga && bash benchmarks/sglang_gpu.sh bench triton block_topk
+#   4. carry .carry/ga:                     bash benchmarks/sglang_gpu.sh place ga && bash benchmarks/sglang_gpu.sh bench dense block_topk
 #                                           (Qwen3-8B dummy, 8 and 16 x 32K; PROFILE=16 adds one step's kernels)
 #   5. carry .carry/gb:                     bash benchmarks/sglang_gpu.sh place gb && bash benchmarks/sglang_gpu.sh bench quest && bash benchmarks/sglang_gpu.sh engine
 #                                           (the engine: sparsetune's own, same shapes)
 #   6.                                      bash benchmarks/sglang_gpu.sh parity     (smollm2 served by SGLang vs the engine)
+# With FA3 (SGLang's fastest dense decode on Hopper): KIT=sglfull for prep and place (c1..c9; c9 with
+# stw, wheels, srv, then install), then DENSE=fa3 bash benchmarks/sglang_gpu.sh bench.
 # Results land in $OUT (*.jsonl, logs).
 set -u
 SITE=/tmp/site
+KIT=${KIT:-sgl}  # sgl: the slim set (3 chunks, no FA3); KIT=sglfull: the full set (9 chunks, FA3)
+DENSE=${DENSE:-triton}  # SGLang's dense backend: the baseline, and the backend's prefill and dense layers
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 env_on() {
@@ -38,8 +42,9 @@ stop_server() { kill $SRV; sleep 5; pkill -9 -f 'sglang::|sglang[.]launch_server
 
 case "${1:-}" in
 prep)
-    python3 ../shared/sglang-kit/pack.py .carry/sgl --slim || exit 1
-    cp ../shared/sglang-kit/install.sh ../shared/sglang-kit/standin_tokenizer.py .carry/sgl/c3/
+    python3 ../shared/sglang-kit/pack.py .carry/$KIT $([ $KIT = sgl ] && echo --slim) || exit 1
+    last=$(ls -d .carry/$KIT/c* | sort -V | tail -n 1)
+    cp ../shared/sglang-kit/install.sh ../shared/sglang-kit/standin_tokenizer.py $last/
     rm -rf .carry/stw && python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/stw . || exit 1
     [ -d .carry/wheels ] || bash benchmarks/agent_hour.sh prep
     # what SGLang's HTTP server imports beyond the kit's set (the kit serves bench_one_batch)
@@ -47,11 +52,11 @@ prep)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .carry/srv \
         jsonschema jsonschema-specifications referencing rpds-py attrs soundfile cffi pycparser python-multipart uvloop \
         aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl || exit 1
-    du -sh .carry/sgl/c* .carry/stw .carry/srv .carry/ga .carry/gb .carry/wheels
+    du -sh .carry/$KIT/c* .carry/stw .carry/srv .carry/ga .carry/gb .carry/wheels
     ;;
 place)  # c1..c3: a chunk of SGLang's wheels; ga, gb: a half of the GGUF
     case "$2" in
-    c*) mkdir -p /tmp/wheels && cp .carry/sgl/"$2"/* /tmp/wheels/ && ls /tmp/wheels | wc -l ;;
+    c*) mkdir -p /tmp/wheels && cp .carry/$KIT/"$2"/* /tmp/wheels/ && ls /tmp/wheels | wc -l ;;
     *) mkdir -p /tmp/parts && cp .carry/"$2"/* /tmp/parts/ && ls /tmp/parts ;;
     esac
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -82,13 +87,13 @@ smoke)  # CUDA graphs on, small shapes: the backend runs inside SGLang at all, a
     ;;
 bench)
     env_on; M=$(cat /tmp/qwen3-8b.path)
-    shift; for b in ${@:-triton block_topk quest}; do
-        if [ $b = triton ]; then a="--attention-backend triton"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_$b; fi
+    shift; for b in ${@:-dense block_topk quest}; do
+        if [ $b = dense ]; then a="--attention-backend $DENSE"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_$b SPARSETUNE_DENSE_BACKEND=$DENSE; fi
         t0=$(date +%s)
         python3 benchmarks/sglang_one_batch.py --model-path "$M" $SGL_ARGS $a --batch-size 8 16 --input-len 32768 \
-            --warmup-input-len 4096 --output-len 24 ${PROFILE:+--kernel-profile $PROFILE} --run-name $b --result-filename $OUT/sglang_bench.jsonl > $OUT/bench_$b.log 2>&1
-        echo "$b: rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Decode\.  median|Prefill\.|skipping|Error|error" $OUT/bench_$b.log | tail -n 6
-        grep -A 15 "kernel profile" $OUT/bench_$b.log | tail -n 16
+            --warmup-input-len 4096 --output-len 24 ${PROFILE:+--kernel-profile $PROFILE} --run-name $DENSE-$b --result-filename $OUT/sglang_bench.jsonl > $OUT/bench_$DENSE-$b.log 2>&1
+        echo "$DENSE-$b: rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Decode\.  median|Prefill\.|skipping|Error|error" $OUT/bench_$DENSE-$b.log | tail -n 6
+        grep -A 15 "kernel profile" $OUT/bench_$DENSE-$b.log | tail -n 16
     done
     ;;
 engine)
