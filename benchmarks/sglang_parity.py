@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from sparsetune.evaluation.samples import prompt_ids
-    from sparsetune.evaluation.scoring import postprocess, score
+    from sparsetune.evaluation.scoring import score_turns
     from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples
     from sparsetune.models.config import ModelConfig
     from sparsetune.models.tokenizer import HFTokenizer
@@ -105,7 +105,7 @@ def main() -> None:
     per_task: dict[str, list[float]] = {}
     records = []
     for s, rs in zip(samples, replies):
-        scores = [score(postprocess(r), list(turn.answers), s.metric) for turn, r in zip(s.turns, rs)]
+        scores = score_turns(s, rs)
         acc = sum(scores) / len(scores)
         per_task.setdefault(s.task, []).append(acc)
         records.append({"task": s.task, "index": s.index, "accuracy": acc, "replies": rs})

@@ -5,6 +5,7 @@ Arguments are checked before torch and the engine are imported, so a mistake fai
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -256,10 +257,10 @@ def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str
     """A bundle's problems (`export.bundle.check_bundle`; with `model`, the model folder's for serving
     it, `check_model`) and whether this environment's SGLang can serve it; `ok` is False when the
     bundle or the model has a problem, or, with `require_sglang`, SGLang does."""
-    from sparsetune.export.bundle import check_bundle, check_model, read_bundle, sglang_problem, sglang_version
+    from sparsetune.export.bundle import MANIFEST, check_bundle, check_model, sglang_problem, sglang_version
 
     problems, sglang = check_bundle(Path(bundle)), sglang_problem()
-    if model is not None and not problems:
-        problems = check_model(model, read_bundle(Path(bundle))["params"])
+    if model is not None and not problems:  # the manifest reads: it just checked
+        problems = check_model(model, json.loads((Path(bundle) / MANIFEST).read_text())["params"])
     return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
             "ok": not problems and not (require_sglang and sglang)}

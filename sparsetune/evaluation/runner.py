@@ -31,7 +31,7 @@ from sparsetune.evaluation.fidelity import FidelityTally
 from sparsetune.evaluation.reference import DenseReference, PromptKV
 from sparsetune.evaluation.results import SCHEMA, EvalResult
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
-from sparsetune.evaluation.scoring import postprocess, score
+from sparsetune.evaluation.scoring import score_turns
 from sparsetune.perf.fit import check_fits
 from sparsetune.perf.speed import measure_speed
 from sparsetune.flow.defaults import tuned_config
@@ -195,10 +195,6 @@ def _is_plain(llm: LLM) -> bool:
     return llm.flow is None and (llm.reuse_flow is None or not llm.reuse_flow.reads_cache)
 
 
-def _score_turns(sample: Sample, texts: list[str]) -> list[float]:
-    return [score(postprocess(t), list(turn.answers), sample.metric) for turn, t in zip(sample.turns, texts)]
-
-
 def _passes(plain: bool, dense_needed: bool, fidelity: bool) -> int:
     """Passes over each sample: the dense reference, the flow's own, the forced one (fidelity)."""
     return int(dense_needed) + int(not (plain and dense_needed)) + int(dense_needed and fidelity and not plain)
@@ -250,7 +246,7 @@ def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed:
               if dense is not None and cfg.fidelity and not plain else None)
     records = []
     for i, s in enumerate(chunk):
-        turn_scores = _score_turns(s, main.texts[i])
+        turn_scores = score_turns(s, main.texts[i])
         rec: dict[str, Any] = {
             "task": s.task, "index": s.index, "metric": s.metric,
             "answers": [list(t.answers) for t in s.turns],
@@ -260,7 +256,7 @@ def _chunk_records(llm: LLM, chunk: list[Sample], cfg: EvalConfig, dense_needed:
             "dense": None, "fidelity": None, "reuse": main.reuse[i], "meta": s.meta,
         }
         if dense is not None and not plain:
-            ds = _score_turns(s, dense.texts[i])
+            ds = score_turns(s, dense.texts[i])
             rec["dense"] = {"output": dense.texts[i], "turn_scores": ds, "score": sum(ds) / len(ds)}
         if forced is not None:
             tally = FidelityTally()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from sparsetune.evaluation.samples import METRICS
+from sparsetune.evaluation.samples import METRICS, Sample
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
@@ -31,3 +31,8 @@ def score(pred: str, answers: Sequence[str], metric: str = "all") -> float:
     if metric == "any":
         return 1.0 if any(found) else 0.0
     raise ValueError(f"unknown metric {metric!r}; expected one of {', '.join(METRICS)}")
+
+
+def score_turns(sample: Sample, replies: Sequence[str]) -> list[float]:
+    """Each turn's reply scored against that turn's answers, by the sample's metric."""
+    return [score(postprocess(r), list(turn.answers), sample.metric) for turn, r in zip(sample.turns, replies)]

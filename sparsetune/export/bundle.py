@@ -190,9 +190,6 @@ here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 model="${{1:-}}"
 if [ -z "$model" ]; then echo "usage: $0 MODEL_PATH [sglang.launch_server args]" >&2; exit 2; fi
 shift
-if [ -d "$model" ] && [ ! -f "$model/config.json" ]; then
-    echo "error: $model has no config.json: SGLang loads Hugging Face-format model folders" >&2; exit 2
-fi
 "$py" -m sparsetune.cli.main export --check "$here" --require-sglang --model "$model"
 export {BUNDLE_ENV}="$here"
 exec "$py" -m sglang.launch_server --model-path "$model" --attention-backend {args['attention_backend']} --page-size {args['page_size']} "$@"

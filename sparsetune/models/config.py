@@ -12,7 +12,9 @@ from sparsetune.errors import SparsetuneError
 # HF `architectures` / `model_type` values the engine implements. Llama covers
 # SmolLM2 and Llama 3.x (with llama3 RoPE scaling); Qwen2 adds qkv bias; Qwen3
 # adds per-head q/k RMSNorm and drops the bias.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# The HF model class of each, which configs name in `architectures` (SGLang picks its class from it).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class ModelConfig:
             archs = hf.get("architectures") or [model_type or "unknown"]
             raise SparsetuneError(
                 f"unsupported architecture {archs[0]!r} (model_type {model_type!r}); "
-                f"supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+                f"supported: {', '.join(ARCHITECTURES.values())}"
             )
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])

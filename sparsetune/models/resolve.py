@@ -116,7 +116,7 @@ def hf_dir(name_or_path: str, random_weights: bool = False) -> Path:
     resolved = resolve_model(name_or_path, random_weights)
     if resolved.tokenizer_dir is not None:
         return resolved.tokenizer_dir
-    spec = get_spec(name_or_path)
+    spec = resolved.spec
     out = models_dir() / f"{spec.name}-config"
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({**spec.hf_config, "torch_dtype": "bfloat16"}, indent=2) + "\n")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sparsetune.errors import SparsetuneError
+from sparsetune.models.config import ARCHITECTURES
 
 # HF parameter name fragment → (our fused parameter, which shard of it).
 _FUSED = {
@@ -133,8 +134,7 @@ def _name_architecture(config_file: Path) -> None:
     transformers' Auto classes pick the model class from it): the class of its `model_type`."""
     cfg = json.loads(config_file.read_text())
     if not cfg.get("architectures"):
-        cfg["architectures"] = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                 "qwen3": "Qwen3ForCausalLM"}[cfg["model_type"]]]
+        cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
         config_file.write_text(json.dumps(cfg, indent=2))
 
 
@@ -169,9 +169,9 @@ def materialize_gguf(gguf: Path, cache_root: Path) -> Path:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         hf_cfg = hf.config.to_dict()
         hf_cfg.pop("quantization_config", None)
-        hf_cfg["architectures"] = hf_cfg.get("architectures") or [type(hf).__name__]  # GGUF configs lack it; SGLang needs it
         hf_cfg["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        _name_architecture(tmp / "config.json")  # GGUF-loaded configs lack it
         tok.save_pretrained(str(tmp))
         if out.exists():  # another process finished first
             shutil.rmtree(tmp)
