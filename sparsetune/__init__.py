@@ -12,6 +12,7 @@ _LAZY = {
     "generate": "sparsetune.api",
     "eval": "sparsetune.api",
     "list_models": "sparsetune.api",
+    "bench_serve": "sparsetune.api",
     "LLM": "sparsetune.llm",
     "EngineConfig": "sparsetune.engine.config",
     "SamplingParams": "sparsetune.engine.sequence",

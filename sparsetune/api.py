@@ -264,3 +264,20 @@ def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str
         problems = check_model(model, json.loads((Path(bundle) / MANIFEST).read_text())["params"])
     return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
             "ok": not problems and not (require_sglang and sglang)}
+
+
+def bench_serve(config: Any = None, *, out: str | Path | None = None, resume: str | Path | None = None,
+                llm: LLM | None = None, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                **options: Any) -> dict[str, Any]:
+    """`sparsetune bench serve`: latency under load, open-loop Poisson arrivals on the engine
+    (`perf.serve.serve_benchmark`), with a `ServeConfig` or its fields and `EngineConfig`'s as
+    keyword arguments (`flows`, `rates`, `requests`, `input_len`, `output_len`, `prefill`, `slo`, ...;
+    `model`, `random_weights`, `kv_memory`, ...). Returns results.json's object. `resume`: a run
+    directory to finish (its config wins)."""
+    from sparsetune.perf.serve import ServeConfig, serve_benchmark
+
+    if resume is None and config is None:
+        config = ServeConfig.of(**options)
+    elif options:
+        raise TypeError("pass a ServeConfig or keyword options, not both (and none with resume)")
+    return serve_benchmark(config, out=out, resume=resume, llm=llm, on_event=on_event)

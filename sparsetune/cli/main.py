@@ -41,6 +41,7 @@ def _root(
 
 
 def _register() -> None:
+    from sparsetune.cli import bench
     from sparsetune.cli import eval as eval_cli
     from sparsetune.cli import export as export_cli
     from sparsetune.cli import flows, generate, models, profile
@@ -53,6 +54,7 @@ def _register() -> None:
     app.add_typer(models.app, name="models")
     app.add_typer(flows.app, name="flows")
     app.add_typer(search_cli.app, name="search")
+    app.add_typer(bench.app, name="bench")
 
 
 _register()

@@ -9,36 +9,18 @@ engine or creates a run directory, so a refused run leaves nothing on disk.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from sparsetune.engine.config import EngineConfig
+from sparsetune.engine.config import EngineConfig, EngineField, split_engine_options
 from sparsetune.errors import SparsetuneError
 
 MODES = ("auto", "accuracy", "speed", "all")
 DEFAULT_SPEED_TOKENS = 128
 # config.json's version; sparsetune.eval/1 had the engine options inline in "eval" (read by `EvalConfig.of`).
 CONFIG_SCHEMA = "sparsetune.eval.config/2"
-_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
-
-
-def _engine(value: Any) -> Any:
-    """An `EngineConfig` from its JSON object (unknown keys dropped); an instance as it is."""
-    if not isinstance(value, dict):
-        return value
-    value = {k: v for k, v in value.items() if k in _ENGINE_FIELDS}
-    if value.get("cuda_graph_batch_sizes") is not None:
-        value["cuda_graph_batch_sizes"] = tuple(value["cuda_graph_batch_sizes"])
-    return EngineConfig(**value)
-
-
-# Not revalidated field by field: flow parameters may be typed values (Python) or --param strings.
-Engine = Annotated[EngineConfig, BeforeValidator(_engine), PlainSerializer(asdict)]
-
-
 class EvalConfig(BaseModel):
     """Everything that determines a run; written to config.json and read back by `resume`.
 
@@ -49,7 +31,7 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engine: Engine = EngineConfig()
+    engine: EngineField = EngineConfig()
     tasks: tuple[str, ...] | None = None  # None: the default suite
     context: int = 1024
     samples: int = 4  # per generated task
@@ -82,11 +64,8 @@ class EvalConfig(BaseModel):
         `EngineConfig`'s, with `params` for the decode flow's `flow_params`."""
         if "params" in options:
             options["flow_params"] = dict(options.pop("params") or {})
-        unknown = [k for k in options if k not in _ENGINE_FIELDS and (k not in cls.model_fields or k == "engine")]
-        if unknown:
-            raise TypeError(f"unknown eval option {unknown[0]!r}")
-        engine = EngineConfig(**{k: v for k, v in options.items() if k in _ENGINE_FIELDS})
-        return cls(engine=engine, **{k: v for k, v in options.items() if k not in _ENGINE_FIELDS})
+        engine, own = split_engine_options(options, set(cls.model_fields) - {"engine"}, "eval")
+        return cls(engine=engine, **own)
 
     def speed_only(self) -> bool:
         """No accuracy passes: speed mode, or auto with random weights."""

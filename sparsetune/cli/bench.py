@@ -1,0 +1,190 @@
+"""`sparsetune bench serve`: latency under serving load (open-loop Poisson arrivals) for dense and
+each flow, at each request rate, on the embedded engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from sparsetune.cli import options as opt
+from sparsetune.cli.options import apply_threads, progress
+from sparsetune.cli.output import emit_json, err
+from sparsetune.errors import SparsetuneError
+
+app = typer.Typer(help="Benchmarks of the engine under load.", no_args_is_help=True, rich_markup_mode=None)
+
+
+def _floats(text: str, option: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SparsetuneError(f"{option} {text!r}: write comma-separated numbers, e.g. {option} 1,2,4,8") from None
+
+
+def _slo(text: str | None) -> dict[str, float]:
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise SparsetuneError(f"--slo {text!r}: write metric=milliseconds pairs, e.g. --slo ttft=2000,tpot=50")
+    return out
+
+
+@app.command("serve")
+def serve(
+    flow: str = typer.Option(",".join(("dense", "block_topk", "quest")), "--flow", "-f",
+                             help="Comma-separated decode flows (names or .py files); dense always runs, first."),
+    param: list[str] = typer.Option(None, "--param", help="key=value for every flow but dense, or flow:key=value "
+                                    "for one (repeatable), e.g. --param budget=2048 --param quest:block_size=16."),
+    rate: str = typer.Option("1,2,4,8", "--rate", help="Comma-separated request rates (requests/s, Poisson arrivals)."),
+    requests: int = typer.Option(32, "--requests", "-n", help="Requests per (flow, rate) cell, the same in every cell; "
+                                 "whether the engine keeps up is judged when their arrivals span two E2E latencies."),
+    input_len: str = typer.Option("1024", "--input-len", help="Prompt tokens: N, A-B (uniform) or N:w,M:w (a mix)."),
+    output_len: str = typer.Option("128", "--output-len", help="Output tokens (EOS ignored): N, A-B or N:w,M:w."),
+    prefill: str = typer.Option("engine", "--prefill", help="engine: prompts are prefilled between decode steps (one "
+                                "node); disaggregated: requests arrive with their KV (the decode node of a P1D1 "
+                                "split, Vortex's setting; speed only)."),
+    slo: str = typer.Option(None, "--slo", help="SLO targets in ms for goodput, e.g. ttft=2000,tpot=50 (ttft, tpot, e2e)."),
+    warmup: int = typer.Option(2, "--warmup", help="Requests run before each flow's cells, not measured."),
+    model: str = opt.model_option(),
+    random_weights: bool = opt.random_weights_option("Seeded random weights: another architecture's speed "
+                                                     "(e.g. --model qwen3-8b); the text is meaningless."),
+    device: str = opt.device_option(),
+    dtype: str = opt.dtype_option(),
+    kv_memory: str = opt.kv_memory_option("KV pool size, e.g. 40GiB (default: 90% of free GPU memory; 2GiB on CPU)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Requests decoding together at most."),
+    max_batched_tokens: int = typer.Option(8192, "--max-batched-tokens", help="Prefill tokens per step (chunked prefill)."),
+    flow_executor: str = opt.flow_executor_option(),
+    defaults: str = opt.defaults_option(),
+    no_cuda_graph: bool = opt.no_cuda_graph_option(),
+    seed: int = opt.seed_option("Seed of the workload (lengths, arrivals, token ids) and random weights."),
+    out: Path = opt.out_option("Parent directory of the run directory.", "-o"),
+    resume: Path = typer.Option(None, "--resume", help="Finish an interrupted run directory (its config wins)."),
+    threads: int = opt.threads_option(),
+    json_out: bool = opt.json_option("Print results.json to stdout (the tables go to stderr)."),
+) -> None:
+    """Latency under load: TTFT, TPOT, ITL and end-to-end latency at p50/p95/p99, throughput and
+    goodput, for dense and each flow at each request rate; the P95 TPOT reduction of each flow at
+    the highest rate dense keeps up with; a plot of P95 TPOT and TTFT against the rate."""
+    from sparsetune.perf.serve import ServeConfig, check_serve, load_resume
+
+    if resume is not None:
+        cfg, _ = load_resume(resume)
+    else:
+        engine = opt.engine_config(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
+                                   flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed, defaults=defaults,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
+        cfg = ServeConfig(engine=engine, flows=tuple(f.strip() for f in flow.split(",") if f.strip()),
+                          params=tuple(param or ()), rates=_floats(rate, "--rate"), requests=requests,
+                          input_len=input_len, output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup,
+                          seed=seed).with_dense()
+    check_serve(cfg)  # before torch loads
+    apply_threads(threads)
+    from sparsetune.perf.serve import serve_benchmark
+
+    live = _Live()
+    with progress("bench serve", "requests") as update:
+        live.update = update
+        update(0, 0, f"loading {cfg.engine.model}")
+        try:
+            result = serve_benchmark(None if resume is not None else cfg, out=out, resume=resume, on_event=live)
+        except KeyboardInterrupt:
+            if live.run_dir:
+                err.print(f"[yellow]interrupted: the finished cells are on disk; continue with: "
+                          f"sparsetune bench serve --resume {live.run_dir}[/]")
+            raise
+    if json_out:
+        emit_json(result)
+    from rich.console import Console
+
+    # The table is wider than 80 columns: off a terminal (logs, pipes) it is not cut to 80.
+    console = Console(stderr=json_out, highlight=False)
+    if not console.is_terminal:
+        console.width = 150
+    console.print(table(result))
+    for line in reduction_lines(result):
+        console.print(line)
+    err.print(f"[dim]{result['run_dir']}/: results.json, requests.jsonl, latency.png, config.json, env.json[/]")
+
+
+class _Live:
+    """Progress over the requests of every cell still to run."""
+
+    def __init__(self) -> None:
+        self.update: Any = None
+        self.run_dir: str | None = None
+        self.total = 0
+        self.base = 0
+
+    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "start":
+            self.run_dir = data["run_dir"]
+            err.print(f"[dim]run directory: {data['run_dir']}" + (f" ({data['done']} cells done)" if data["done"] else "") + "[/]")
+        elif kind == "warmup":
+            self.update(self.base, self.total, f"warming up {data['flow']}")
+        elif kind == "cell":
+            self.label = f"{data['flow']} at {data['rate']:g} req/s"
+            self.todo = data["todo"]
+        elif kind == "finish":
+            self.total = self.todo * data["requests"] if not self.total else self.total
+            self.update(self.base + data["finished"], self.total, self.label)
+        elif kind == "cell_done":
+            c = data["cell"]
+            self.base += c["requests"]
+            err.print(f"{c['flow']} at {c['rate']:g} req/s: P95 TPOT {_ms(c['tpot_ms'], 'p95')}, P95 TTFT "
+                      f"{_ms(c['ttft_ms'], 'p95')}, {c['output_throughput']:.0f} tok/s"
+                      + ("" if c["kept_up"] is not False else " [yellow](did not keep up)[/]"))
+
+
+def _ms(stats: dict | None, q: str) -> str:
+    return "-" if not stats else f"{stats[q]:.1f} ms"
+
+
+def table(result: dict[str, Any]):
+    from rich.table import Table
+
+    t = Table(title=f"{result['model']} on {result['device']} ({result['dtype']}), prefill {result['prefill']}"
+                    + (", random weights" if result["random_weights"] else ""), title_justify="left")
+    cols = ["flow", "rate", "kept up", "TTFT p50", "TTFT p95", "TPOT p50", "TPOT p95", "TPOT p99", "ITL p95",
+            "E2E p95", "out tok/s"]
+    has_slo = any("slo" in c for c in result["cells"])
+    cols += ["goodput", "SLO %"] if has_slo else []
+    for col in cols:
+        t.add_column(col, justify="left" if col == "flow" else "right")
+    for c in result["cells"]:
+        kept = {True: "yes", False: "no", None: "-"}[c["kept_up"]]
+        row = [c["flow"], f"{c['rate']:g}", kept] + [
+            "-" if not c[f"{m}_ms"] else f"{c[f'{m}_ms'][q]:.1f}"
+            for m, q in (("ttft", "p50"), ("ttft", "p95"), ("tpot", "p50"), ("tpot", "p95"), ("tpot", "p99"),
+                         ("itl", "p95"), ("e2e", "p95"))] + [f"{c['output_throughput']:.0f}"]
+        if has_slo:
+            s = c.get("slo") or {}
+            row += [f"{s['goodput']:.2f}" if s else "-", f"{100 * s['attainment']:.0f}" if s else "-"]
+        t.add_row(*row)
+    t.caption = ("latencies in ms; rate and goodput in requests/s; kept up: requests finished at >= 90% of the rate "
+                 "they arrived (-: the run is too short to tell, its arrivals span less than two E2E latencies; raise --requests)")
+    t.caption_justify = "left"
+    return t
+
+
+def reduction_lines(result: dict[str, Any]) -> list[str]:
+    red = result["reductions"]
+    lines = []
+    if red["dense_max_kept_up_rate"] is None and result["cells"]:
+        lines.append("dense kept up at no rate measured (or the runs were too short to tell): add lower --rate "
+                     "values or raise --requests for the comparison at the highest rate it sustains")
+    for label, what in (("max_kept_up_rate", "the highest rate dense kept up with"), ("max_rate", "the highest rate")):
+        at = red["at"].get(label)
+        if not at or not at["flows"]:
+            continue
+        parts = [f"{flow} {v['tpot_p95']:.2f}x" for flow, v in at["flows"].items() if v["tpot_p95"] is not None]
+        lines.append(f"P95 TPOT reduction over dense at {what} ({at['rate']:g} req/s): " + ", ".join(parts))
+    return lines
