@@ -232,6 +232,20 @@ class LLM(Engine):
         self.admit_prefilled(seq, logits)
         return seq
 
+    def add_with_pool_kv(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
+        """A request whose prompt KV is taken to be in the blocks it is given, as they are (whatever
+        the pool holds: for speed measurements, where the bytes a step reads matter and not their
+        values): the decode flow's fields are built over them and it decodes with the others, its
+        first step recomputing the last prompt token."""
+        seq = self.reserve(token_ids, params, arrival)
+        try:
+            self.rebuild_fields(torch.tensor(seq.block_table, dtype=torch.int32, device=self.device), len(token_ids))
+        except BaseException:
+            self.abort(seq)
+            raise
+        self.admit_prefilled(seq)
+        return seq
+
     def prompt_kv(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The K and V `[layers, kv_heads, n, head_dim]` of a running request's prompt once it is
         prefilled (None before, or once its blocks are gone): what `add_prefilled` takes."""

@@ -121,20 +121,19 @@ class _Live:
     def __init__(self) -> None:
         self.update: Any = None
         self.run_dir: str | None = None
-        self.total = 0
-        self.base = 0
+        self.total = 0  # requests in the cells still to run
+        self.base = 0  # of them, those in finished cells
+        self.label = ""
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "start":
-            self.run_dir = data["run_dir"]
+            self.run_dir, self.total = data["run_dir"], data["requests"]
             err.print(f"[dim]run directory: {data['run_dir']}" + (f" ({data['done']} cells done)" if data["done"] else "") + "[/]")
         elif kind == "warmup":
             self.update(self.base, self.total, f"warming up {data['flow']}")
         elif kind == "cell":
             self.label = f"{data['flow']} at {data['rate']:g} req/s"
-            self.todo = data["todo"]
         elif kind == "finish":
-            self.total = self.todo * data["requests"] if not self.total else self.total
             self.update(self.base + data["finished"], self.total, self.label)
         elif kind == "cell_done":
             c = data["cell"]

@@ -8,10 +8,8 @@ tuned defaults under them: `flow.defaults`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Annotated, Any
-
-from pydantic import BeforeValidator, PlainSerializer
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.registry import DEFAULT_MODEL
@@ -75,16 +73,6 @@ class EngineConfig:
 ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig))
 
 
-def _from_json(value: Any) -> Any:
-    """An `EngineConfig` from its JSON object (unknown keys dropped); an instance as it is."""
-    if not isinstance(value, dict):
-        return value
-    value = {k: v for k, v in value.items() if k in ENGINE_FIELDS}
-    if value.get("cuda_graph_batch_sizes") is not None:
-        value["cuda_graph_batch_sizes"] = tuple(value["cuda_graph_batch_sizes"])
-    return EngineConfig(**value)
-
-
 def split_engine_options(options: dict[str, Any], own: set[str] | frozenset[str], what: str) -> tuple[EngineConfig, dict[str, Any]]:
     """Flat keyword options (as the Python API takes them) → an `EngineConfig` of the engine's
     fields and the rest, which must be among `own` (a config's own fields); `what` names the config
@@ -94,9 +82,3 @@ def split_engine_options(options: dict[str, Any], own: set[str] | frozenset[str]
         raise TypeError(f"unknown {what} option {unknown[0]!r}")
     engine = EngineConfig(**{k: v for k, v in options.items() if k in ENGINE_FIELDS})
     return engine, {k: v for k, v in options.items() if k not in ENGINE_FIELDS}
-
-
-# An `EngineConfig` as a field of a pydantic config (eval's, the serve benchmark's): written as its
-# JSON object, read back from one. Not revalidated field by field: flow parameters may be typed
-# values (Python) or --param strings.
-EngineField = Annotated[EngineConfig, BeforeValidator(_from_json), PlainSerializer(asdict)]

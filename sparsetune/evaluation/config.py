@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from sparsetune.engine.config import EngineConfig, EngineField, split_engine_options
+from sparsetune.engine.config import EngineConfig, split_engine_options
+from sparsetune.engine.config_field import EngineField
 from sparsetune.errors import SparsetuneError
 
 MODES = ("auto", "accuracy", "speed", "all")

@@ -42,6 +42,13 @@ PROFILE = FitWords(  # `sparsetune profile`'s options (--context, --batch; the d
             "raise --kv-memory or lower --batch/--context"),
 )
 
+SERVE = FitWords(  # `sparsetune bench serve`'s options (one request of the longest lengths must fit)
+    positions="--input-len {context} plus --output-len {new} exceeds {model}'s {positions} positions",
+    context=("--input-len {context} plus --output-len {new} exceeds the engine's context ({limit} tokens); "
+             "raise --kv-memory or lower the lengths"),
+    blocks="one request of {need} tokens needs {blocks} KV blocks but the pool has {pool}; raise --kv-memory or lower the lengths",
+)
+
 
 def check_positions(model: str, positions: int, context: int, new_tokens: int, words: FitWords = EVAL,
                     limit: int | None = None) -> None:

@@ -45,7 +45,8 @@ from typing import Any, Callable
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from sparsetune import records
-from sparsetune.engine.config import EngineConfig, EngineField, split_engine_options
+from sparsetune.engine.config import EngineConfig, split_engine_options
+from sparsetune.engine.config_field import EngineField
 from sparsetune.errors import SparsetuneError
 
 PREFILL_MODES = ("engine", "disaggregated")
@@ -267,12 +268,7 @@ class _Admission:
         owed = sum(blocks.blocks_needed(s, s.num_prompt_tokens + s.params.max_tokens) for s in sched.running)
         if blocks.num_free - owed < -(-(len(ids) + params.max_tokens) // blocks.block_size):
             return None
-        import torch
-
-        seq = llm.reserve(ids, params, arrival)
-        llm.rebuild_fields(torch.tensor(seq.block_table, dtype=torch.int32, device=llm.device), len(ids))
-        llm.admit_prefilled(seq)
-        return seq
+        return llm.add_with_pool_kv(ids, params, arrival)
 
     def idle_refusal(self, n_tokens: int) -> SparsetuneError:
         return SparsetuneError(f"a request of {n_tokens} tokens does not fit in the idle engine's KV pool "
@@ -438,7 +434,7 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     """Run (or finish, with `resume`) a serve benchmark; returns results.json's object. Each cell's
     figures and request records are written as soon as it ends, so an interrupted run keeps them
     and `resume` runs only the cells it lacks. `on_event(kind, data)`: "start" {run_dir, cells,
-    done}, "cell" {flow, rate, index}, "finish" {flow, rate, finished, requests}, "warmup" {flow},
+    done, requests (to run)}, "cell" {flow, rate, index}, "finish" {flow, rate, finished, requests}, "warmup" {flow},
     "cell_done" {cell}."""
     emit = on_event or (lambda kind, data: None)
     if resume is not None:
@@ -452,10 +448,9 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
 
     inp, outl = cfg.lengths()
     params = cfg.flow_params()
-    engine_cfg = replace(cfg.engine, flow=None, flow_params={})
     if llm is None:
-        llm = LLM(engine_cfg)
-    from sparsetune.perf.fit import FitWords, check_fits
+        llm = LLM(replace(cfg.engine, flow=None, flow_params={}))
+    from sparsetune.perf.fit import SERVE, check_fits
 
     if resume is None:
         run_dir = records.new_run_dir(out, "serve", cfg.engine.model)
@@ -469,7 +464,8 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     ids = prompt_ids(reqs, llm.model_config.vocab_size, cfg.seed)
     warm_ids = prompt_ids(warm, llm.model_config.vocab_size, cfg.seed + 1)
     todo = [(f, r) for f in cfg.flows for r in cfg.rates if _cell_key(f, r) not in done]
-    emit("start", {"run_dir": str(run_dir), "cells": len(cfg.flows) * len(cfg.rates), "done": len(done)})
+    emit("start", {"run_dir": str(run_dir), "cells": len(cfg.flows) * len(cfg.rates), "done": len(done),
+                   "requests": len(todo) * len(reqs)})
 
     def save() -> dict[str, Any]:
         have = {_cell_key(c["flow"], c["rate"]) for c in cells}
@@ -480,21 +476,16 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
         records.write_json(run_dir / "results.json", res)
         return res
 
-    words = FitWords(positions="--input-len {context} plus --output-len {new} exceeds {model}'s {positions} positions",
-                     context="--input-len {context} plus --output-len {new} exceeds the engine's context ({limit} tokens); "
-                             "raise --kv-memory or lower the lengths",
-                     blocks="one request of {need} tokens needs {blocks} KV blocks but the pool has {pool}; "
-                            "raise --kv-memory or lower the lengths")
     current = None
     for index, (flow, rate) in enumerate(todo):
         if flow != current:
             llm.set_flow(None if flow == "dense" else flow, params[flow])
-            check_fits(llm, 1, inp.max, outl.max, words)
+            check_fits(llm, 1, inp.max, outl.max, SERVE)
             current = flow
             if warm:
                 emit("warmup", {"flow": flow})
                 run_requests(llm, warm, warm_ids, [0.0] * len(warm), cfg.prefill)
-        emit("cell", {"flow": flow, "rate": rate, "index": index, "todo": len(todo)})
+        emit("cell", {"flow": flow, "rate": rate, "index": index})
         recs = run_requests(llm, reqs, ids, arrival_offsets(reqs, rate), cfg.prefill,
                             on_finish=lambda n, f=flow, r=rate: emit("finish", {"flow": f, "rate": r, "finished": n,
                                                                                "requests": len(reqs)}))
@@ -521,7 +512,7 @@ def _keep_request_lines(path: Path, done: set[str]) -> None:
     if not path.is_file():
         return
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    keep = [ln for ln in lines if _cell_key(json.loads(ln)["flow"], json.loads(ln)["rate"]) in done]
+    keep = [ln for ln, rec in zip(lines, map(json.loads, lines)) if _cell_key(rec["flow"], rec["rate"]) in done]
     if len(keep) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(ln + "\n" for ln in keep))

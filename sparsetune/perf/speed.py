@@ -96,10 +96,7 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int = 16, war
     seqs = []
     try:
         for _ in range(batch):
-            seq = llm.reserve(torch.randint(0, vocab, (context,), generator=g).tolist(), params)
-            seqs.append(seq)
-            llm.rebuild_fields(torch.tensor(seq.block_table, dtype=torch.int32, device=llm.device), context)
-            llm.admit_prefilled(seq)
+            seqs.append(llm.add_with_pool_kv(torch.randint(0, vocab, (context,), generator=g).tolist(), params))
         return statistics.median(time_calls(llm.step, llm.device, steps, warmup))
     finally:
         for seq in seqs:

@@ -1,0 +1,28 @@
+"""`EngineField`: an `EngineConfig` as a field of a pydantic config (eval's, the serve benchmark's),
+written as its JSON object and read back from one. A module of its own so that the engine itself
+never imports pydantic: only the configs that hold an engine's settings do."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, PlainSerializer
+
+from sparsetune.engine.config import ENGINE_FIELDS, EngineConfig
+
+
+def _from_json(value: Any) -> Any:
+    """An `EngineConfig` from its JSON object (unknown keys dropped); an instance as it is."""
+    if not isinstance(value, dict):
+        return value
+    value = {k: v for k, v in value.items() if k in ENGINE_FIELDS}
+    if value.get("cuda_graph_batch_sizes") is not None:
+        value["cuda_graph_batch_sizes"] = tuple(value["cuda_graph_batch_sizes"])
+    return EngineConfig(**value)
+
+
+# An `EngineConfig` as a field of a pydantic config (eval's, the serve benchmark's): written as its
+# JSON object, read back from one. Not revalidated field by field: flow parameters may be typed
+# values (Python) or --param strings.
+EngineField = Annotated[EngineConfig, BeforeValidator(_from_json), PlainSerializer(asdict)]
