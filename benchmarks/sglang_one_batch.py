@@ -17,10 +17,14 @@ Same arguments and output as `python -m sglang.bench_one_batch` (SGLang 0.5.16: 
   each run at that size; CUDA graphs replay as usual), heaviest first.
 - `--warmup-input-len N` (default: the first `--input-len`) shortens the warm-up run's prompts: it
   compiles the same kernels (the CUDA graphs are captured before it) in less time.
+Under `--tp-size N` SGLang spawns one process per rank, fresh interpreters: each rank loads the
+plugins and applies the changes above itself (settings passed in the environment).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import torch
@@ -106,17 +110,19 @@ def _pop(argv: list[str], flag: str) -> int | None:
     return value
 
 
-def main() -> None:
-    argv = sys.argv[1:]
-    max_tokens = _pop(argv, "--extend-tokens") or 65536
-    warmup_len = _pop(argv, "--warmup-input-len")
-    profile_bs = _pop(argv, "--kernel-profile")
-    sys.argv = [sys.argv[0], *argv]
+_SETTINGS = "SPARSETUNE_ONE_BATCH"
+
+
+def _patched():
+    """SGLang's one_batch module with the plugins loaded and the changes above applied, once per process."""
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
     from sglang.benchmark import one_batch
 
+    if getattr(one_batch, "_sparsetune_latency_test", None):
+        return one_batch
+    max_tokens, warmup_len, profile_bs = json.loads(os.environ[_SETTINGS])
     one_batch.extend = _split_extend(one_batch, max_tokens)
     if profile_bs:
         one_batch.decode = _profiled_decode(one_batch, profile_bs)
@@ -124,7 +130,22 @@ def main() -> None:
         one_batch.prepare_synthetic_inputs_for_latency_test = _first_call_input_len(
             one_batch.prepare_synthetic_inputs_for_latency_test, 1, warmup_len)
         one_batch.latency_test_run_once = _first_call_input_len(one_batch.latency_test_run_once, 5, warmup_len)
-    one_batch.cli_main()
+    one_batch._sparsetune_latency_test = one_batch.latency_test
+    one_batch.latency_test = _latency_test  # main() picks it by name; under TP it pickles it for each rank
+    return one_batch
+
+
+def _latency_test(*args):
+    return _patched()._sparsetune_latency_test(*args)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    max_tokens = _pop(argv, "--extend-tokens") or 65536
+    settings = [max_tokens, _pop(argv, "--warmup-input-len"), _pop(argv, "--kernel-profile")]
+    sys.argv = [sys.argv[0], *argv]
+    os.environ[_SETTINGS] = json.dumps(settings)
+    _patched().cli_main()
 
 
 if __name__ == "__main__":
