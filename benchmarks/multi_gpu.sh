@@ -6,11 +6,12 @@
 #   bash benchmarks/multi_gpu.sh prep          .carry/ga, .carry/gb (the GGUF's halves), .carry/wheels
 #                                              (agent_hour.sh prep), .carry/pg (pgserver, psycopg)
 # There (device tool, kind nvidia-h100-x2 or nvidia-h200-x2), calls back to back (a machine goes
-# back 30 s after a call; /tmp stays while it is held):
+# back 30 s after a call returns, background processes or not; /tmp stays while it is held). Steps
+# 4-6 each write the report so far to $OUT. Measured on 2 H100s: one 12 ~190 s, two 12 ~200 s, kill 8 ~150 s.
 #   1. carry .carry/ga:                  bash benchmarks/multi_gpu.sh place a
 #   2. carry .carry/gb .carry/wheels:    bash benchmarks/multi_gpu.sh place b
 #   3. carry .carry/pg:                  bash benchmarks/multi_gpu.sh pg          (installs, starts PostgreSQL)
-#   4.                                   bash benchmarks/multi_gpu.sh one [TRIALS]   (1 GPU, study "one")
+#   4.                                   bash benchmarks/multi_gpu.sh one [TRIALS]   (1 GPU, study "one", default 24)
 #   5.                                   bash benchmarks/multi_gpu.sh two [TRIALS]   (2 GPUs, study "two", 2 x TRIALS)
 #   6.                                   bash benchmarks/multi_gpu.sh kill [TRIALS]  (2 GPUs; the second worker
 #                                        is killed with SIGKILL during its second trial; study "kill")
@@ -25,6 +26,15 @@ SEARCH="--flow quest,block_topk --context 1024 --samples 2 --confirm-samples 1 -
   --speed-batch 8 --speed-context 16384 --out /tmp/runs"
 env_on() { export PYTHONPATH="$PWD:$PP" PYTHONUNBUFFERED=1 SPARSETUNE_HEARTBEAT_S=${SPARSETUNE_HEARTBEAT_S:-2}; }
 uri() { cat "$URI_FILE"; }
+# After each run: what the storage holds so far, in $OUT (a machine lost before the next call keeps it)
+report() {
+    python3 benchmarks/multi_gpu_report.py --storage "$(uri)" --studies one,two,kill --runs /tmp/runs > "${OUT:-/tmp}/report.json"
+    cp /tmp/one.log /tmp/two.log /tmp/kill.log "${OUT:-/tmp}/" 2>/dev/null
+    for s in one two kill; do [ -f /tmp/runs/$s/trials.jsonl ] && cp /tmp/runs/$s/trials.jsonl "${OUT:-/tmp}/$s.trials.jsonl"; done
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1])); [print({k: s.get(k) for k in ('study', 'finished', 'failed',
+        'redone', 'workers', 'trials_per_hour', 'run_twice', 'frontier_equal')}) for s in r['studies']]; print('scaling', r.get('scaling'))" \
+        "${OUT:-/tmp}/report.json"
+}
 
 case "${1:-}" in
 prep)
@@ -60,16 +70,16 @@ EOF
 one)
     env_on; t0=$(date +%s)
     CUDA_VISIBLE_DEVICES=0 python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-24}" --study one --storage "$(uri)" \
-        > /tmp/one.log 2>&1; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 1500 /tmp/one.log
+        > /tmp/one.log 2>&1; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 300 /tmp/one.log; report
     ;;
 two)
     env_on; t0=$(date +%s)
     python3 -m sparsetune.cli.main search $SEARCH --trials $(( 2 * ${2:-24} )) --workers 2 --study two --storage "$(uri)" \
-        > /tmp/two.log 2>&1; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 1500 /tmp/two.log
+        > /tmp/two.log 2>&1; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 300 /tmp/two.log; report
     ;;
 kill)
     env_on; t0=$(date +%s)
-    python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-16}" --workers 2 --study kill --storage "$(uri)" \
+    python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-8}" --workers 2 --study kill --storage "$(uri)" \
         > /tmp/kill.log 2>&1 &
     main=$!
     log=/tmp/runs/kill/workers/w1.log
@@ -77,12 +87,10 @@ kill)
         [ -f $log ] && [ "$(grep -c '^trial ' $log)" -ge 2 ] && break; sleep 1
     done
     sleep 2; pkill -9 -f "[s]earch worker --study kill" && echo "killed the second worker mid-trial at $(( $(date +%s) - t0 )) s"
-    wait $main; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 1500 /tmp/kill.log
+    wait $main; echo "rc $? in $(( $(date +%s) - t0 )) s"; grep -h "expired" /tmp/kill.log; report
     ;;
 report)
-    env_on
-    python3 benchmarks/multi_gpu_report.py --storage "$(uri)" --studies one,two,kill --runs /tmp/runs | tee "${OUT:-/tmp}/report.json"
-    cp /tmp/one.log /tmp/two.log /tmp/kill.log "${OUT:-/tmp}/" 2>/dev/null
+    env_on; report
     tar -czf "${OUT:-/tmp}/runs.tgz" -C /tmp runs
     ;;
 *)

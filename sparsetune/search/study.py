@@ -24,9 +24,10 @@ slowest trial so far, after the first, which pays for loading engines and the de
 estimate; time to confirm the frontier and the defaults is kept back). A trial that raises
 is told FAIL with its reason (five in a row stop the search: the engine, not the point, is
 broken). Ctrl-C stops the running trial, tells it FAIL ("interrupted") and
-enqueues its params again, so a resumed study redoes it (in its turn among the enqueued points). A RUNNING trial whose heartbeat is older
+enqueues its params again, so a resumed study redoes it. A RUNNING trial whose heartbeat is older
 than the lease (a killed worker) is told FAIL and its params enqueued again, once, by whichever
-worker sees it first (the tell is the lock).
+worker sees it first (the tell is the lock). Such a retry is the next trial its flow runs, ahead of
+enqueued seeds (`ask`): under `--trials` it is not left waiting when the budget is spent.
 """
 
 from __future__ import annotations
@@ -187,6 +188,21 @@ def add_flow(cfg: SearchConfig, flows: Flows, flow: str, cls: type, *, storage=N
 
 
 # ---- stale trials ---------------------------------------------------------------------------------
+
+def ask(study: optuna.Study) -> optuna.Trial:
+    """`study.ask()`, except that a retry (an interrupted or expired trial's params, enqueued again)
+    is taken before the other enqueued points: Optuna pops enqueued trials oldest first, which
+    would put the retry behind the seeds and, under `--trials`, possibly past the budget."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        if "retry_of" not in t.user_attrs:
+            continue
+        try:  # the state change is the lock, as in Optuna's own pop
+            if study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                return optuna.Trial(study, t._trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue
+    return study.ask()
+
 
 def expire_stale(flows: Flows, now: float | None = None, lease: float = LEASE_S) -> list[str]:
     """Tell FAIL every RUNNING trial whose heartbeat is older than `lease` (its worker is gone) and
@@ -379,7 +395,7 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
         key = pick_flow(flows, records, turn, cfg.min_accuracy)
         turn += 1
         study = flows.studies[key]
-        trial = study.ask()
+        trial = ask(study)
         trial.set_user_attr("worker", worker)
         role = trial.user_attrs.get("role", "search")
         beat = Heartbeat(trial)
@@ -387,6 +403,7 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
         params: dict[str, str] = {}
         try:
             params = suggest(trial, flows.classes[key], flows.num_layers, fixed_params(cfg, flows.classes[key]))
+            trial.set_user_attr("record", {"params": params, "stage": "running", "worker": worker})  # an expired trial's
             emit("start", {"flow": key, "number": trial.number, "params": params, "role": role})
             rec = run(cfg, evaluator, flows.args[key], params, cfg.run_dir / "trials" / f"{key}-{trial.number}")
             rec["worker"] = worker
@@ -494,37 +511,37 @@ def _writer(cfg: SearchConfig, flows: Flows, on_event: EventFn | None) -> EventF
 def spawn_workers(cfg: SearchConfig, workers: int) -> list[tuple[subprocess.Popen, Path]]:
     """`workers - 1` more processes on this host (`sparsetune search worker` on the search's storage,
     each with its own engine and run folder under `runs/<study>/workers/`, its log there): one GPU
-    each on a GPU host (this process keeps the first), the CPU's cores split between them on CPU."""
+    each on a GPU host (this process keeps the first); the CPU's cores split between them."""
     import sys
 
     from sparsetune.device import resolve_device
 
     if workers <= 1:
         return []
+    import torch
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if resolve_device(cfg.device).type == "cuda":
-        import torch
-
         count = torch.cuda.device_count()
         if workers > count:
             raise SparsetuneError(f"--workers {workers}: {count} GPU(s) visible and a worker needs one each; "
                                   f"use --workers {count} (or workers on other hosts with --storage postgresql://...)")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = [g.strip() for g in visible.split(",")] if visible else [str(i) for i in range(count)]
-        devices, threads = gpus[1:workers], None
+        devices = gpus[1:workers]
     else:
-        import torch
-
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        torch.set_num_threads(threads)  # this process's share
         devices = [None] * (workers - 1)
+    # The cores split on a GPU host too: two workers at 32 threads each on a 32-core H100 host ran the
+    # same points' evaluations ~10x slower than one worker did, their GPU steps unchanged (BENCHMARKS.md, #19)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    torch.set_num_threads(threads)  # this process's share
     folder = cfg.run_dir / "workers"
     folder.mkdir(parents=True, exist_ok=True)
     procs = []
     for i, gpu in enumerate(devices, start=1):
         cmd = [sys.executable, "-c", "from sparsetune.cli.main import main; main()", "search", "worker",
                "--study", cfg.study, "--storage", cfg.storage_url(), "--out", str(folder / f"w{i}")]
-        cmd += ["--threads", str(threads)] if threads else []
+        cmd += ["--threads", str(threads)]
         log = folder / f"w{i}.log"
         with open(log, "w") as f:
             procs.append((subprocess.Popen(cmd, env=env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu},

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from sparsetune.errors import SparsetuneError
 from sparsetune.registry import get_flow_class
 from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import (CONFIRM_SEED_OFFSET, Budget, confirm_reserve, default_trial_params, expire_stale,
+from sparsetune.search.study import (CONFIRM_SEED_OFFSET, Budget, ask, confirm_reserve, default_trial_params, expire_stale,
                                      open_flows, run_search, run_trial, to_confirm, trial_records)
 from helpers import SyntheticEvaluator
 
@@ -121,11 +121,11 @@ class _Interrupting(SyntheticEvaluator):
 
 
 def test_ctrl_c_leaves_a_consistent_study_that_resumes_without_losing_the_trial(tmp_path):
-    cfg = _cfg(tmp_path, trials=12)  # past the 10 seeded points, among which the retry waits its turn
+    cfg = _cfg(tmp_path, trials=5)  # fewer than the 10 seeded points: the retry must not wait behind them
     ev = _Interrupting(cfg, at=3)
     with pytest.raises(KeyboardInterrupt):
         run_search(cfg, ev)
-    lost = ev.calls[-1][1]
+    lost = ev.calls[-1]
     flows = open_flows(cfg, create=False)
     trials = [t for s in flows.studies.values() for t in s.get_trials()]
     assert TrialState.RUNNING not in [t.state for t in trials]
@@ -135,11 +135,14 @@ def test_ctrl_c_leaves_a_consistent_study_that_resumes_without_losing_the_trial(
     assert len((tmp_path / "s" / "trials.jsonl").read_text().splitlines()) == 3  # 2 done, 1 interrupted
     again = SyntheticEvaluator(cfg)
     result = run_search(cfg, again)  # the same study: it continues
-    assert lost in [c[1] for c in again.calls]  # the interrupted point is redone (after its flow's other seeds)
     records = trial_records(open_flows(cfg, create=False))
     done = [r for r in records if r["state"] == "COMPLETE"]
-    assert len(done) == 12 and result["complete"]
-    assert [r["failure"] for r in records if r["state"] == "FAIL"] == ["interrupted (Ctrl-C); enqueued again"]
+    assert len(done) == 5 and result["complete"]
+    failed = [r for r in records if r["state"] == "FAIL"]
+    assert [r["failure"] for r in failed] == ["interrupted (Ctrl-C); enqueued again"]
+    assert failed[0]["params"] == lost[1]  # the interrupted trial's record names its point
+    redone = [r for r in done if r["flow"] == failed[0]["flow"] and r["number"] > failed[0]["number"]]
+    assert redone[0]["params"] == lost[1]  # the next trial of its flow, ahead of its seeds
 
 
 def test_a_stale_running_trial_is_expired_and_enqueued_again_once(tmp_path):
@@ -161,6 +164,9 @@ def test_a_stale_running_trial_is_expired_and_enqueued_again_once(tmp_path):
     silent = flows.studies["block_topk"].ask()  # its worker stopped before the first heartbeat
     assert expire_stale(flows, now=time.time() + 3 * 3600) == ["block_topk#0", "block_topk#1"]
     assert silent.number == 1
+    seeds = [w.number for w in study.get_trials(states=(TrialState.WAITING,)) if "retry_of" not in w.user_attrs]
+    assert seeds and min(seeds) < waiting[0].number  # enqueued before it, yet the retry runs first:
+    assert ask(study).number == waiting[0].number and study.ask().number == min(seeds)
 
 
 def test_a_study_run_with_other_settings_is_refused(tmp_path):
