@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Attention of a reuse plan's recomputed rows at 32K (issue #18, item 1): the rows kernel vs today's path.
+
+    python benchmarks/bench_rows_attention.py [--context 32768] [--budgets 0.05,0.15] [--dtype bfloat16]
+
+Qwen3-8B attention shapes (32 query / 8 KV heads, head dim 128), one layer. The row set is what a
+reuse plan at 90% reused recomputes past its selection layer: the 10% of the prompt that is fresh
+(consecutive, the end of the prompt) plus `budget` of the reused tokens scattered through the rest
+(random, sorted). For each budget it times:
+  - `today`: `engine.rows.attend_causal` (cuDNN/flash causal calls for runs of >= 64 consecutive
+    rows, one masked SDPA call over keys 0..max for the scattered rest), on the gathered `[Hkv, T, D]` KV;
+  - `rows`: `kernels.rows_attention` on the same contiguous KV, and on the paged pool (block 16,
+    shuffled table: no gather needed);
+  - `causal_all`: causal attention of every row of the prompt (full recompute's attention);
+and the floor: the FLOPs the rows need (4 * D * Hq * sum(pos + 1)) / the measured matmul rate.
+Checks the outputs agree (max abs difference against `today`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import bench_us, measure_matmul_flops  # noqa: E402
+
+from sparsetune.engine.attention import causal_sdpa, prefill_backends  # noqa: E402
+from sparsetune.engine.rows import CausalRuns, attend_causal  # noqa: E402
+from sparsetune.kernels.rows_attention import rows_attention  # noqa: E402
+
+
+def row_set(t: int, fresh: float, budget: float, gen: torch.Generator) -> torch.Tensor:
+    reused = int(t * (1 - fresh))
+    picked = torch.randperm(reused, generator=gen)[: int(reused * budget)].sort().values
+    return torch.cat([picked, torch.arange(reused, t)]).cuda()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--budgets", default="0.05,0.15")
+    ap.add_argument("--fresh", type=float, default=0.10)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--block-m", type=int, default=0, help="rows per program (0: the kernel's default)")
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--json-out", type=Path)
+    a = ap.parse_args()
+    dt = getattr(torch, a.dtype)
+    t, hq, hkv, d, bs = a.context, 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(hkv, t, d, generator=gen).to("cuda", dt)
+    v = torch.randn(hkv, t, d, generator=gen).to("cuda", dt)
+    nb = t // bs
+    table = torch.randperm(nb, generator=gen).to("cuda", torch.int32)
+    kp = torch.empty(nb, hkv, bs, d, device="cuda", dtype=dt)
+    vp = torch.empty_like(kp)
+    kp[table.long()] = k.view(hkv, nb, bs, d).transpose(0, 1)
+    vp[table.long()] = v.view(hkv, nb, bs, d).transpose(0, 1)
+    peak = measure_matmul_flops()
+    scale = d**-0.5
+    kw = dict(block_m=a.block_m or None, block_n=a.block_n, num_warps=a.num_warps, num_stages=a.num_stages)
+    results = []
+    qa = torch.randn(t, hq, d, generator=gen).to("cuda", dt)
+    with prefill_backends():
+        causal_us = bench_us(lambda: causal_sdpa(qa.transpose(0, 1), k, v, 0, scale), use_graph=False)
+    causal_flops = 4 * d * hq * t * (t + 1) / 2
+    for budget in (float(x) for x in a.budgets.split(",")):
+        pos = row_set(t, a.fresh, budget, gen)
+        q = qa[pos]
+        runs = CausalRuns.of(pos)
+        flops = 4 * d * hq * float((pos + 1).sum())
+        today = attend_causal(q, pos, k, v, runs, scale)
+        got = rows_attention(q, pos, k, v, scale, **kw)
+        got_paged = rows_attention(q, pos, kp, vp, scale, block_table=table, **kw)
+        diff = max(float((got.float() - today.float()).abs().max()), float((got_paged.float() - today.float()).abs().max()))
+        us = {
+            "today": bench_us(lambda: attend_causal(q, pos, k, v, runs, scale), use_graph=False),
+            "rows": bench_us(lambda: rows_attention(q, pos, k, v, scale, **kw)),
+            "rows_paged": bench_us(lambda: rows_attention(q, pos, kp, vp, scale, block_table=table, **kw)),
+        }
+        rec = {"context": t, "budget": budget, "fresh": a.fresh, "rows": int(pos.numel()), "dtype": a.dtype,
+               "us": {n: round(x, 1) for n, x in us.items()}, "floor_us": round(flops / peak * 1e6, 1),
+               "tflops": {n: round(flops / x / 1e6, 1) for n, x in us.items()},
+               "of_peak": {n: round(flops / x * 1e6 / peak, 3) for n, x in us.items()},
+               "causal_all_us": round(causal_us, 1), "causal_all_tflops": round(causal_flops / causal_us / 1e6, 1),
+               "max_abs_diff_vs_today": diff, "kernel": kw, "peak_tflops": round(peak / 1e12, 1)}
+        results.append(rec)
+        print(json.dumps(rec))
+    if a.json_out:
+        a.json_out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

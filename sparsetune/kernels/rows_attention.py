@@ -1,0 +1,147 @@
+"""Attention of rows at arbitrary positions of one sequence: a Triton flash-attention forward + its torch twin.
+
+`rows_attention(q [n, Hq, D], pos [n], k, v, scale)`: row r (query heads q[r], at position
+pos[r] of the sequence) attends causally to the sequence's keys 0..pos[r]. The rows are what a
+reuse flow recomputes (scattered through a prompt: issue #18) or a whole prompt (consecutive rows
+are the plain causal case). Keys and values are either contiguous `[Hkv, T, D]` or the engine's
+paged pool `[num_blocks, Hkv, block_size, D]` with the sequence's `block_table` (no gather copy).
+
+Design: one program owns BLOCK_M consecutive rows of `pos` and one KV head, with all the query
+heads of that head's GQA group packed into the tile's M dimension (row-major: entry i is row
+i // GROUP_P2, query head i % GROUP_P2), so each K/V tile is read once per group. Per-row key
+limits come from `pos`: the program's loop stops at its last row's limit (key-block skipping:
+keys past max(pos) of the tile are never read), and runs in two stages, keys below min(pos) + 1
+of the tile (every row sees them: no mask) and the rest (masked per row). Rows sorted by position
+keep a tile's limits close; the result does not depend on the order. Online softmax in base 2,
+fp32 accumulation; fp32 inputs multiply in IEEE fp32 (no TF32). Nothing is read on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rows_attention", "rows_attention_ref"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_vb, s_vt, scale_log2,
+          D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr,
+          PREC: tl.constexpr):
+    kk = start + tl.arange(0, BLOCK_N)
+    ok = kk < hi
+    if PAGED:  # token t: block bt[t // BS], slot t % BS
+        blk = tl.load(bt + kk // BS, mask=ok, other=0).to(tl.int64)
+        k_off, v_off = blk * s_kb + (kk % BS) * s_kt, blk * s_vb + (kk % BS) * s_vt
+    else:
+        k_off, v_off = kk.to(tl.int64) * s_kt, kk.to(tl.int64) * s_vt
+    kt = tl.load(k_base + k_off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < D), other=0.0)
+    s = tl.dot(qt, kt, input_precision=PREC) * scale_log2  # [M, BLOCK_N] fp32
+    if MASKED:
+        s = tl.where(kk[None, :] <= p[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (or never will)
+    alpha = tl.exp2(m_i - m_safe)
+    pr = tl.exp2(s - m_safe[:, None])
+    vt = tl.load(v_base + v_off[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt, input_precision=PREC)
+    return acc, m_new, l_i * alpha + tl.sum(pr, 1)
+
+
+@triton.jit
+def _rows_attention_kernel(
+    q, k, v, o, pos, bt, n, scale_log2,
+    s_qn, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_on, s_oh,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, D_P2: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
+):
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK_M * GROUP_P2)
+    row = tl.program_id(0) * BLOCK_M + i // GROUP_P2
+    g = i % GROUP_P2
+    head = h * GROUP + g
+    live = (row < n) & (g < GROUP)
+    p = tl.load(pos + row, mask=row < n, other=-1).to(tl.int32)
+    d = tl.arange(0, D_P2)
+    qt = tl.load(q + row.to(tl.int64)[:, None] * s_qn + head[:, None] * s_qh + d[None, :],
+                 mask=live[:, None] & (d[None, :] < D), other=0.0)
+    hi = tl.max(p, 0) + 1  # the tile reads keys [0, hi)
+    lo = tl.min(tl.where(row < n, p, 2147483647), 0) + 1  # keys [0, lo) every row of the tile sees
+    full = (lo // BLOCK_N) * BLOCK_N
+    k_base = k + h.to(tl.int64) * s_kh
+    v_base = v + h.to(tl.int64) * s_vh
+    m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_P2, D_P2], tl.float32)
+    for start in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_vb, s_vt,
+                              scale_log2, D, BLOCK_N, PAGED, BS, False, PREC)
+    for start in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_vb, s_vt,
+                              scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o + row.to(tl.int64)[:, None] * s_on + head[:, None] * s_oh + d[None, :], out.to(o.dtype.element_ty),
+             mask=live[:, None] & (d[None, :] < D))
+
+
+def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   block_table: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
+                   num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Rows q `[n, Hq, D]` at positions `pos` `[n]` over keys 0..pos[r] → `[n, Hq, D]` (q's dtype).
+
+    Contiguous KV: k, v `[Hkv, T, D]`. Paged: k, v `[num_blocks, Hkv, block_size, D]` and
+    `block_table` `[>= ceil(T / block_size)]` int32, the sequence's blocks in order."""
+    n, hq, dim = q.shape
+    if block_table is None:
+        if k.dim() != 3:
+            raise ValueError(f"contiguous k, v must be [Hkv, T, D], got {tuple(k.shape)}")
+        hkv, bs = k.shape[0], 1
+        s_kb = s_vb = 0
+        s_kh, s_kt, s_vh, s_vt = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+        bt = pos  # unused
+    else:
+        if k.dim() != 4:
+            raise ValueError(f"paged k, v must be [num_blocks, Hkv, block_size, D], got {tuple(k.shape)}")
+        hkv, bs = k.shape[1], k.shape[2]
+        s_kb, s_kh, s_kt, s_vb, s_vh, s_vt = k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)
+        bt = block_table.to(torch.int32).contiguous()
+    if hq % hkv or k.shape[-1] != dim or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"q heads {hq} must be a multiple of KV heads {hkv}, head dims equal, last dims contiguous")
+    group = hq // hkv
+    g2 = triton.next_power_of_2(group)
+    if block_m is None:
+        block_m = max(1, 64 // g2)
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    grid = (triton.cdiv(n, block_m), hkv)
+    _rows_attention_kernel[grid](
+        q, k, v, out, pos.contiguous(), bt, n, scale * _LOG2E,
+        q.stride(0), q.stride(1), s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=triton.next_power_of_2(dim),
+        PAGED=block_table is not None, BS=bs, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def rows_attention_ref(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin (float64 inside): row r attends to keys 0..pos[r]; same arguments, q's dtype out."""
+    if block_table is not None:  # [num_blocks, Hkv, bs, D] → [Hkv, T, D] in the sequence's order
+        t = (int(pos.max()) + 1) if pos.numel() else 0
+        nb = math.ceil(t / k.shape[2])
+        k = k[block_table[:nb].long()].transpose(0, 1).reshape(k.shape[1], -1, k.shape[3])[:, :t]
+        v = v[block_table[:nb].long()].transpose(0, 1).reshape(v.shape[1], -1, v.shape[3])[:, :t]
+    group = q.shape[1] // k.shape[0]
+    kd = k.double().repeat_interleave(group, 0)  # [Hq, T, D]
+    vd = v.double().repeat_interleave(group, 0)
+    s = torch.einsum("nhd,htd->hnt", q.double(), kd) * scale
+    keys = torch.arange(kd.shape[1], device=q.device)
+    s = s.masked_fill(keys[None, None, :] > pos.to(q.device)[None, :, None], float("-inf"))
+    return torch.einsum("hnt,htd->nhd", torch.softmax(s, -1), vd).to(q.dtype)

@@ -1,0 +1,105 @@
+"""Attention of rows at arbitrary positions (interpreted Triton kernel on CPU, the real one on a GPU).
+
+The truth is a per-row loop in float64: row r's query heads, softmax over the keys 0..pos[r] of
+its KV head. The kernel (fp32: IEEE products, fp32 accumulation) must match it to fp32 noise,
+fp16 inputs to fp16 rounding; contiguous and paged KV (shuffled block tables), GQA groups that are
+and are not powers of two, head dims that are not, row tiles cut short (ragged), unsorted rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from sparsetune.kernels.rows_attention import rows_attention, rows_attention_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def truth(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D], contiguous k, v [Hkv, T, D] → [n, Hq, D] float64, one row and head at a time."""
+    n, hq, _ = q.shape
+    group = hq // k.shape[0]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(n):
+        end = int(pos[r]) + 1
+        for h in range(hq):
+            kh, vh = k[h // group, :end].double().cpu(), v[h // group, :end].double().cpu()
+            w = torch.softmax(kh @ q[r, h].double().cpu() * scale, 0)
+            out[r, h] = w @ vh
+    return out
+
+
+def scattered(t: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """n sorted distinct positions in [0, t), the last token always among them (as a reuse plan has it)."""
+    pos = torch.randperm(t - 1, generator=gen)[: n - 1].sort().values
+    return torch.cat([pos, torch.tensor([t - 1])]).to(DEV)
+
+
+def make(t: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, hq, d, generator=gen).to(DEV, dtype)
+    k = torch.randn(hkv, t, d, generator=gen).to(DEV, dtype)
+    v = torch.randn(hkv, t, d, generator=gen).to(DEV, dtype)
+    return q, scattered(t, n, gen), k, v
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (9, 3, 64), (8, 2, 48)])  # groups 1, 3 (padded to 4), 4; D 48 padded
+def test_scattered_rows_match_the_float64_truth(hq, hkv, d):
+    q, pos, k, v = make(t=300, n=37, hq=hq, hkv=hkv, d=d, dtype=torch.float32)
+    scale = d**-0.5
+    want = truth(q, pos, k, v, scale)
+    got = rows_attention(q, pos, k, v, scale, block_m=4, block_n=32)  # 37 rows: the last tile holds one
+    assert (got.double().cpu() - want).abs().max() < 2e-5
+    assert (rows_attention_ref(q, pos, k, v, scale).double().cpu() - want).abs().max() < 2e-5
+
+
+def test_consecutive_rows_are_plain_causal_attention_and_row_order_does_not_matter():
+    q, _, k, v = make(t=150, n=150, hq=6, hkv=2, d=64, dtype=torch.float32, seed=1)
+    pos = torch.arange(150, device=DEV)
+    want = truth(q, pos, k, v, 0.125)
+    assert (rows_attention(q, pos, k, v, 0.125, block_m=8, block_n=32).double().cpu() - want).abs().max() < 2e-5
+    perm = torch.randperm(150, generator=torch.Generator().manual_seed(2)).to(DEV)
+    got = rows_attention(q[perm], pos[perm], k, v, 0.125, block_m=8, block_n=32)
+    assert (got.double().cpu() - want[perm.cpu()]).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_paged_kv_through_a_shuffled_block_table_matches_the_truth(bs):
+    t, hkv, d = 130, 2, 64
+    q, pos, k, v = make(t=t, n=21, hq=4, hkv=hkv, d=d, dtype=torch.float32, seed=3)
+    nb = -(-t // bs)
+    table = torch.randperm(nb + 5, generator=torch.Generator().manual_seed(4))[:nb].to(DEV, torch.int32)
+    kp = torch.randn(nb + 5, hkv, bs, d, device=DEV)  # garbage everywhere the table does not point
+    vp = torch.randn(nb + 5, hkv, bs, d, device=DEV)
+    for i in range(t):
+        kp[table[i // bs], :, i % bs] = k[:, i]
+        vp[table[i // bs], :, i % bs] = v[:, i]
+    want = truth(q, pos, k, v, 0.125)
+    got = rows_attention(q, pos, kp, vp, 0.125, block_table=table, block_m=2, block_n=16)
+    assert (got.double().cpu() - want).abs().max() < 2e-5
+    assert (rows_attention_ref(q, pos, kp, vp, 0.125, block_table=table).double().cpu() - want).abs().max() < 2e-5
+
+
+def test_half_precision_inputs_round_like_half_precision():
+    q, pos, k, v = make(t=200, n=16, hq=8, hkv=2, d=64, dtype=torch.float16, seed=5)
+    want = truth(q, pos, k, v, 0.125)
+    got = rows_attention(q, pos, k, v, 0.125, block_m=4, block_n=64)
+    assert got.dtype == torch.float16
+    assert (got.double().cpu() - want).abs().max() < 4e-3
+
+
+def test_a_row_at_position_zero_sees_only_its_own_key_and_no_rows_is_empty():
+    q, _, k, v = make(t=40, n=3, hq=2, hkv=1, d=64, dtype=torch.float32, seed=6)
+    pos = torch.tensor([0, 1, 39], device=DEV)
+    got = rows_attention(q, pos, k, v, 0.125, block_m=2, block_n=16)
+    assert torch.allclose(got[0], v[0, 0].expand(2, 64), atol=1e-6)
+    assert (got.double().cpu() - truth(q, pos, k, v, 0.125)).abs().max() < 2e-5
+    assert rows_attention(q[:0], pos[:0], k, v, 0.125).shape == (0, 2, 64)
