@@ -14,6 +14,9 @@ reuse plan at 90% reused recomputes past its selection layer: the 10% of the pro
   - `causal_all`: causal attention of every row of the prompt (full recompute's attention);
 and the floor: the FLOPs the rows need (4 * D * Hq * sum(pos + 1)) / the measured matmul rate.
 Checks the outputs agree (max abs difference against `today`).
+Then RedKnot's pattern (issue #18, item 2): every row of the prompt, `--global-heads` of the KV heads
+global, the rest local (sinks + window): `engine.rows.attend_pattern` (masked SDPA in chunks of rows,
+today's path) vs the rows kernel with per-head sinks and windows, against the FLOPs the pattern needs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch  # noqa: E402
 from common import bench_us, measure_matmul_flops  # noqa: E402
 
 from sparsetune.engine.attention import causal_sdpa, prefill_backends  # noqa: E402
-from sparsetune.engine.rows import CausalRuns, attend_causal  # noqa: E402
+from sparsetune.engine.rows import CausalRuns, attend_causal, attend_pattern  # noqa: E402
 from sparsetune.kernels.rows_attention import rows_attention  # noqa: E402
 
 
@@ -51,6 +54,9 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--global-heads", type=int, default=1, help="RedKnot case: global KV heads of 8 (15%%: 1)")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
@@ -94,6 +100,29 @@ def main() -> None:
                "max_abs_diff_vs_today": diff, "kernel": kw, "peak_tflops": round(peak / 1e12, 1)}
         results.append(rec)
         print(json.dumps(rec))
+    # RedKnot: every row, global heads causal, local heads sinks + window
+    pos = torch.arange(t, device="cuda")
+    sinks = torch.tensor([0] * a.global_heads + [a.sink] * (hkv - a.global_heads), dtype=torch.int32, device="cuda")
+    wins = torch.tensor([t] * a.global_heads + [a.window] * (hkv - a.global_heads), dtype=torch.int32, device="cuda")
+    local_q = (torch.arange(hq, device="cuda") // (hq // hkv)) >= a.global_heads
+    keys = torch.arange(t, device="cuda")
+
+    def allowed(p):
+        near = (keys[None, :] < a.sink) | (p[:, None] - keys[None, :] < a.window)
+        return ~local_q[:, None, None] | near[None]
+
+    seen = sum(min(i + 1, a.window) + min(a.sink, max(0, i + 1 - a.window)) for i in range(t))  # a local head's keys
+    flops = 4 * d * (hq // hkv) * (a.global_heads * t * (t + 1) / 2 + (hkv - a.global_heads) * seen)
+    today = attend_pattern(qa, pos, k, v, allowed, scale)
+    got = rows_attention(qa, pos, k, v, scale, sinks=sinks, windows=wins, **kw)
+    us = {"today": bench_us(lambda: attend_pattern(qa, pos, k, v, allowed, scale), use_graph=False),
+          "rows": bench_us(lambda: rows_attention(qa, pos, k, v, scale, sinks=sinks, windows=wins, **kw))}
+    rec = {"case": "redknot", "context": t, "global_kv_heads": a.global_heads, "window": a.window, "sink": a.sink,
+           "us": {n: round(x, 1) for n, x in us.items()}, "floor_us": round(flops / peak * 1e6, 1),
+           "of_peak": {n: round(flops / x * 1e6 / peak, 3) for n, x in us.items()},
+           "causal_all_us": round(causal_us, 1), "max_abs_diff_vs_today": float((got.float() - today.float()).abs().max())}
+    results.append(rec)
+    print(json.dumps(rec))
     if a.json_out:
         a.json_out.write_text(json.dumps(results, indent=1))
 

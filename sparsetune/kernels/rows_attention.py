@@ -5,13 +5,16 @@ pos[r] of the sequence) attends causally to the sequence's keys 0..pos[r]. The r
 reuse flow recomputes (scattered through a prompt: issue #18) or a whole prompt (consecutive rows
 are the plain causal case). Keys and values are either contiguous `[Hkv, T, D]` or the engine's
 paged pool `[num_blocks, Hkv, block_size, D]` with the sequence's `block_table` (no gather copy).
+Per KV head, optional sinks and a window narrow what a row sees (key j <= p seen iff j < sink or
+p - j < window: RedKnot's local heads, issue #18 item 2), one launch for global and local heads.
 
 Design: one program owns BLOCK_M consecutive rows of `pos` and one KV head, with all the query
 heads of that head's GQA group packed into the tile's M dimension (row-major: entry i is row
 i // GROUP_P2, query head i % GROUP_P2), so each K/V tile is read once per group. Per-row key
-limits come from `pos`: the program's loop stops at its last row's limit (key-block skipping:
-keys past max(pos) of the tile are never read), and runs in two stages, keys below min(pos) + 1
-of the tile (every row sees them: no mask) and the rest (masked per row). Rows sorted by position
+limits come from `pos`: a program reads only the key tiles some row of it sees (key-block
+skipping: past max(pos) of the tile, between the sinks and the earliest window), and runs the
+tiles every row sees in full without a mask (below min(pos) + 1, within the latest window), the
+others masked per row. Rows sorted by position
 keep a tile's limits close; the result does not depend on the order. Online softmax in base 2,
 fp32 accumulation; fp32 inputs multiply in IEEE fp32 (no TF32). Nothing is read on the host.
 """
@@ -27,12 +30,15 @@ import triton.language as tl
 __all__ = ["rows_attention", "rows_attention_ref"]
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 2147483647
 
 
 @triton.jit
-def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_vb, s_vt, scale_log2,
-          D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr,
-          PREC: tl.constexpr):
+def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, klo, khi, win, d, s_kb, s_kt, s_vb, s_vt,
+          scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr,
+          MASKED: tl.constexpr, PREC: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) into the online softmax; MASKED: row r takes key j only
+    if j <= pos[r], klo <= j < khi and pos[r] - j < win."""
     kk = start + tl.arange(0, BLOCK_N)
     ok = kk < hi
     if PAGED:  # token t: block bt[t // BS], slot t % BS
@@ -43,7 +49,8 @@ def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_
     kt = tl.load(k_base + k_off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < D), other=0.0)
     s = tl.dot(qt, kt, input_precision=PREC) * scale_log2  # [M, BLOCK_N] fp32
     if MASKED:
-        s = tl.where(kk[None, :] <= p[:, None], s, float("-inf"))
+        j = kk[None, :]
+        s = tl.where((j <= p[:, None]) & (j >= klo) & (j < khi) & (p[:, None] - j < win), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (or never will)
     alpha = tl.exp2(m_i - m_safe)
@@ -55,7 +62,7 @@ def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_
 
 @triton.jit
 def _rows_attention_kernel(
-    q, k, v, o, pos, bt, n, scale_log2,
+    q, k, v, o, pos, bt, sinks, windows, n, scale_log2,
     s_qn, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_on, s_oh,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_P2: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
@@ -70,32 +77,53 @@ def _rows_attention_kernel(
     d = tl.arange(0, D_P2)
     qt = tl.load(q + row.to(tl.int64)[:, None] * s_qn + head[:, None] * s_qh + d[None, :],
                  mask=live[:, None] & (d[None, :] < D), other=0.0)
-    hi = tl.max(p, 0) + 1  # the tile reads keys [0, hi)
-    lo = tl.min(tl.where(row < n, p, 2147483647), 0) + 1  # keys [0, lo) every row of the tile sees
-    full = (lo // BLOCK_N) * BLOCK_N
+    # Row r sees key j iff j <= pos[r] and (j < sink or pos[r] - j < win): this KV head's sinks and
+    # window (plain causal: sink 0, an unbounded window). Over the tile's rows, pos in [pmin, pmax]:
+    # A. the sinks [0, min(sink, pmax + 1)), masked;
+    # B. keys [max(sink, pmin - win + 1), pmax + 1), some row sees each; among them every row sees
+    #    [max(sink, pmax - win + 1), pmin + 1): its whole tiles run unmasked, the tiles around it masked.
+    sink = tl.load(sinks + h)
+    win = tl.load(windows + h)
+    big = 2147483647  # _NO_WINDOW
+    pmax = tl.max(p, 0)
+    pmin = tl.min(tl.where(row < n, p, big), 0)
+    hi = pmax + 1
     k_base = k + h.to(tl.int64) * s_kh
     v_base = v + h.to(tl.int64) * s_vh
     m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P2, D_P2], tl.float32)
-    for start in range(0, full, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_vb, s_vt,
-                              scale_log2, D, BLOCK_N, PAGED, BS, False, PREC)
-    for start in range(full, hi, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, d, s_kb, s_kt, s_vb, s_vt,
-                              scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
+    for start in range(0, tl.minimum(sink, hi), BLOCK_N):
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, 0, sink, big, d, s_kb, s_kt,
+                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
+    b0 = (tl.maximum(sink, pmin - win + 1) // BLOCK_N) * BLOCK_N
+    u0 = tl.maximum(b0, tl.cdiv(tl.maximum(sink, pmax - win + 1), BLOCK_N) * BLOCK_N)
+    u1 = tl.maximum(u0, ((pmin + 1) // BLOCK_N) * BLOCK_N)
+    for start in range(b0, u0, BLOCK_N):
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, d, s_kb, s_kt,
+                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
+    for start in range(u0, u1, BLOCK_N):
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, d, s_kb, s_kt,
+                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, False, PREC)
+    for start in range(u1, hi, BLOCK_N):
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, d, s_kb, s_kt,
+                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + row.to(tl.int64)[:, None] * s_on + head[:, None] * s_oh + d[None, :], out.to(o.dtype.element_ty),
              mask=live[:, None] & (d[None, :] < D))
 
 
 def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   block_table: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
+                   block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                   windows: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
                    num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Rows q `[n, Hq, D]` at positions `pos` `[n]` over keys 0..pos[r] → `[n, Hq, D]` (q's dtype).
 
     Contiguous KV: k, v `[Hkv, T, D]`. Paged: k, v `[num_blocks, Hkv, block_size, D]` and
-    `block_table` `[>= ceil(T / block_size)]` int32, the sequence's blocks in order."""
+    `block_table` `[>= ceil(T / block_size)]` int32, the sequence's blocks in order.
+    Per KV head h (both `[Hkv]` int, device tensors): a row at p sees key j <= p only if
+    j < sinks[h] or p - j < windows[h] (RedKnot's local heads); the key tiles no row of a program
+    sees are not read. Default: no sinks, unbounded windows (plain causal)."""
     n, hq, dim = q.shape
     if block_table is None:
         if k.dim() != 3:
@@ -119,9 +147,10 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     out = torch.empty_like(q)
     if n == 0:
         return out
+    sinks, windows = _head_limits(sinks, windows, hkv, q.device)
     grid = (triton.cdiv(n, block_m), hkv)
     _rows_attention_kernel[grid](
-        q, k, v, out, pos.contiguous(), bt, n, scale * _LOG2E,
+        q, k, v, out, pos.contiguous(), bt, sinks, windows, n, scale * _LOG2E,
         q.stride(0), q.stride(1), s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=triton.next_power_of_2(dim),
         PAGED=block_table is not None, BS=bs, PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -130,9 +159,20 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     return out
 
 
+def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head sinks and windows as int32 device tensors (no sinks, unbounded windows by default)."""
+    sinks = torch.zeros(hkv, dtype=torch.int32, device=device) if sinks is None else sinks
+    windows = torch.full((hkv,), _NO_WINDOW, dtype=torch.int32, device=device) if windows is None else windows
+    if sinks.shape != (hkv,) or windows.shape != (hkv,):
+        raise ValueError(f"sinks and windows must be [Hkv] = [{hkv}], got {tuple(sinks.shape)} / {tuple(windows.shape)}")
+    return sinks.to(device, torch.int32).contiguous(), windows.to(device, torch.int32).clamp(1, _NO_WINDOW).contiguous()
+
+
 def rows_attention_ref(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch twin (float64 inside): row r attends to keys 0..pos[r]; same arguments, q's dtype out."""
+                       block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                       windows: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin (float64 inside): row r attends to keys 0..pos[r] (within each head's sinks and
+    window); same arguments, q's dtype out."""
     if block_table is not None:  # [num_blocks, Hkv, bs, D] → [Hkv, T, D] in the sequence's order
         t = (int(pos.max()) + 1) if pos.numel() else 0
         nb = math.ceil(t / k.shape[2])
@@ -143,5 +183,10 @@ def rows_attention_ref(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: t
     vd = v.double().repeat_interleave(group, 0)
     s = torch.einsum("nhd,htd->hnt", q.double(), kd) * scale
     keys = torch.arange(kd.shape[1], device=q.device)
-    s = s.masked_fill(keys[None, None, :] > pos.to(q.device)[None, :, None], float("-inf"))
+    p = pos.to(q.device)[None, :, None]
+    sinks, windows = _head_limits(sinks, windows, k.shape[0], q.device)
+    sink = sinks.repeat_interleave(group)[:, None, None]
+    win = windows.repeat_interleave(group)[:, None, None]
+    seen = (keys[None, None, :] <= p) & ((keys[None, None, :] < sink) | (p - keys[None, None, :] < win))
+    s = s.masked_fill(~seen, float("-inf"))
     return torch.einsum("hnt,htd->nhd", torch.softmax(s, -1), vd).to(q.dtype)

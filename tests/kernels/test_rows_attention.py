@@ -23,15 +23,20 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def truth(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D], contiguous k, v [Hkv, T, D] → [n, Hq, D] float64, one row and head at a time."""
+def truth(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          sinks: list[int] | None = None, windows: list[int] | None = None) -> torch.Tensor:
+    """q [n, Hq, D], contiguous k, v [Hkv, T, D] → [n, Hq, D] float64, one row and head at a time:
+    the keys j <= pos[r] with j < sink or pos[r] - j < window of the head's KV head."""
     n, hq, _ = q.shape
     group = hq // k.shape[0]
     out = torch.empty(q.shape, dtype=torch.float64)
     for r in range(n):
-        end = int(pos[r]) + 1
+        p = int(pos[r])
         for h in range(hq):
-            kh, vh = k[h // group, :end].double().cpu(), v[h // group, :end].double().cpu()
+            sink = sinks[h // group] if sinks else 0
+            win = windows[h // group] if windows else p + 1
+            keys = [j for j in range(p + 1) if j < sink or p - j < win]
+            kh, vh = k[h // group, keys].double().cpu(), v[h // group, keys].double().cpu()
             w = torch.softmax(kh @ q[r, h].double().cpu() * scale, 0)
             out[r, h] = w @ vh
     return out
@@ -103,3 +108,34 @@ def test_a_row_at_position_zero_sees_only_its_own_key_and_no_rows_is_empty():
     assert torch.allclose(got[0], v[0, 0].expand(2, 64), atol=1e-6)
     assert (got.double().cpu() - truth(q, pos, k, v, 0.125)).abs().max() < 2e-5
     assert rows_attention(q[:0], pos[:0], k, v, 0.125).shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_per_head_sinks_and_windows_match_the_truth(paged):
+    # KV head 0 global (no window), 1 a wide window with sinks, 2 a window shorter than a key tile,
+    # 3 sinks beyond some rows' positions; rows in tiles spanning close and far positions.
+    t, hkv, d = 260, 4, 64
+    q, pos, k, v = make(t=t, n=30, hq=8, hkv=hkv, d=d, dtype=torch.float32, seed=7)
+    sinks, windows = [0, 4, 1, 40], [1 << 30, 100, 5, 33]
+    want = truth(q, pos, k, v, 0.125, sinks, windows)
+    st = torch.tensor(sinks, device=DEV, dtype=torch.int32)
+    wt = torch.tensor(windows, device=DEV, dtype=torch.int32)
+    if paged:
+        bs = 8
+        table = torch.randperm(t // bs + 1, generator=torch.Generator().manual_seed(8)).to(DEV, torch.int32)
+        kp = torch.zeros(t // bs + 1, hkv, bs, d, device=DEV)
+        vp = torch.zeros_like(kp)
+        kp[table.long()] = torch.nn.functional.pad(k, (0, 0, 0, bs - t % bs)).view(hkv, -1, bs, d).transpose(0, 1)
+        vp[table.long()] = torch.nn.functional.pad(v, (0, 0, 0, bs - t % bs)).view(hkv, -1, bs, d).transpose(0, 1)
+        got = rows_attention(q, pos, kp, vp, 0.125, block_table=table, sinks=st, windows=wt, block_m=4, block_n=16)
+    else:
+        got = rows_attention(q, pos, k, v, 0.125, sinks=st, windows=wt, block_m=4, block_n=16)
+    assert (got.double().cpu() - want).abs().max() < 2e-5
+    ref = rows_attention_ref(q, pos, k, v, 0.125, sinks=st, windows=wt)
+    assert (ref.double().cpu() - want).abs().max() < 2e-5
+    # every row of a whole prompt too (consecutive rows: the unmasked middle tiles)
+    allpos = torch.arange(t, device=DEV)
+    qa = torch.randn(t, 8, d, generator=torch.Generator().manual_seed(9)).to(DEV)
+    want = truth(qa, allpos, k, v, 0.125, sinks, windows)
+    got = rows_attention(qa, allpos, k, v, 0.125, sinks=st, windows=wt, block_m=16, block_n=16)
+    assert (got.double().cpu() - want).abs().max() < 2e-5
