@@ -124,7 +124,8 @@ def _attn(flow, executor="reference", use_triton=None):
 
 
 CASES = [("block_topk", 4, {}), ("quest", 16, {}), ("quest", 1, {"budget_ratio": "0.3"}),
-         ("double_sparse", 4, {"channels": "8"}), ("wide", 4, {})]
+         ("double_sparse", 4, {"channels": "8"}), ("wide", 4, {}),
+         ("quest", 2, {}), ("block_topk", 8, {}), ("quest", 64, {})]  # every selection block a search draws
 
 
 @pytest.mark.parametrize("name,block_size,extra", CASES)

@@ -375,6 +375,11 @@ SPARSE_CASES = [
     (1, 1, 2, 32, torch.float32, [30, 3], 16, 16),
     (64, 1, 3, 32, torch.float32, [200, 5, 0, 64], 3, 16),
     (64, 4, 2, 32, torch.bfloat16, [130, 0, 104], 2, None),
+    # the small selection blocks a search picks on the embedded model (#17), ragged batches
+    (2, 3, 3, 64, torch.float32, [61, 0, 9, 128], 12, None),
+    (4, 4, 2, 32, torch.float16, [70, 3, 0, 33], 9, 16),
+    (8, 3, 2, 64, torch.bfloat16, [100, 17, 0], 7, None),
+    (32, 2, 2, 32, torch.float32, [150, 0, 31, 65], 3, 16),
 ]
 
 
