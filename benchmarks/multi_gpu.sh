@@ -16,6 +16,17 @@
 #   6.                                   bash benchmarks/multi_gpu.sh kill [TRIALS]  (2 GPUs; the second worker
 #                                        is killed with SIGKILL during its second trial; study "kill")
 #   7.                                   bash benchmarks/multi_gpu.sh report         ($OUT/report.json, the logs)
+# Both items of #19 in one lease (~1000 s of device time on 2 H100s; `sglang_gpu.sh prep` too): the
+# SGLang chunks ride along with the search steps, the install runs on the CPU during the last one:
+#   1. carry .carry/ga:                                   multi_gpu.sh place a
+#   2. carry .carry/gb .carry/wheels:   multi_gpu.sh place b && mkdir -p /tmp/keep && cp -r .carry/wheels /tmp/keep/
+#   3. carry .carry/pg .carry/sgl/c3 .carry/stw .carry/srv:
+#        cp -r .carry/stw .carry/srv /tmp/keep/ && sglang_gpu.sh place c3 &&
+#        multi_gpu.sh pg && multi_gpu.sh one 12
+#   4. carry .carry/sgl/c1:   sglang_gpu.sh place c1 && multi_gpu.sh two 12
+#   5. carry .carry/sgl/c2:   sglang_gpu.sh place c2 && cp -rn /tmp/keep/* .carry/ &&
+#        { sglang_gpu.sh install > /tmp/install.log 2>&1 & } ; multi_gpu.sh kill 8; wait; tail -n 3 /tmp/install.log
+#   6. TP=2 BATCHES=16 sglang_gpu.sh bench dense block_topk quest
 # Each search: quest and block_topk on the embedded model (accuracy, float32) with the speed of
 # Qwen3-8B random weights measured at 8 x 16K; a study's trials per hour count each worker's trials
 # after its first (the engines' load), see benchmarks/multi_gpu_report.py.
