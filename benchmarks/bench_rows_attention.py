@@ -17,6 +17,9 @@ Checks the outputs agree (max abs difference against `today`).
 Then RedKnot's pattern (issue #18, item 2): every row of the prompt, `--global-heads` of the KV heads
 global, the rest local (sinks + window): `engine.rows.attend_pattern` (masked SDPA in chunks of rows,
 today's path) vs the rows kernel with per-head sinks and windows, against the FLOPs the pattern needs.
+Then LoopServe's (item 2): the last `--fresh` of the prompt's rows, each query head with vertical
+lines (`--vertical` of the keys and the first 4) and slash lines (`--slash` of the distances and the
+first 64): `attend_pattern` vs `kernels.rows_attention.lines_attention` (block-sparse tile lists).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from common import bench_us, measure_matmul_flops  # noqa: E402
 
 from sparsetune.engine.attention import causal_sdpa, prefill_backends  # noqa: E402
 from sparsetune.engine.rows import CausalRuns, attend_causal, attend_pattern  # noqa: E402
-from sparsetune.kernels.rows_attention import rows_attention  # noqa: E402
+from sparsetune.kernels.rows_attention import line_blocks, lines_attention, rows_attention  # noqa: E402
 
 
 def row_set(t: int, fresh: float, budget: float, gen: torch.Generator) -> torch.Tensor:
@@ -57,6 +60,8 @@ def main() -> None:
     ap.add_argument("--global-heads", type=int, default=1, help="RedKnot case: global KV heads of 8 (15%%: 1)")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--vertical", type=float, default=0.02)
+    ap.add_argument("--slash", type=float, default=0.01)
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
@@ -121,6 +126,34 @@ def main() -> None:
            "us": {n: round(x, 1) for n, x in us.items()}, "floor_us": round(flops / peak * 1e6, 1),
            "of_peak": {n: round(flops / x * 1e6 / peak, 3) for n, x in us.items()},
            "causal_all_us": round(causal_us, 1), "max_abs_diff_vs_today": float((got.float() - today.float()).abs().max())}
+    results.append(rec)
+    print(json.dumps(rec))
+    # LoopServe: the fresh rows at the end, per query head vertical + slash lines
+    pos = torch.arange(int(t * (1 - a.fresh)), t, device="cuda")
+    vertical = torch.rand(hq, t, generator=gen) < a.vertical
+    vertical[:, :4] = True
+    slash = torch.rand(hq, t, generator=gen) < a.slash
+    slash[:, :64] = True
+    vertical, slash = vertical.cuda(), slash.cuda()
+    dist = (pos[:, None] - keys[None, :]).clamp(min=0)
+
+    def lines(p):
+        d_ = (p[:, None] - keys[None, :]).clamp(min=0)
+        return vertical[:, None, :] | slash.gather(1, d_.flatten().expand(hq, -1)).view(hq, p.numel(), t)
+
+    seen = ((lines(pos) & (keys[None, None] <= pos[None, :, None])) | (dist == 0)[None]).sum()
+    flops = 4 * d * float(seen)
+    q = qa[pos]
+    today = attend_pattern(q, pos, k, v, lines, scale)
+    got = lines_attention(q, pos, k, v, scale, vertical, slash)
+    blocks, counts = line_blocks(pos, vertical, slash, 64, 64)
+    us = {"today": bench_us(lambda: attend_pattern(q, pos, k, v, lines, scale), use_graph=False),
+          "lines": bench_us(lambda: lines_attention(q, pos, k, v, scale, vertical, slash)),
+          "line_blocks": bench_us(lambda: line_blocks(pos, vertical, slash, 64, 64))}
+    rec = {"case": "loopserve", "context": t, "rows": int(pos.numel()), "vertical": a.vertical, "slash": a.slash,
+           "tiles_read": round(float(counts.sum()) / counts.numel() / blocks.shape[2], 3),
+           "us": {n: round(x, 1) for n, x in us.items()}, "floor_us": round(flops / peak * 1e6, 1),
+           "max_abs_diff_vs_today": float((got.float() - today.float()).abs().max())}
     results.append(rec)
     print(json.dumps(rec))
     if a.json_out:

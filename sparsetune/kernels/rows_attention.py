@@ -7,6 +7,8 @@ are the plain causal case). Keys and values are either contiguous `[Hkv, T, D]` 
 paged pool `[num_blocks, Hkv, block_size, D]` with the sequence's `block_table` (no gather copy).
 Per KV head, optional sinks and a window narrow what a row sees (key j <= p seen iff j < sink or
 p - j < window: RedKnot's local heads, issue #18 item 2), one launch for global and local heads.
+`lines_attention`: LoopServe's per-query-head vertical + slash lines, block-sparse (the MInference
+way: per row tile and head, the list of key tiles the lines touch; the mask evaluated inside).
 
 Design: one program owns BLOCK_M consecutive rows of `pos` and one KV head, with all the query
 heads of that head's GQA group packed into the tile's M dimension (row-major: entry i is row
@@ -27,18 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rows_attention", "rows_attention_ref"]
+__all__ = ["rows_attention", "rows_attention_ref", "lines_attention", "line_blocks"]
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 2147483647
 
 
 @triton.jit
-def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, klo, khi, win, d, s_kb, s_kt, s_vb, s_vt,
-          scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr,
-          MASKED: tl.constexpr, PREC: tl.constexpr):
-    """One key tile [start, start + BLOCK_N) into the online softmax; MASKED: row r takes key j only
-    if j <= pos[r], klo <= j < khi and pos[r] - j < win."""
+def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, klo, khi, win, vert, slash, d, s_kb, s_kt, s_vb,
+          s_vt, scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr,
+          MASK: tl.constexpr, PREC: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) into the online softmax. MASK 0: every row takes every
+    key; 1: row r takes key j iff j <= pos[r], klo <= j < khi and pos[r] - j < win; 2 (lines): iff
+    j <= pos[r] and j is on the head's vertical lines (vert[j]), its slash lines (slash[pos[r] - j])
+    or j == pos[r]."""
     kk = start + tl.arange(0, BLOCK_N)
     ok = kk < hi
     if PAGED:  # token t: block bt[t // BS], slot t % BS
@@ -48,9 +52,15 @@ def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, klo, khi, win, d,
         k_off, v_off = kk.to(tl.int64) * s_kt, kk.to(tl.int64) * s_vt
     kt = tl.load(k_base + k_off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < D), other=0.0)
     s = tl.dot(qt, kt, input_precision=PREC) * scale_log2  # [M, BLOCK_N] fp32
-    if MASKED:
+    if MASK == 1:
         j = kk[None, :]
         s = tl.where((j <= p[:, None]) & (j >= klo) & (j < khi) & (p[:, None] - j < win), s, float("-inf"))
+    if MASK == 2:
+        dist = p[:, None] - kk[None, :]
+        causal = (dist >= 0) & ok[None, :]
+        on = tl.load(vert + kk, mask=ok, other=0)[None, :] != 0
+        on = on | (tl.load(slash + dist, mask=causal, other=0) != 0) | (dist == 0)
+        s = tl.where(causal & on, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (or never will)
     alpha = tl.exp2(m_i - m_safe)
@@ -94,22 +104,58 @@ def _rows_attention_kernel(
     l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P2, D_P2], tl.float32)
     for start in range(0, tl.minimum(sink, hi), BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, 0, sink, big, d, s_kb, s_kt,
-                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, 0, sink, big, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 1, PREC)
     b0 = (tl.maximum(sink, pmin - win + 1) // BLOCK_N) * BLOCK_N
     u0 = tl.maximum(b0, tl.cdiv(tl.maximum(sink, pmax - win + 1), BLOCK_N) * BLOCK_N)
     u1 = tl.maximum(u0, ((pmin + 1) // BLOCK_N) * BLOCK_N)
     for start in range(b0, u0, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, d, s_kb, s_kt,
-                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 1, PREC)
     for start in range(u0, u1, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, d, s_kb, s_kt,
-                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, False, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 0, PREC)
     for start in range(u1, hi, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, d, s_kb, s_kt,
-                              s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, True, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 1, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + row.to(tl.int64)[:, None] * s_on + head[:, None] * s_oh + d[None, :], out.to(o.dtype.element_ty),
+             mask=live[:, None] & (d[None, :] < D))
+
+
+@triton.jit
+def _lines_attention_kernel(
+    q, k, v, o, pos, bt, vert, slash, blocks, counts, n, T, NB, scale_log2,
+    s_qn, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_on, s_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+    PAGED: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program: BLOCK_M rows and one query head (its lines are its own), over the key tiles its
+    list names (`blocks[tile, head, :counts[tile, head]]`)."""
+    tile = tl.program_id(0)
+    qh = tl.program_id(1)
+    h = qh // GROUP
+    row = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = row < n
+    p = tl.load(pos + row, mask=live, other=-1).to(tl.int32)
+    d = tl.arange(0, D_P2)
+    qt = tl.load(q + row.to(tl.int64)[:, None] * s_qn + qh * s_qh + d[None, :], mask=live[:, None] & (d[None, :] < D),
+                 other=0.0)
+    hi = tl.max(p, 0) + 1
+    k_base = k + h.to(tl.int64) * s_kh
+    v_base = v + h.to(tl.int64) * s_vh
+    line_v = vert + qh.to(tl.int64) * T
+    line_s = slash + qh.to(tl.int64) * T
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
+    at = (tile * tl.num_programs(1) + qh).to(tl.int64)
+    for i in range(tl.load(counts + at)):
+        start = tl.load(blocks + at * NB + i) * BLOCK_N
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, 0, 0, 0, line_v, line_s, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 2, PREC)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o + row.to(tl.int64)[:, None] * s_on + qh * s_oh + d[None, :], out.to(o.dtype.element_ty),
              mask=live[:, None] & (d[None, :] < D))
 
 
@@ -125,20 +171,9 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     j < sinks[h] or p - j < windows[h] (RedKnot's local heads); the key tiles no row of a program
     sees are not read. Default: no sinks, unbounded windows (plain causal)."""
     n, hq, dim = q.shape
-    if block_table is None:
-        if k.dim() != 3:
-            raise ValueError(f"contiguous k, v must be [Hkv, T, D], got {tuple(k.shape)}")
-        hkv, bs = k.shape[0], 1
-        s_kb = s_vb = 0
-        s_kh, s_kt, s_vh, s_vt = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
-        bt = pos  # unused
-    else:
-        if k.dim() != 4:
-            raise ValueError(f"paged k, v must be [num_blocks, Hkv, block_size, D], got {tuple(k.shape)}")
-        hkv, bs = k.shape[1], k.shape[2]
-        s_kb, s_kh, s_kt, s_vb, s_vh, s_vt = k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)
-        bt = block_table.to(torch.int32).contiguous()
-    if hq % hkv or k.shape[-1] != dim or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
+    kv = _kv_args(k, v, block_table, pos)
+    hkv = kv["hkv"]
+    if hq % hkv or k.shape[-1] != dim or q.stride(-1) != 1:
         raise ValueError(f"q heads {hq} must be a multiple of KV heads {hkv}, head dims equal, last dims contiguous")
     group = hq // hkv
     g2 = triton.next_power_of_2(group)
@@ -150,13 +185,30 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     sinks, windows = _head_limits(sinks, windows, hkv, q.device)
     grid = (triton.cdiv(n, block_m), hkv)
     _rows_attention_kernel[grid](
-        q, k, v, out, pos.contiguous(), bt, sinks, windows, n, scale * _LOG2E,
-        q.stride(0), q.stride(1), s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, out.stride(0), out.stride(1),
+        q, k, v, out, pos.contiguous(), kv["bt"], sinks, windows, n, scale * _LOG2E,
+        q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=triton.next_power_of_2(dim),
-        PAGED=block_table is not None, BS=bs, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGED=block_table is not None, BS=kv["bs"], PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def _kv_args(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None, pos: torch.Tensor) -> dict:
+    """KV heads, block size, block table and the six K/V strides (block, head, token) the kernels take."""
+    if block_table is None:
+        if k.dim() != 3:
+            raise ValueError(f"contiguous k, v must be [Hkv, T, D], got {tuple(k.shape)}")
+        hkv, bs, bt = k.shape[0], 1, pos  # bt: unused
+        strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
+    else:
+        if k.dim() != 4:
+            raise ValueError(f"paged k, v must be [num_blocks, Hkv, block_size, D], got {tuple(k.shape)}")
+        hkv, bs, bt = k.shape[1], k.shape[2], block_table.to(torch.int32).contiguous()
+        strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need contiguous last dims")
+    return {"hkv": hkv, "bs": bs, "bt": bt, "strides": strides}
 
 
 def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +218,61 @@ def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.
     if sinks.shape != (hkv,) or windows.shape != (hkv,):
         raise ValueError(f"sinks and windows must be [Hkv] = [{hkv}], got {tuple(sinks.shape)} / {tuple(windows.shape)}")
     return sinks.to(device, torch.int32).contiguous(), windows.to(device, torch.int32).clamp(1, _NO_WINDOW).contiguous()
+
+
+def line_blocks(pos: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, block_m: int,
+                block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `lines_attention`: per (tile of `block_m` rows, query head), the key tiles of `block_n`
+    keys that hold a key some row of the tile sees: a vertical line's key, a key on a slash line
+    of some row (distances [first - tile end + 1, last - tile start] hold a chosen one, by prefix
+    sums), or a row's own key; never past the tile's last row. Rows sorted by position.
+    → (blocks `[tiles, Hq, NB]` int32, the tile indices first and ascending; counts `[tiles, Hq]` int32)."""
+    hq, t = vertical.shape
+    n, nb = pos.numel(), triton.cdiv(t, block_n)
+    tiles = triton.cdiv(n, block_m)
+    dev = pos.device
+    starts = torch.arange(nb, device=dev) * block_n
+    first = pos[torch.arange(tiles, device=dev) * block_m]
+    last = pos[(torch.arange(tiles, device=dev) * block_m + block_m - 1).clamp(max=n - 1)]
+    on_v = torch.nn.functional.pad(vertical.bool(), (0, nb * block_n - t)).view(hq, nb, block_n).any(-1)  # [Hq, NB]
+    cs = torch.nn.functional.pad(slash.int().cumsum(1), (1, 0))  # [Hq, T + 1]: chosen distances below x
+    lo = (first[:, None] - starts[None, :] - block_n + 1).clamp(0, t)  # [tiles, NB]
+    hi = (last[:, None] - starts[None, :] + 1).clamp(0, t)  # distances [lo, hi)
+    on_s = (cs[:, hi] - cs[:, lo.clamp(max=hi)]) > 0  # [Hq, tiles, NB]
+    own = torch.zeros(tiles, nb, dtype=torch.bool, device=dev)
+    own[torch.arange(n, device=dev) // block_m, pos // block_n] = True
+    causal = starts[None, :] <= last[:, None]  # [tiles, NB]
+    mask = (on_v[None] | on_s.transpose(0, 1) | own[:, None]) & causal[:, None]  # [tiles, Hq, NB]
+    ids = torch.where(mask, torch.arange(nb, device=dev, dtype=torch.int32), nb)
+    return ids.sort(-1).values.to(torch.int32).contiguous(), mask.sum(-1).to(torch.int32).contiguous()
+
+
+def lines_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    vertical: torch.Tensor, slash: torch.Tensor, block_table: torch.Tensor | None = None,
+                    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """LoopServe's vertical + slash pattern: row r at pos[r], query head h, sees key j <= pos[r] iff
+    `vertical[h, j]`, `slash[h, pos[r] - j]` or j == pos[r] (`[Hq, T]` bool each: T = the keys).
+    Rows sorted by position (not checked: that would read the device); KV as for `rows_attention`.
+    Each program reads only the key tiles `line_blocks` lists for it; the pattern's mask is
+    evaluated per key inside them."""
+    n, hq, dim = q.shape
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    kv = _kv_args(k, v, block_table, pos)
+    if hq % kv["hkv"] or vertical.shape != slash.shape or vertical.shape[0] != hq:
+        raise ValueError(f"vertical and slash must be [Hq, T] with Hq = {hq} a multiple of the KV heads {kv['hkv']}")
+    t = vertical.shape[1]
+    blocks, counts = line_blocks(pos, vertical, slash, block_m, block_n)
+    _lines_attention_kernel[(blocks.shape[0], hq)](
+        q, k, v, out, pos.contiguous(), kv["bt"], vertical.to(torch.int8).contiguous(), slash.to(torch.int8).contiguous(),
+        blocks, counts, n, t, blocks.shape[2], scale * _LOG2E,
+        q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
+        GROUP=hq // kv["hkv"], BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=triton.next_power_of_2(dim),
+        PAGED=block_table is not None, BS=kv["bs"], PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
 
 
 def rows_attention_ref(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

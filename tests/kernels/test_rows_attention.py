@@ -17,28 +17,29 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sparsetune.kernels.rows_attention import rows_attention, rows_attention_ref  # noqa: E402
+from sparsetune.kernels.rows_attention import line_blocks, lines_attention, rows_attention, rows_attention_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 def truth(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          sinks: list[int] | None = None, windows: list[int] | None = None) -> torch.Tensor:
+          sinks: list[int] | None = None, windows: list[int] | None = None, sees=None) -> torch.Tensor:
     """q [n, Hq, D], contiguous k, v [Hkv, T, D] → [n, Hq, D] float64, one row and head at a time:
-    the keys j <= pos[r] with j < sink or pos[r] - j < window of the head's KV head."""
+    the keys j <= pos[r] with j < sink or pos[r] - j < window of the head's KV head, or those
+    `sees(query head, pos[r], j)` names."""
     n, hq, _ = q.shape
     group = hq // k.shape[0]
+    if sees is None:
+        def sees(h, p, j):
+            return j < (sinks[h // group] if sinks else 0) or p - j < (windows[h // group] if windows else p + 1)
     out = torch.empty(q.shape, dtype=torch.float64)
     for r in range(n):
         p = int(pos[r])
         for h in range(hq):
-            sink = sinks[h // group] if sinks else 0
-            win = windows[h // group] if windows else p + 1
-            keys = [j for j in range(p + 1) if j < sink or p - j < win]
+            keys = [j for j in range(p + 1) if sees(h, p, j)]
             kh, vh = k[h // group, keys].double().cpu(), v[h // group, keys].double().cpu()
-            w = torch.softmax(kh @ q[r, h].double().cpu() * scale, 0)
-            out[r, h] = w @ vh
+            out[r, h] = torch.softmax(kh @ q[r, h].double().cpu() * scale, 0) @ vh
     return out
 
 
@@ -139,3 +140,31 @@ def test_per_head_sinks_and_windows_match_the_truth(paged):
     want = truth(qa, allpos, k, v, 0.125, sinks, windows)
     got = rows_attention(qa, allpos, k, v, 0.125, sinks=st, windows=wt, block_m=16, block_n=16)
     assert (got.double().cpu() - want).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_vertical_and_slash_lines_match_the_truth_and_read_only_the_tiles_they_touch(consecutive):
+    t, hq, hkv, d = 300, 6, 2, 64
+    gen = torch.Generator().manual_seed(11)
+    q, pos, k, v = make(t=t, n=40, hq=hq, hkv=hkv, d=d, dtype=torch.float32, seed=10)
+    if consecutive:  # the new tokens at the end of a prompt, as LoopServe computes them
+        pos = torch.arange(t - 40, t, device=DEV)
+    vertical = torch.rand(hq, t, generator=gen) < 0.03
+    vertical[:, :4] = True  # sinks, as the lines usually find them
+    slash = torch.rand(hq, t, generator=gen) < 0.02
+    slash[:, :8] = True  # the local band
+    slash[0] = False  # a head with vertical lines only
+    vertical[1] = False  # and one with slash lines only
+    want = truth(q, pos, k, v, 0.125, sees=lambda h, p, j: bool(vertical[h, j] or slash[h, p - j]) or j == p)
+    got = lines_attention(q, pos, k, v, 0.125, vertical.to(DEV), slash.to(DEV), block_m=16, block_n=16)
+    assert (got.double().cpu() - want).abs().max() < 2e-5
+    # The tiles each (row tile, head) reads: every one a row needs, none past the tile's last row, few
+    blocks, counts = line_blocks(pos, vertical.to(DEV), slash.to(DEV), 16, 16)
+    p = pos.cpu()
+    for tile in range(blocks.shape[0]):
+        rows = p[tile * 16 : (tile + 1) * 16]
+        for h in range(hq):
+            listed = set(blocks[tile, h, : counts[tile, h]].tolist())
+            needed = {j // 16 for r in rows.tolist() for j in range(r + 1) if vertical[h, j] or slash[h, r - j] or j == r}
+            assert needed <= listed and max(listed) * 16 <= int(rows.max())
+    assert int(counts.sum()) < 0.8 * blocks.shape[0] * hq * blocks.shape[2]
