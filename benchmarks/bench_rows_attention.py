@@ -54,9 +54,9 @@ def main() -> None:
     ap.add_argument("--fresh", type=float, default=0.10)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-m", type=int, default=0, help="rows per program (0: the kernel's default)")
-    ap.add_argument("--block-n", type=int, default=64)
-    ap.add_argument("--num-warps", type=int, default=4)
-    ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--block-n", type=int, default=0, help="keys per tile (0: the kernel's default)")
+    ap.add_argument("--num-warps", type=int, default=0)
+    ap.add_argument("--num-stages", type=int, default=0)
     ap.add_argument("--global-heads", type=int, default=1, help="RedKnot case: global KV heads of 8 (15%%: 1)")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--sink", type=int, default=4)
@@ -77,7 +77,8 @@ def main() -> None:
     vp[table.long()] = v.view(hkv, nb, bs, d).transpose(0, 1)
     peak = measure_matmul_flops()
     scale = d**-0.5
-    kw = dict(block_m=a.block_m or None, block_n=a.block_n, num_warps=a.num_warps, num_stages=a.num_stages)
+    kw = dict(block_m=a.block_m or None, block_n=a.block_n or None, num_warps=a.num_warps or None,
+              num_stages=a.num_stages or None)
     results = []
     qa = torch.randn(t, hq, d, generator=gen).to("cuda", dt)
     with prefill_backends():

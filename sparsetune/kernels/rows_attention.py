@@ -79,7 +79,8 @@ def _rows_attention_kernel(
 ):
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK_M * GROUP_P2)
-    row = tl.program_id(0) * BLOCK_M + i // GROUP_P2
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # sorted rows: the last tiles see the most keys, start them first
+    row = tile * BLOCK_M + i // GROUP_P2
     g = i % GROUP_P2
     head = h * GROUP + g
     live = (row < n) & (g < GROUP)
@@ -161,8 +162,8 @@ def _lines_attention_kernel(
 
 def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                   windows: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64,
-                   num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                   windows: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Rows q `[n, Hq, D]` at positions `pos` `[n]` over keys 0..pos[r] → `[n, Hq, D]` (q's dtype).
 
     Contiguous KV: k, v `[Hkv, T, D]`. Paged: k, v `[num_blocks, Hkv, block_size, D]` and
@@ -177,8 +178,10 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
         raise ValueError(f"q heads {hq} must be a multiple of KV heads {hkv}, head dims equal, last dims contiguous")
     group = hq // hkv
     g2 = triton.next_power_of_2(group)
-    if block_m is None:
-        block_m = max(1, 64 // g2)
+    wide = q.element_size() <= 2  # 16-bit: tensor cores, Hopper's usual 128 x 64 tiles; fp32: IEEE FMAs, smaller
+    block_m = block_m or max(1, (128 if wide else 64) // g2)
+    block_n = block_n or (64 if wide else 32)
+    _tiles(q, k, block_m, block_n)
     out = torch.empty_like(q)
     if n == 0:
         return out
@@ -187,9 +190,9 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     _rows_attention_kernel[grid](
         q, k, v, out, pos.contiguous(), kv["bt"], sinks, windows, n, scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=triton.next_power_of_2(dim),
+        GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=max(16, triton.next_power_of_2(dim)),
         PAGED=block_table is not None, BS=kv["bs"], PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or (8 if wide else 4), num_stages=num_stages or (3 if wide else 2),
     )
     return out
 
@@ -212,12 +215,26 @@ def _kv_args(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
 
 
 def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head sinks and windows as int32 device tensors (no sinks, unbounded windows by default)."""
+    """Per KV head sinks and windows as int32 device tensors (no sinks, unbounded windows by default;
+    clamped before the cast, so an int64 "unbounded" stays unbounded)."""
     sinks = torch.zeros(hkv, dtype=torch.int32, device=device) if sinks is None else sinks
     windows = torch.full((hkv,), _NO_WINDOW, dtype=torch.int32, device=device) if windows is None else windows
     if sinks.shape != (hkv,) or windows.shape != (hkv,):
         raise ValueError(f"sinks and windows must be [Hkv] = [{hkv}], got {tuple(sinks.shape)} / {tuple(windows.shape)}")
-    return sinks.to(device, torch.int32).contiguous(), windows.to(device, torch.int32).clamp(1, _NO_WINDOW).contiguous()
+    return (sinks.to(device).clamp(0, _NO_WINDOW).to(torch.int32).contiguous(),
+            windows.to(device).clamp(1, _NO_WINDOW).to(torch.int32).contiguous())
+
+
+def _tiles(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> None:
+    """What the real compiler needs and the interpreter does not check: one dtype for q, k and v,
+    power-of-two tiles, `tl.dot`'s inner dimension (the key tile) at least 16."""
+    if q.dtype != k.dtype:
+        raise ValueError(f"q ({q.dtype}) and the KV ({k.dtype}) must have one dtype")
+    for name, x in (("block_m", block_m), ("block_n", block_n)):
+        if x < 1 or x & (x - 1):
+            raise ValueError(f"{name} must be a power of two, got {x}")
+    if block_n < 16:
+        raise ValueError(f"block_n must be at least 16 (tl.dot), got {block_n}")
 
 
 def line_blocks(pos: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, block_m: int,
@@ -235,7 +252,7 @@ def line_blocks(pos: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, 
     first = pos[torch.arange(tiles, device=dev) * block_m]
     last = pos[(torch.arange(tiles, device=dev) * block_m + block_m - 1).clamp(max=n - 1)]
     on_v = torch.nn.functional.pad(vertical.bool(), (0, nb * block_n - t)).view(hq, nb, block_n).any(-1)  # [Hq, NB]
-    cs = torch.nn.functional.pad(slash.int().cumsum(1), (1, 0))  # [Hq, T + 1]: chosen distances below x
+    cs = torch.nn.functional.pad(slash.int().cumsum(1, dtype=torch.int32), (1, 0))  # [Hq, T + 1]: chosen distances below x
     lo = (first[:, None] - starts[None, :] - block_n + 1).clamp(0, t)  # [tiles, NB]
     hi = (last[:, None] - starts[None, :] + 1).clamp(0, t)  # distances [lo, hi)
     on_s = (cs[:, hi] - cs[:, lo.clamp(max=hi)]) > 0  # [Hq, tiles, NB]
@@ -262,13 +279,14 @@ def lines_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torc
     kv = _kv_args(k, v, block_table, pos)
     if hq % kv["hkv"] or vertical.shape != slash.shape or vertical.shape[0] != hq:
         raise ValueError(f"vertical and slash must be [Hq, T] with Hq = {hq} a multiple of the KV heads {kv['hkv']}")
+    _tiles(q, k, block_m, block_n)
     t = vertical.shape[1]
     blocks, counts = line_blocks(pos, vertical, slash, block_m, block_n)
     _lines_attention_kernel[(blocks.shape[0], hq)](
         q, k, v, out, pos.contiguous(), kv["bt"], vertical.to(torch.int8).contiguous(), slash.to(torch.int8).contiguous(),
         blocks, counts, n, t, blocks.shape[2], scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
-        GROUP=hq // kv["hkv"], BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=triton.next_power_of_2(dim),
+        GROUP=hq // kv["hkv"], BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=max(16, triton.next_power_of_2(dim)),
         PAGED=block_table is not None, BS=kv["bs"], PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -168,3 +168,42 @@ def test_vertical_and_slash_lines_match_the_truth_and_read_only_the_tiles_they_t
             needed = {j // 16 for r in rows.tolist() for j in range(r + 1) if vertical[h, j] or slash[h, r - j] or j == r}
             assert needed <= listed and max(listed) * 16 <= int(rows.max())
     assert int(counts.sum()) < 0.8 * blocks.shape[0] * hq * blocks.shape[2]
+
+
+def test_inputs_the_gpu_compiler_would_reject_are_refused_and_unbounded_windows_stay_unbounded():
+    q, pos, k, v = make(t=64, n=8, hq=4, hkv=2, d=64, dtype=torch.float32, seed=12)
+    with pytest.raises(ValueError, match="one dtype"):
+        rows_attention(q.half(), pos, k, v, 0.125)
+    with pytest.raises(ValueError, match="block_n must be at least 16"):
+        rows_attention(q, pos, k, v, 0.125, block_n=8)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        rows_attention(q, pos, k, v, 0.125, block_m=3)
+    huge = torch.tensor([1 << 40, 1 << 31], device=DEV)  # int64 "no window": not wrapped to a small one
+    neg = torch.tensor([-5, 0], device=DEV)  # no sinks below zero
+    want = truth(q, pos, k, v, 0.125)
+    assert (rows_attention_ref(q, pos, k, v, 0.125, sinks=neg, windows=huge).double().cpu() - want).abs().max() < 2e-5
+    got = rows_attention(q, pos, k, v, 0.125, sinks=neg, windows=huge, block_m=4, block_n=16)
+    assert (got.double().cpu() - want).abs().max() < 2e-5
+
+
+@pytest.mark.gpu  # the interpreter multiplies bfloat16 as raw bits; the GPU path is what runs them
+@pytest.mark.parametrize("paged", [False, True])
+def test_bfloat16_at_the_default_tiles_on_the_gpu(paged):
+    t, hkv, d = 700, 2, 128
+    q, pos, k, v = make(t=t, n=150, hq=8, hkv=hkv, d=d, dtype=torch.bfloat16, seed=13)
+    want = truth(q, pos, k, v, d**-0.5)
+    if paged:
+        table = torch.randperm(t // 16 + 1, generator=torch.Generator().manual_seed(14)).to(DEV, torch.int32)
+        kp = torch.zeros(t // 16 + 1, hkv, 16, d, device=DEV, dtype=torch.bfloat16)
+        vp = torch.zeros_like(kp)
+        kp[table.long()] = torch.nn.functional.pad(k, (0, 0, 0, 16 - t % 16)).view(hkv, -1, 16, d).transpose(0, 1)
+        vp[table.long()] = torch.nn.functional.pad(v, (0, 0, 0, 16 - t % 16)).view(hkv, -1, 16, d).transpose(0, 1)
+        got = rows_attention(q, pos, kp, vp, d**-0.5, block_table=table)
+    else:
+        got = rows_attention(q, pos, k, v, d**-0.5)
+    assert (got.double().cpu() - want).abs().max() < 2e-2
+    vertical = torch.rand(8, t, generator=torch.Generator().manual_seed(15)) < 0.05
+    slash = torch.rand(8, t, generator=torch.Generator().manual_seed(16)) < 0.05
+    want = truth(q, pos, k, v, d**-0.5, sees=lambda h, p, j: bool(vertical[h, j] or slash[h, p - j]) or j == p)
+    got = lines_attention(q, pos, k, v, d**-0.5, vertical.to(DEV), slash.to(DEV))
+    assert (got.double().cpu() - want).abs().max() < 2e-2
