@@ -86,7 +86,8 @@ def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_
     flow, full = info["flow_ttft_runs_ms"], info["full_ttft_runs_ms"]
     assert len(flow) == len(full) == REUSE_SPEED_REPEATS
     assert info["flow_ttft_ms"] == sorted(flow)[len(flow) // 2] and info["full_ttft_ms"] == sorted(full)[len(full) // 2]
-    assert speedup == round(info["full_ttft_ms"] / info["flow_ttft_ms"], 4)
+    # the ratio of the unrounded medians, to 4 places (the reported ms are rounded to 3: the last place may differ)
+    assert abs(speedup - info["full_ttft_ms"] / info["flow_ttft_ms"]) <= 1e-4
     assert info["kind"] == "measured" and info["model"] == "smollm2-135m" and not info["random_weights"]
     # cacheblend at check layer 2 of 30 recomputes every token in layers 0-1, then 10% of the reused ones
     assert 2 / 30 < info["compute_fraction"] < 2 / 30 + 0.2
