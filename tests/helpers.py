@@ -17,6 +17,14 @@ from sparsetune.reuse.parts import ReuseLayout, encode_parts, parse_parts
 
 # ---- the command line ---------------------------------------------------------------------------
 
+def sigint_default() -> None:
+    """`preexec_fn` of a child a test interrupts with SIGINT: a shell that starts the suite in the
+    background ignores SIGINT, the children inherit that, and Python then never raises KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(

@@ -15,7 +15,7 @@ from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
 from sparsetune.api import eval as evaluate
 from sparsetune.evaluation.runner import read_records, summarize
-from helpers import assert_clean_error, run
+from helpers import assert_clean_error, run, sigint_default
 
 TOP_KEYS = {"flow", "model", "params", "accuracy", "tasks", "fidelity", "speed", "complete"}
 
@@ -199,7 +199,7 @@ def test_cli_interrupt_keeps_partial_run(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparsetune.cli.main", "eval", "--task", "niah_single", "--context", "256",
          "--samples", "40", "--batch", "1", "--max-new-tokens", "4", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default,
     )
     deadline = time.time() + 300
     while time.time() < deadline:  # wait for the first finished sample

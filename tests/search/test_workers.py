@@ -21,6 +21,8 @@ from sparsetune.search.report import summary
 from sparsetune.search.study import open_flows, trial_records, write_json_config
 from sparsetune.search.storage import trial_count
 
+from helpers import sigint_default
+
 pgserver = pytest.importorskip("pgserver")
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -135,7 +137,7 @@ def test_a_killed_worker_loses_nothing(postgres, tmp_path):
 def test_sigint_to_a_search_process_leaves_a_study_that_resumes(tmp_path):
     cfg = SearchConfig(study="sig", out=str(tmp_path), trials=6, context=2048)
     proc = subprocess.Popen([sys.executable, "-c", SEARCH, cfg.model_dump_json(), "1.0"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     journal = tmp_path / "sig" / "trials.jsonl"
     deadline = time.time() + 90
     while (not journal.exists() or len(journal.read_text().splitlines()) < 2) and time.time() < deadline:
