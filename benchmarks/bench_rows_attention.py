@@ -39,6 +39,10 @@ from common import bench_us, measure_matmul_flops  # noqa: E402
 from sparsetune.engine.attention import causal_sdpa, prefill_backends  # noqa: E402
 from sparsetune.engine.rows import CausalRuns, attend_causal, attend_pattern  # noqa: E402
 from sparsetune.kernels.rows_attention import line_blocks, lines_attention, rows_attention  # noqa: E402
+from sparsetune.registry import get_flow_class  # noqa: E402
+from sparsetune.reuse import ReuseFlow  # noqa: E402
+
+on_lines = sys.modules[get_flow_class("loopserve", ReuseFlow).__module__].on_lines
 
 
 def row_set(t: int, fresh: float, budget: float, gen: torch.Generator) -> torch.Tensor:
@@ -136,13 +140,11 @@ def main() -> None:
     slash = torch.rand(hq, t, generator=gen) < a.slash
     slash[:, :64] = True
     vertical, slash = vertical.cuda(), slash.cuda()
-    dist = (pos[:, None] - keys[None, :]).clamp(min=0)
 
     def lines(p):
-        d_ = (p[:, None] - keys[None, :]).clamp(min=0)
-        return vertical[:, None, :] | slash.gather(1, d_.flatten().expand(hq, -1)).view(hq, p.numel(), t)
+        return on_lines(vertical, slash, p)  # the flow's own pattern, as `attention_pattern` returns it
 
-    seen = ((lines(pos) & (keys[None, None] <= pos[None, :, None])) | (dist == 0)[None]).sum()
+    seen = ((lines(pos) & (keys[None, None] <= pos[None, :, None])) | (keys[None, None] == pos[None, :, None])).sum()
     flops = 4 * d * float(seen)
     q = qa[pos]
     today = attend_pattern(q, pos, k, v, lines, scale)

@@ -171,17 +171,15 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     Per KV head h (both `[Hkv]` int, device tensors): a row at p sees key j <= p only if
     j < sinks[h] or p - j < windows[h] (RedKnot's local heads); the key tiles no row of a program
     sees are not read. Default: no sinks, unbounded windows (plain causal)."""
-    n, hq, dim = q.shape
-    kv = _kv_args(k, v, block_table, pos)
+    n, hq, _ = q.shape
+    kv = _kv_args(q, k, v, block_table, pos)
     hkv = kv["hkv"]
-    if hq % hkv or k.shape[-1] != dim or q.stride(-1) != 1:
-        raise ValueError(f"q heads {hq} must be a multiple of KV heads {hkv}, head dims equal, last dims contiguous")
     group = hq // hkv
     g2 = triton.next_power_of_2(group)
     wide = q.element_size() <= 2  # 16-bit: tensor cores, Hopper's usual 128 x 64 tiles; fp32: IEEE FMAs, smaller
     block_m = block_m or max(1, (128 if wide else 64) // g2)
     block_n = block_n or (64 if wide else 32)
-    _tiles(q, k, block_m, block_n)
+    _check(q, k, hkv, block_m, block_n)
     out = torch.empty_like(q)
     if n == 0:
         return out
@@ -190,15 +188,16 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     _rows_attention_kernel[grid](
         q, k, v, out, pos.contiguous(), kv["bt"], sinks, windows, n, scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=max(16, triton.next_power_of_2(dim)),
-        PAGED=block_table is not None, BS=kv["bs"], PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, **kv["consts"],
         num_warps=num_warps or (8 if wide else 4), num_stages=num_stages or (3 if wide else 2),
     )
     return out
 
 
-def _kv_args(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None, pos: torch.Tensor) -> dict:
-    """KV heads, block size, block table and the six K/V strides (block, head, token) the kernels take."""
+def _kv_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
+             pos: torch.Tensor) -> dict:
+    """KV heads, the block table and the six K/V strides (block, head, token) the kernels take, and
+    the constants both kernels share (head dim, paging, block size, dot precision)."""
     if block_table is None:
         if k.dim() != 3:
             raise ValueError(f"contiguous k, v must be [Hkv, T, D], got {tuple(k.shape)}")
@@ -211,7 +210,10 @@ def _kv_args(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
         strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v need contiguous last dims")
-    return {"hkv": hkv, "bs": bs, "bt": bt, "strides": strides}
+    dim = q.shape[-1]
+    consts = {"D": dim, "D_P2": max(16, triton.next_power_of_2(dim)), "PAGED": block_table is not None, "BS": bs,
+              "PREC": "ieee" if q.dtype == torch.float32 else "tf32"}
+    return {"hkv": hkv, "bt": bt, "strides": strides, "consts": consts}
 
 
 def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,9 +227,12 @@ def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.
             windows.to(device).clamp(1, _NO_WINDOW).to(torch.int32).contiguous())
 
 
-def _tiles(q: torch.Tensor, k: torch.Tensor, block_m: int, block_n: int) -> None:
-    """What the real compiler needs and the interpreter does not check: one dtype for q, k and v,
-    power-of-two tiles, `tl.dot`'s inner dimension (the key tile) at least 16."""
+def _check(q: torch.Tensor, k: torch.Tensor, hkv: int, block_m: int, block_n: int) -> None:
+    """The shapes both kernels need, and what the real compiler needs that the interpreter does not
+    check: one dtype for q, k and v, power-of-two tiles, `tl.dot`'s inner dimension (the key tile) >= 16."""
+    hq, dim = q.shape[1], q.shape[2]
+    if hq % hkv or k.shape[-1] != dim or q.stride(-1) != 1:
+        raise ValueError(f"q heads {hq} must be a multiple of KV heads {hkv}, head dims equal, last dims contiguous")
     if q.dtype != k.dtype:
         raise ValueError(f"q ({q.dtype}) and the KV ({k.dtype}) must have one dtype")
     for name, x in (("block_m", block_m), ("block_n", block_n)):
@@ -272,23 +277,21 @@ def lines_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torc
     Rows sorted by position (not checked: that would read the device); KV as for `rows_attention`.
     Each program reads only the key tiles `line_blocks` lists for it; the pattern's mask is
     evaluated per key inside them."""
-    n, hq, dim = q.shape
+    n, hq, _ = q.shape
+    kv = _kv_args(q, k, v, block_table, pos)
+    _check(q, k, kv["hkv"], block_m, block_n)
+    if vertical.shape != slash.shape or vertical.shape[0] != hq:
+        raise ValueError(f"vertical and slash must be [Hq, T] = [{hq}, T], got {tuple(vertical.shape)} / {tuple(slash.shape)}")
     out = torch.empty_like(q)
     if n == 0:
         return out
-    kv = _kv_args(k, v, block_table, pos)
-    if hq % kv["hkv"] or vertical.shape != slash.shape or vertical.shape[0] != hq:
-        raise ValueError(f"vertical and slash must be [Hq, T] with Hq = {hq} a multiple of the KV heads {kv['hkv']}")
-    _tiles(q, k, block_m, block_n)
     t = vertical.shape[1]
     blocks, counts = line_blocks(pos, vertical, slash, block_m, block_n)
     _lines_attention_kernel[(blocks.shape[0], hq)](
         q, k, v, out, pos.contiguous(), kv["bt"], vertical.to(torch.int8).contiguous(), slash.to(torch.int8).contiguous(),
         blocks, counts, n, t, blocks.shape[2], scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
-        GROUP=hq // kv["hkv"], BLOCK_M=block_m, BLOCK_N=block_n, D=dim, D_P2=max(16, triton.next_power_of_2(dim)),
-        PAGED=block_table is not None, BS=kv["bs"], PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        GROUP=hq // kv["hkv"], BLOCK_M=block_m, BLOCK_N=block_n, **kv["consts"], num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.search.config import SearchConfig, flow_key
@@ -204,6 +204,15 @@ def ask(study: optuna.Study) -> optuna.Trial:
     return study.ask()
 
 
+def retry(study: optuna.Study, trial: optuna.Trial | FrozenTrial, failure: str) -> None:
+    """Tell the RUNNING `trial` FAIL with `failure` and enqueue its params again as its retry (which
+    `ask` takes first). Raises RuntimeError or ValueError if another process finished it first."""
+    for attr, value in (("failure", failure), ("retried", True)):
+        study._storage.set_trial_user_attr(trial._trial_id, attr, value)
+    study.tell(trial.number, state=TrialState.FAIL)
+    study.enqueue_trial(trial.params, user_attrs={"role": trial.user_attrs.get("role", "search"), "retry_of": trial.number})
+
+
 def expire_stale(flows: Flows, now: float | None = None, lease: float = LEASE_S) -> list[str]:
     """Tell FAIL every RUNNING trial whose heartbeat is older than `lease` (its worker is gone) and
     enqueue its params again; returns what was expired."""
@@ -217,13 +226,9 @@ def expire_stale(flows: Flows, now: float | None = None, lease: float = LEASE_S)
             if beat is None or now - beat <= lease:
                 continue
             try:
-                for attr, value in (("failure", f"expired: no heartbeat for {now - beat:.0f} s (its worker stopped)"),
-                                    ("retried", True)):
-                    study._storage.set_trial_user_attr(t._trial_id, attr, value)
-                study.tell(t.number, state=TrialState.FAIL)
+                retry(study, t, f"expired: no heartbeat for {now - beat:.0f} s (its worker stopped)")
             except (RuntimeError, ValueError):  # another worker expired it first
                 continue
-            study.enqueue_trial(t.params, user_attrs={"role": t.user_attrs.get("role", "search"), "retry_of": t.number})
             expired.append(f"{key}#{t.number}")
     return expired
 
@@ -412,10 +417,7 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
             emit("done", {"flow": key, "number": trial.number, "record": rec, "role": role})
         except KeyboardInterrupt:
             beat.stop()
-            trial.set_user_attr("failure", "interrupted (Ctrl-C); enqueued again")
-            trial.set_user_attr("retried", True)
-            study.tell(trial, state=TrialState.FAIL)
-            study.enqueue_trial(trial.params, user_attrs={"role": role, "retry_of": trial.number})
+            retry(study, trial, "interrupted (Ctrl-C); enqueued again")
             raise
         except Exception as e:  # noqa: BLE001 - a failed trial is recorded and the search goes on
             beat.stop()
