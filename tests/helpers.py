@@ -19,10 +19,12 @@ from sparsetune.reuse.parts import ReuseLayout, encode_parts, parse_parts
 
 def sigint_default() -> None:
     """`preexec_fn` of a child a test interrupts with SIGINT: a shell that starts the suite in the
-    background ignores SIGINT, the children inherit that, and Python then never raises KeyboardInterrupt."""
+    background ignores SIGINT, and a CI runner may block it; children inherit both (the ignore and the
+    signal mask survive exec), and Python then never raises KeyboardInterrupt. Undo both."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
