@@ -172,7 +172,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
     "evolve" (`agents.loop`): a proposer also writes new flows, each validated in a sandbox and
     searched like the others; every trial then runs in the sandbox (`proposer`: one of your own,
     `agents.proposer.Proposer`, in place of the one `agent` names)."""
-    from sparsetune.search.config import DEFAULT_FLOWS, SearchConfig, check_search
+    from sparsetune.search.config import DEFAULT_FLOWS, SearchConfig, check_prompts, check_search
 
     def names(value):
         return [f.strip() for f in value.split(",") if f.strip()] if isinstance(value, str) else list(value or ())
@@ -197,6 +197,8 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
         from sparsetune.agents.loop import Agent, make_proposer
 
         agent = Agent(cfg, proposer or make_proposer(cfg))
+    if evaluator is None:  # the engine's tasks (a custom evaluator measures its own way)
+        check_prompts(cfg)
     from sparsetune.search.study import run_search
 
     return run_search(cfg, evaluator, on_event, workers=workers, agent=agent)

@@ -182,3 +182,16 @@ def check_search(cfg: SearchConfig) -> None:
                                batch=cfg.batch, device=cfg.device, dtype=cfg.dtype))
     if cfg.speed_model is not None:
         model_config(cfg.speed_model, True)
+
+
+def check_prompts(cfg: SearchConfig) -> None:
+    """The check that needs the model's tokenizer: every task's prompt fits `--context` (else each
+    trial would fail on it, one by one)."""
+    from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples
+    from sparsetune.models.resolve import resolve_model
+
+    tokenizer = resolve_model(cfg.model).load_tokenizer()
+    if tokenizer is None:
+        raise SparsetuneError(f"{cfg.model} has no tokenizer; a search measures accuracy on tasks, which need one")
+    for task in cfg.tasks or DEFAULT_SUITE:
+        build_samples(task, tokenizer, cfg.context, 1, cfg.seed)

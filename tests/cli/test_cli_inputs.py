@@ -122,6 +122,7 @@ AFTER_TORCH = [
     (("search", "--reuse", "pie"), ("--reuse pie: it has no param to search",)),
     (("search", "--reuse", "cacheblend", "--task", "niah_single"), ("--task niah_single: no reusable segments",)),
     (("search", "--storage", "postgresql://u@127.0.0.1:1/x"), ("cannot open it", "check the URL and that the server runs")),
+    (("search", "--flow", "quest", "--context", "512"), ("--context 512 is too small for cwe", "raise --context")),
     (("search", "--workers", "0"), ("--workers must be at least 1",)),
     (("search", "--agent", "nosuch"), ("--agent 'nosuch': use one of evolve, claude, openai",)),
     (("search", "--agent", "evolve", "--workers", "2"), ("--agent with --workers", "use --workers 1")),
