@@ -37,12 +37,8 @@ import torch  # noqa: E402
 from common import bench_us, measure_matmul_flops  # noqa: E402
 
 from sparsetune.engine.attention import causal_sdpa, prefill_backends  # noqa: E402
-from sparsetune.engine.rows import CausalRuns, attend_causal, attend_pattern  # noqa: E402
+from sparsetune.engine.rows import CausalRuns, HeadWindows, Lines, attend_causal, attend_pattern  # noqa: E402
 from sparsetune.kernels.rows_attention import line_blocks, lines_attention, rows_attention  # noqa: E402
-from sparsetune.registry import get_flow_class  # noqa: E402
-from sparsetune.reuse import ReuseFlow  # noqa: E402
-
-on_lines = sys.modules[get_flow_class("loopserve", ReuseFlow).__module__].on_lines
 
 
 def row_set(t: int, fresh: float, budget: float, gen: torch.Generator) -> torch.Tensor:
@@ -114,12 +110,8 @@ def main() -> None:
     pos = torch.arange(t, device="cuda")
     sinks = torch.tensor([0] * a.global_heads + [a.sink] * (hkv - a.global_heads), dtype=torch.int32, device="cuda")
     wins = torch.tensor([t] * a.global_heads + [a.window] * (hkv - a.global_heads), dtype=torch.int32, device="cuda")
-    local_q = (torch.arange(hq, device="cuda") // (hq // hkv)) >= a.global_heads
     keys = torch.arange(t, device="cuda")
-
-    def allowed(p):
-        near = (keys[None, :] < a.sink) | (p[:, None] - keys[None, :] < a.window)
-        return ~local_q[:, None, None] | near[None]
+    allowed = HeadWindows(sinks, wins, hq // hkv, t)  # RedKnot's pattern as its attention_pattern returns it
 
     seen = sum(min(i + 1, a.window) + min(a.sink, max(0, i + 1 - a.window)) for i in range(t))  # a local head's keys
     flops = 4 * d * (hq // hkv) * (a.global_heads * t * (t + 1) / 2 + (hkv - a.global_heads) * seen)
@@ -141,8 +133,7 @@ def main() -> None:
     slash[:, :64] = True
     vertical, slash = vertical.cuda(), slash.cuda()
 
-    def lines(p):
-        return on_lines(vertical, slash, p)  # the flow's own pattern, as `attention_pattern` returns it
+    lines = Lines(vertical, slash)  # LoopServe's pattern as its attention_pattern returns it
 
     seen = ((lines(pos) & (keys[None, None] <= pos[None, :, None])) | (keys[None, None] == pos[None, :, None])).sum()
     flops = 4 * d * float(seen)

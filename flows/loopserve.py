@@ -16,7 +16,7 @@ import torch
 
 from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import attention_probs
+from sparsetune.reuse.flow import Lines, attention_probs
 
 
 def distances(rows: torch.Tensor, t: int) -> torch.Tensor:
@@ -27,9 +27,7 @@ def distances(rows: torch.Tensor, t: int) -> torch.Tensor:
 def on_lines(vertical: torch.Tensor, slash: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`[H, n, T]` bool: the (row, key) entries on a head's chosen vertical (`[H, T]` by key) or slash
     (`[H, T]` by distance) lines, for rows at positions `rows`."""
-    h, t = vertical.shape
-    by_slash = slash.gather(1, distances(rows, t).flatten().expand(h, -1)).view(h, rows.numel(), t)
-    return vertical[:, None, :] | by_slash
+    return Lines(vertical, slash)(rows)
 
 
 def line_masses(probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,4 +88,4 @@ class LoopServe(ReuseFlow):
         q = s.q[-self.sample :]
         probs = attention_probs(q, s.k, rows, s.scale)  # [Hq, n, T]
         vertical, slash = cover_lines(probs, rows, self.alpha)
-        return lambda pos: on_lines(vertical, slash, pos)
+        return Lines(vertical, slash)

@@ -24,7 +24,7 @@ import torch
 
 from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import attention_mass
+from sparsetune.reuse.flow import HeadWindows, attention_mass
 from sparsetune.models.artifacts import resolve_head_scores
 from sparsetune.reuse.head_classes import global_heads
 
@@ -88,14 +88,9 @@ class RedKnot(ReuseFlow):
         local = ~self._heads(s.layer).to(s.q.device)
         if not bool(local.any()):
             return None
-        local_q = local.repeat_interleave(s.q.shape[1] // local.numel())  # [Hq]
-        keys = torch.arange(s.num_tokens, device=s.q.device)
-
-        def allowed(pos):
-            near = (keys[None, :] < self.sink) | (pos[:, None] - keys[None, :] < self.window)  # [n, T]
-            return ~local_q[:, None, None] | near[None]
-
-        return allowed
+        sinks = torch.where(local, self.sink, 0)  # global heads: no sinks, no window
+        windows = torch.where(local, self.window, HeadWindows.UNBOUNDED)
+        return HeadWindows(sinks, windows, s.q.shape[1] // local.numel(), s.num_tokens)
 
     def mlp_rows(self, s):
         start = round(FFN_SHARE * s.num_layers) if self.ffn_layer is None else self.ffn_layer

@@ -9,7 +9,10 @@ RoPE at `positions`, the model's layer calls
   pairs keep the pool's KV instead of the fresh one; stores the rest at the rows' slots; narrows
   q, the residual and `positions` to the continuing rows;
 - `attention`: those rows attend over the sequence's first `num_tokens` keys in the pool, row i
-  seeing keys 0..i, narrowed per head by `attention_pattern`;
+  seeing keys 0..i, narrowed per head by `attention_pattern`: a mask function, or one of the
+  structured patterns below, which on CUDA run block-sparse in `kernels/rows_attention` straight
+  from the paged pool (key tiles no row sees are not read); the torch path (CPU, or a mask
+  function) gathers the keys and runs SDPA;
 - `mlp`: the MLP of the rows `mlp_rows` names; the others take the residual path.
 
 The hooks return None by default: every row goes on, stores fresh KV, attends causally and runs the
@@ -19,8 +22,9 @@ MLP, so a `Rows` over all of a sequence's tokens is a plain prefill. The reuse e
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
 import numpy as np
 import torch
@@ -29,11 +33,55 @@ import torch.nn.functional as F
 from sparsetune.engine.attention import causal_sdpa, prefill_backends
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.stages import stage
+from sparsetune.kernels.rows_attention import lines_attention, rows_attention
 
-AttentionPattern = Callable[[torch.Tensor], torch.Tensor]  # row positions [n] → allowed keys [Hq, n, T] bool
+MaskFn = Callable[[torch.Tensor], torch.Tensor]  # row positions [n] → allowed keys [Hq, n, T] bool
 
 _MASK_CHUNK_ELEMS = 1 << 26  # rows per masked attention call: a [Hq, rows, T] mask of ~64 M entries
 _MIN_RUN = 64  # consecutive rows worth a causal call of their own
+
+
+@dataclass
+class HeadWindows:
+    """Per KV head h, a row at p sees key j <= p iff j < sinks[h] or p - j < windows[h] (RedKnot's
+    local heads: sinks and a window; a global head: no sinks, a window of `UNBOUNDED`). Called with
+    row positions, it is the mask function it stands for, `[Hq, n, T]` (`group` query heads per KV head)."""
+
+    sinks: torch.Tensor  # [Hkv] int
+    windows: torch.Tensor  # [Hkv] int
+    group: int
+    num_tokens: int
+    UNBOUNDED = 2**31 - 1
+
+    def __call__(self, pos: torch.Tensor) -> torch.Tensor:
+        keys = torch.arange(self.num_tokens, device=pos.device)
+        sinks, windows = self.sinks.to(pos.device)[:, None, None], self.windows.to(pos.device)[:, None, None]
+        near = (keys[None, None, :] < sinks) | (pos[None, :, None] - keys[None, None, :] < windows)  # [Hkv, n, T]
+        return near.repeat_interleave(self.group, 0)
+
+
+@dataclass
+class Lines:
+    """Per query head h, a row at p sees key j <= p iff `vertical[h, j]` or `slash[h, p - j]`
+    (LoopServe's vertical and slash lines; `[Hq, T]` bool each, slash indexed by distance). Called
+    with row positions, it is the mask function it stands for, `[Hq, n, T]`."""
+
+    vertical: torch.Tensor
+    slash: torch.Tensor
+
+    def __call__(self, pos: torch.Tensor) -> torch.Tensor:
+        h, t = self.vertical.shape
+        dist = (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0)  # [n, T]; 0 past the row
+        by_slash = self.slash.gather(1, dist.flatten().expand(h, -1)).view(h, pos.numel(), t)
+        return self.vertical[:, None, :] | by_slash
+
+
+AttentionPattern = Union[MaskFn, HeadWindows, Lines]
+
+
+def use_kernels(q: torch.Tensor) -> bool:
+    """Whether the rows' attention runs in the Triton kernels (CUDA) or the torch path."""
+    return q.is_cuda
 
 
 class Rows:
@@ -44,13 +92,21 @@ class Rows:
                  scale: float) -> None:
         self.kv, self.block_table, self.num_tokens, self.scale = kv, block_table, num_tokens, scale
         self.slots = kv.slots(block_table, torch.arange(num_tokens, device=kv.k.device))  # [T] every token's
+        self.table32 = block_table.to(torch.int32).contiguous()  # the kernels' block table
         self.set_rows(positions)
 
     def set_rows(self, positions: torch.Tensor) -> None:
-        """The rows computed from here on (one host copy plans their attention calls)."""
+        """The rows computed from here on."""
         self.positions = positions
         self.row_slots = self.slots[positions]
-        self.runs = CausalRuns.of(positions)
+        self._runs: CausalRuns | None = None
+
+    @property
+    def runs(self) -> CausalRuns:
+        """How the torch path splits the rows into attention calls (one host copy, on first use)."""
+        if self._runs is None:
+            self._runs = CausalRuns.of(self.positions)
+        return self._runs
 
     # ---- the hooks ----------------------------------------------------------------------------------
 
@@ -62,9 +118,10 @@ class Rows:
         """`[n, Hkv]` bool: the (row, KV head) pairs whose KV in the pool is kept (not overwritten)."""
         return None
 
-    def attention_pattern(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> AttentionPattern | None:
+    def attention_pattern(self, layer: int, q: torch.Tensor, keys: Callable[[], torch.Tensor]) -> AttentionPattern | None:
         """Per head, the keys a row may see (AND-ed with the causal mask; its own key always stays),
-        from the rows' queries `[n, Hq, D]` and the keys `[Hkv, T, D]` as attention reads them."""
+        from the rows' queries `[n, Hq, D]` and `keys()`, the keys `[Hkv, T, D]` as attention reads
+        them (gathered from the pool on the first call only)."""
         return None
 
     def mlp_rows(self, layer: int) -> torch.Tensor | None:
@@ -90,8 +147,18 @@ class Rows:
 
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q `[n, Hq, D]` of the rows over the sequence's KV in the pool → `[n, Hq, D]`."""
-        k, v = self.kv.gather(layer, self.block_table, self.num_tokens)  # [Hkv, T, D]
-        pattern = self.attention_pattern(layer, q, k)
+        gathered = functools.cache(lambda: self.kv.gather(layer, self.block_table, self.num_tokens))  # [Hkv, T, D] x 2
+        pattern = self.attention_pattern(layer, q, lambda: gathered()[0])
+        if use_kernels(q) and (pattern is None or isinstance(pattern, (HeadWindows, Lines))):
+            k, v = self.kv.k[layer], self.kv.v[layer]  # the paged pool: no gather
+            with stage("attention"):
+                if isinstance(pattern, Lines):
+                    return lines_attention(q, self.positions, k, v, self.scale, pattern.vertical, pattern.slash,
+                                           block_table=self.table32)
+                sinks, windows = (None, None) if pattern is None else (pattern.sinks, pattern.windows)
+                return rows_attention(q, self.positions, k, v, self.scale, block_table=self.table32, sinks=sinks,
+                                      windows=windows)
+        k, v = gathered()
         if pattern is None:
             return attend_causal(q, self.positions, k, v, self.runs, self.scale)
         return attend_pattern(q, self.positions, k, v, pattern, self.scale)

@@ -210,8 +210,9 @@ class ReusePlan(Rows):
         self.fresh += r.sum() * self.kv.num_kv_heads - (0 if cached is None else cached[r].sum())
         return cached
 
-    def attention_pattern(self, layer, q, k):
-        s = LayerInputs(self.layout, layer, self.num_layers, self.reused, self.positions, q, k.transpose(0, 1), self.scale)
+    def attention_pattern(self, layer, q, keys):
+        s = LayerInputs(self.layout, layer, self.num_layers, self.reused, self.positions, q,
+                        lambda: keys().transpose(0, 1), self.scale)
         pattern, self.mlp_mask = self.flow.attention_pattern(s), self.flow.mlp_rows(s)
         return pattern
 

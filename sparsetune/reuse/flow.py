@@ -18,9 +18,11 @@ of CacheBlend/LMCache's short-query FlashAttention call, anchors.md §9).
 
 Three per-layer hooks refine how the computed rows run (each sees a `LayerInputs`; None: the default):
 
-- `attention_pattern(s)`: a function of row positions → `[Hq, n, T]` bool, the keys each row may
-  see (AND-ed with the causal mask; the row's own key is always kept): per-head sparse prefill
-  attention (LoopServe's vertical and slash lines, RedKnot's windows for local heads);
+- `attention_pattern(s)`: the keys each row may see, per head (AND-ed with the causal mask; the
+  row's own key is always kept): `HeadWindows` (per KV head sinks and a window: RedKnot's local
+  heads) or `Lines` (per query head vertical and slash lines: LoopServe), which run block-sparse
+  in a Triton kernel on the GPU, or any function of row positions → `[Hq, n, T]` bool (a masked
+  torch call);
 - `keep_cached(layer, num_layers, rows, layout, reused)`: `[n, Hkv]` bool, the (row, KV head)
   pairs that keep the realigned cached KV instead of the fresh one (RedKnot's local heads);
 - `mlp_rows(s)`: `[n]` bool, the rows that run the MLP; the rest take the residual path (RedKnot's
@@ -33,13 +35,14 @@ decode-side re-selection), with `decode_params()` as its parameters.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from sparsetune.engine.rows import AttentionPattern
+from sparsetune.engine.rows import AttentionPattern, HeadWindows, Lines  # noqa: F401 - flows import the patterns here
 from sparsetune.flow.params import Flow, Search
 from sparsetune.reuse.parts import ReuseLayout
 
@@ -95,12 +98,17 @@ class LayerInputs:
     reused: torch.Tensor  # [T] bool
     rows: torch.Tensor  # [n] positions computed at this layer (sorted; always ends with the last token)
     q: torch.Tensor  # [n, Hq, D] their fresh queries, post-RoPE
-    k: torch.Tensor  # [T, Hkv, D] the prompt's keys as attention will read them (after this layer's store)
+    keys: torch.Tensor | Callable[[], torch.Tensor]  # `k`, or what reads it from the pool (on first use)
     scale: float
+
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        """`[T, Hkv, D]` the prompt's keys as attention will read them (after this layer's store)."""
+        return self.keys() if callable(self.keys) else self.keys
 
     @property
     def num_tokens(self) -> int:
-        return self.k.shape[0]
+        return self.layout.num_tokens
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, query_rows: torch.Tensor, scale: float) -> torch.Tensor:

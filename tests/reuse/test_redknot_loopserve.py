@@ -191,15 +191,6 @@ def test_redknot_head_paged_kv_fraction():
     assert f.head_paged_kv_fraction(layout) == pytest.approx((glob * T + (8 - glob) * 8) / (8 * T))
 
 
-@pytest.fixture()
-def head_file(tmp_path, smollm):
-    cfg = smollm.model_config
-    scores = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=torch.Generator().manual_seed(0))
-    path = tmp_path / "heads.json"
-    path.write_text(json.dumps({"scores": scores.tolist()}))
-    return str(path)
-
-
 def test_redknot_with_every_head_global_equals_plain_prefill(smollm, head_file):
     params = {"head_classes": head_file, "global_ratio": "1.0", "ffn_layer": "1000"}
     logits, stats, layout, _ = reuse_logits(smollm, "redknot", reuse_parts(), params)

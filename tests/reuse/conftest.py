@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+@pytest.fixture()
+def head_file(tmp_path, smollm):
+    """A RedKnot head profile of random scores for the embedded model (what `flows profile-heads` writes)."""
+    cfg = smollm.model_config
+    scores = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps({"scores": scores.tolist()}))
+    return str(path)
