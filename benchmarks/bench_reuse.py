@@ -4,7 +4,9 @@
         --flows full_recompute,pie,cacheblend,sparsex --param sparsex:boundary_layer=2
 
 The prompt is a plain prefix, `--segments` reusable segments and a plain question; the segments
-hold `--reuse-ratio` of the tokens. Stage 1 (cache building) prefills it once with `pie`, which
+hold `--reuse-ratio` of the tokens. `--rows torch,kernels` times every flow both ways in one run:
+the recomputed rows' attention in the torch path (gathered keys, SDPA with masks) and in
+`kernels/rows_attention` (the engine's CUDA path). Stage 1 (cache building) prefills it once with `pie`, which
 stores the segments; stage 2 times each flow's reuse prefill on the same prompt (the segments hit).
 Random weights: the byte tokenizer makes one token per character, so the lengths are exact.
 """
@@ -17,6 +19,7 @@ import statistics
 
 import torch
 
+import sparsetune.engine.rows as engine_rows
 from sparsetune.llm import LLM
 from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.engine.sequence import SamplingParams
@@ -35,8 +38,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--profile", action="store_true", help="print each flow's top GPU kernels (torch profiler)")
+    ap.add_argument("--rows", default="kernels", help="the rows' attention: kernels, torch, or both (torch,kernels)")
     args = ap.parse_args()
+    paths = args.rows.split(",")
+    if not set(paths) <= {"torch", "kernels"}:
+        ap.error(f"--rows {args.rows}: use kernels, torch or torch,kernels")
     params = parse_flow_param_args(args.param)
+    default_path = engine_rows.use_kernels
     llm = LLM(model=args.model, random_weights=True, dtype=args.dtype, max_num_seqs=1, cuda_graph=False)
     parts = reuse_prompt(args.context, args.reuse_ratio, args.segments)
     once = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -46,17 +54,20 @@ def main() -> None:
     rows = []
     for flow in args.flows.split(","):
         llm.set_reuse(flow, params.get(flow))
-        ttft, last = reuse_ttft_seconds(llm, parts, args.repeats)
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
+        for path in paths:
+            engine_rows.use_kernels = (lambda q: q.is_cuda) if path == "kernels" else (lambda q: False)
+            ttft, last = reuse_ttft_seconds(llm, parts, args.repeats)
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                llm.generate([parts], once, chat=False)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        row = {"flow": flow, "params": llm.reuse_flow.params(), "ttft_s": ttft, **{k: last[k] for k in
-               ("prompt_tokens", "reuse_ratio", "recompute_ratio", "compute_fraction", "segment_hits")}}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    llm.generate([parts], once, chat=False)
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+            row = {"flow": flow, "rows": path, "params": llm.reuse_flow.params(), "ttft_s": ttft, **{k: last[k] for k in
+                   ("prompt_tokens", "reuse_ratio", "recompute_ratio", "compute_fraction", "segment_hits")}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    engine_rows.use_kernels = default_path
     # The engine's own chunked prefill of the same tokens (no reuse path), for reference.
     llm.set_reuse(None)
     llm.generate([parts], once, chat=False)
@@ -66,15 +77,15 @@ def main() -> None:
         llm.generate([parts], once, chat=False)
         times.append(llm.stats.first_token_seconds[0])
     engine = statistics.median(times)
-    base = next((r["ttft_s"] for r in rows if r["flow"] == "full_recompute"), engine)
+    base = {p: next((r["ttft_s"] for r in rows if r["flow"] == "full_recompute" and r["rows"] == p), engine) for p in paths}
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{args.model} random weights, {dev} {llm.dtype}, {first['prompt_tokens']} tokens, "
           f"{args.reuse_ratio:.0%} in {args.segments} reused segments; engine prefill TTFT {engine:.3f} s")
-    print("| flow | TTFT s | vs full_recompute | recomputed share of reused | token-layers computed |")
-    print("|---|---|---|---|---|")
+    print("| flow | rows' attention | TTFT s | vs full_recompute | recomputed share of reused | token-layers computed |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['flow']} | {r['ttft_s']:.3f} | {base / r['ttft_s']:.2f}x | {r['recompute_ratio']:.1%} | "
-              f"{r['compute_fraction']:.1%} |")
+        print(f"| {r['flow']} | {r['rows']} | {r['ttft_s']:.3f} | {base[r['rows']] / r['ttft_s']:.2f}x | "
+              f"{r['recompute_ratio']:.1%} | {r['compute_fraction']:.1%} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"rows": rows, "engine_prefill_ttft_s": engine}, f, indent=1)

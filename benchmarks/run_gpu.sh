@@ -14,3 +14,11 @@ step engine 240 python3 benchmarks/bench_engine.py --json-out "$OUT/engine.json"
 step prefill_attn 60 python3 benchmarks/bench_prefill_attention.py --seq 32768
 step kernels 150 python3 benchmarks/bench_kernels.py --quick --json-out "$OUT/kernels.json"
 step small 60 python3 benchmarks/bench_small.py --device cuda --batch 1,8,32 --tokens 128 --json-out "$OUT/small.json"
+# Issue #18 (opt-in: `bash benchmarks/run_gpu.sh rows_tests rows_bench reuse`): the row kernels compiled for
+# real against float64, then timed alone, then inside the reuse prefill at 32K both ways in one run.
+step rows_tests 300 python3 -m pytest -q -x tests/kernels/test_rows_attention.py
+step rows_bench 240 python3 benchmarks/bench_rows_attention.py --json-out "$OUT/rows.json"
+step reuse 560 bash -c 'python3 -c "import json, torch; torch.manual_seed(0); json.dump({\"scores\": torch.rand(36, 8).tolist()}, open(\"/tmp/heads-8b.json\", \"w\"))" &&
+  python3 benchmarks/bench_reuse.py --model qwen3-8b --context 32768 --repeats 3 --rows torch,kernels \
+    --flows full_recompute,pie,cacheblend,sparsex,a3,redknot,loopserve --param redknot:head_classes=/tmp/heads-8b.json \
+    --json-out "$OUT/reuse.json"'

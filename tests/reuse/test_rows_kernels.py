@@ -1,6 +1,6 @@
-"""The engine's row attention in the Triton kernels (`kernels/rows_attention`, the CUDA path; here
-forced on CPU under the interpreter) against its torch path (gathered keys, SDPA with masks), on the
-real model: scattered recomputed rows (CacheBlend), RedKnot's local heads (sinks and windows) and
+"""The engine's row attention in the Triton kernels (`kernels/rows_attention`, the CUDA path; on a
+CPU-only machine forced there under the interpreter) against its torch path (gathered keys, SDPA
+with masks), on the real model: scattered recomputed rows (CacheBlend), RedKnot's local heads (sinks and windows) and
 LoopServe's lines, each read straight from the paged pool."""
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ CASES = [
 
 @pytest.mark.slow  # the interpreter runs every layer's attention
 @pytest.mark.parametrize("flow,params,kernel", CASES, ids=[c[0] for c in CASES])
-def test_kernel_path_equals_the_torch_path(smollm, head_file, monkeypatch, flow, params, kernel):
+def test_kernel_path_equals_the_torch_path(smollm_dev, head_file, monkeypatch, flow, params, kernel):
+    llm = smollm_dev
     if flow == "redknot":
         params = {**params, "head_classes": head_file}
-    want, want_stats, _, _ = reuse_logits(smollm, flow, reuse_parts(), params)
+    monkeypatch.setattr(rows_mod, "use_kernels", lambda q: False)
+    want, want_stats, _, _ = reuse_logits(llm, flow, reuse_parts(), params)
 
     calls = {"rows_attention": 0, "lines_attention": 0, "gather": 0}
 
@@ -39,13 +41,13 @@ def test_kernel_path_equals_the_torch_path(smollm, head_file, monkeypatch, flow,
     monkeypatch.setattr(rows_mod, "use_kernels", lambda q: True)
     for name in ("rows_attention", "lines_attention"):
         monkeypatch.setattr(rows_mod, name, counted(name, getattr(kernels, name)))
-    monkeypatch.setattr(smollm.kv, "gather", counted("gather", smollm.kv.gather))
-    got, got_stats, _, _ = reuse_logits(smollm, flow, reuse_parts(), params, warm=False)  # the segments are stored
+    monkeypatch.setattr(llm.kv, "gather", counted("gather", llm.kv.gather))
+    got, got_stats, _, _ = reuse_logits(llm, flow, reuse_parts(), params, warm=False)  # the segments are stored
 
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     assert got.argmax() == want.argmax()
     assert got_stats.to_dict() | {"seconds": 0} == want_stats.to_dict() | {"seconds": 0}
-    layers = smollm.model_config.num_hidden_layers
+    layers = llm.model_config.num_hidden_layers
     assert calls[kernel] == layers  # every layer of the reused prefill ran in the kernel
     if flow == "cacheblend":  # nothing reads the keys: the kernel reads the pool, no gather (but reuse_logits' own)
         assert calls["gather"] == 1
