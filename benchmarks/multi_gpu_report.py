@@ -4,7 +4,10 @@
 
 Per study: finished and failed trials, the workers that ran them, trials per hour (each worker's
 trials after its first, which loads the engines, over the span of their finish times; summed over
-workers), points run twice (the same flow and params finished more than once, other than the retry
+workers), the wall time from the first trial's start to the last one's finish (engine loads
+included) and how far each trial got (`stages`: a trial the cascade stops after its speed or
+quick stage takes seconds, a full one 10-20 s, so two studies' rates compare like with like only
+where the mixes agree), points run twice (the same flow and params finished more than once, other than the retry
 of an expired trial), and whether the frontier the study holds equals the one its search wrote to
 `runs/<study>/frontier.json`. Then the scaling of the second study over the first.
 """
@@ -34,6 +37,12 @@ def trials_per_hour(done: list[dict]) -> float | None:
     return round(rate, 1) if rate else None
 
 
+def wall_seconds(records: list[dict]) -> float | None:
+    starts = [datetime.fromisoformat(r["started"]).timestamp() for r in records if r.get("started")]
+    ends = [datetime.fromisoformat(r["finished"]).timestamp() for r in records if r.get("finished")]
+    return round(max(ends) - min(starts), 1) if starts and ends else None
+
+
 def study_report(storage: str, study: str, runs: Path) -> dict:
     cfg = stored_config(open_storage(storage), study)
     if cfg is None:
@@ -53,6 +62,7 @@ def study_report(storage: str, study: str, runs: Path) -> dict:
             "failures": [{"flow": r["flow"], "params": r.get("params"), "failure": r["failure"]} for r in failed],
             "redone": {k: runs_of.get(k, 0) for k in expired},
             "workers": dict(Counter(str(r.get("worker")) for r in done)), "trials_per_hour": trials_per_hour(done),
+            "wall_s": wall_seconds(records), "stages": dict(Counter(str(r.get("stage")) for r in done)),
             "run_twice": twice, "frontier_held": held, "frontier_written": wrote,
             "frontier_equal": wrote is not None and held == wrote}
 
@@ -68,6 +78,9 @@ def main() -> None:
     rates = [r.get("trials_per_hour") for r in reports[:2]]
     if len(rates) == 2 and all(rates):
         out["scaling"] = round(rates[1] / rates[0], 3)
+    walls = [(r.get("finished"), r.get("wall_s")) for r in reports[:2]]
+    if len(walls) == 2 and all(n and w for n, w in walls):  # finished trials per wall-clock hour, engine loads included
+        out["scaling_wall"] = round((walls[1][0] / walls[1][1]) / (walls[0][0] / walls[0][1]), 3)
     print(json.dumps(out, indent=2))
 
 
