@@ -62,6 +62,9 @@ def serve(
     kv_memory: str = opt.kv_memory_option("KV pool size, e.g. 40GiB (default: 90% of free GPU memory; 2GiB on CPU)."),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Requests decoding together at most."),
     max_batched_tokens: int = typer.Option(8192, "--max-batched-tokens", help="Prefill tokens per step (chunked prefill)."),
+    schedule: str = typer.Option("interleave", "--schedule", help="With --prefill engine: interleave (a decode step "
+                                 "between prefill chunks: an arriving prompt stalls the running requests by one "
+                                 "chunk) or prefill_first (every waiting prompt's prefill before the next decode step)."),
     flow_executor: str = opt.flow_executor_option(),
     defaults: str = opt.defaults_option(),
     no_cuda_graph: bool = opt.no_cuda_graph_option(),
@@ -81,7 +84,8 @@ def serve(
     else:
         engine = opt.engine_config(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
                                    flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed, defaults=defaults,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
+                                   schedule=schedule)
         cfg = ServeConfig(engine=engine, flows=tuple(f.strip() for f in flow.split(",") if f.strip()),
                           params=tuple(param or ()), rates=_floats(rate, "--rate"), requests=requests,
                           input_len=input_len, output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup,

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from sparsetune.models.config import ModelConfig
 
 
+SCHEDULES = ("prefill_first", "interleave")  # how prefill chunks and decode steps share the engine
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -29,6 +32,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides kv_memory
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    schedule: str = "prefill_first"  # "interleave": a decode step between prefill chunks (engine/scheduler.py)
     max_model_len: int | None = None  # None: the model's context length
     cuda_graph: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
@@ -65,6 +69,8 @@ class EngineConfig:
         check_dtype_name(self.dtype)
         if self.defaults not in ("tuned", "published"):
             raise SparsetuneError(f"--defaults {self.defaults!r}: use tuned or published")
+        if self.schedule not in SCHEDULES:
+            raise SparsetuneError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if self.flow_executor not in (None, "reference", "compiled"):
             raise SparsetuneError(f"--flow-executor {self.flow_executor!r}: use reference or compiled")
         return model_config(self.model, self.random_weights)

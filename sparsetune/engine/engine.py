@@ -120,7 +120,8 @@ class Engine:
         self.max_model_len = min(self._max_len, num_blocks * cfg.block_size)
         self.backends: list[AttentionBackend] = [self.dense_attention()] * mcfg.num_hidden_layers
         self.block_manager = BlockManager(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   interleave=cfg.schedule == "interleave")
         self.runner = ModelRunner(self.model, self.kv, self.backends, cfg.max_num_seqs, self.max_model_len)
 
     @property

@@ -1,5 +1,10 @@
 """Continuous batching: chunked prefill first, else one decode token for every running sequence.
 
+`interleave=True` (latency under load, `EngineConfig.schedule = "interleave"`): after a prefill
+step, the running sequences take a decode step before the next prefill chunk, so a long prompt
+arriving stalls their tokens by one chunk's time, not by its whole prefill. That interleaved step
+never preempts: a sequence that cannot get its next block waits for a regular decode step.
+
 Preemption is by recompute: when a decode step cannot get a block, the most
 recently admitted running sequence gives up its blocks and goes back to the
 front of the waiting queue with all its tokens (prompt + generated) as its new
@@ -27,10 +32,13 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 interleave: bool = False) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.interleave = interleave
+        self._after_prefill = False  # the last batch was a prefill (interleave: decode next)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -42,10 +50,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
+        if self.interleave and self._after_prefill:
+            self._after_prefill = False
+            batch = self._schedule_decode(preempt=False)
+            if batch.seqs:
+                return batch
         batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
+        self._after_prefill = batch is not None
+        return batch if batch is not None else self._schedule_decode()
 
     def _schedule_prefill(self) -> Batch | None:
         seqs: list[Sequence] = []
@@ -68,8 +80,13 @@ class Scheduler:
                 break
         return Batch(True, seqs, counts) if seqs else None
 
-    def _schedule_decode(self) -> Batch:
-        seqs: list[Sequence] = []
+    def _schedule_decode(self, preempt: bool = True) -> Batch:
+        if not preempt:  # the sequences whose next token has room, in order; the others wait
+            seqs = [s for s in self.running if self.blocks.can_grow(s, s.num_tokens)][: self.max_num_seqs]
+            for s in seqs:
+                self.blocks.grow(s, s.num_tokens)
+            return Batch(False, seqs, [1] * len(seqs))
+        seqs = []
         while self.running and len(seqs) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.blocks.can_grow(seq, seq.num_tokens):

@@ -7,10 +7,12 @@ before it. At rate r the gaps are scaled by 1/r, so every rate and every flow se
 requests and only the time scale changes. A request is added when its arrival time comes whether
 the engine is busy or not (open loop), and its latencies count from that arrival time, not from
 when the loop got to it: waiting behind a long step is part of them. Steps run back to back while
-there is work (the scheduler's chunked prefill first, else one token for every running request).
+there is work (the scheduler's chunked prefill, and one token for every running request).
 
 Prefill, two settings:
-- `engine` (one node): prompts are prefilled by the same engine, between decode steps.
+- `engine` (one node): prompts are prefilled by the same engine, between decode steps: with the
+  engine's `schedule` "interleave" (the command's default) one decode step follows each prefill
+  chunk; with "prefill_first" every waiting prompt is prefilled before the next decode step.
 - `disaggregated`: the decode node of a prefill/decode split (Vortex §6.4.2 measured P1D1). A
   request arrives with its prompt's KV (blocks of the pool, holding whatever they held: speed only),
   the decode flow's fields are built over them, and it joins the decode batch; it is admitted when

@@ -123,6 +123,7 @@ AFTER_TORCH = [
     (("search", "--reuse", "cacheblend", "--task", "niah_single"), ("--task niah_single: no reusable segments",)),
     (("search", "--storage", "postgresql://u@127.0.0.1:1/x"), ("cannot open it", "check the URL and that the server runs")),
     (("search", "--flow", "quest", "--context", "512"), ("--context 512 is too small for cwe", "raise --context")),
+    (("bench", "serve", "--schedule", "soon"), ("--schedule 'soon': use one of prefill_first, interleave",)),
     (("search", "--workers", "0"), ("--workers must be at least 1",)),
     (("search", "--agent", "nosuch"), ("--agent 'nosuch': use one of evolve, claude, openai",)),
     (("search", "--agent", "evolve", "--workers", "2"), ("--agent with --workers", "use --workers 1")),
@@ -137,7 +138,7 @@ AFTER_TORCH = [
 def test_refused_without_a_run_directory(args, needles, tmp_path):
     out = tmp_path / "runs"
     extra = ["--out", str(out), "--task", "niah_single", "--samples", "1", "--context", "256"] if args[0] == "eval" else []
-    extra += ["--out", str(out)] if args[0] == "search" else []
+    extra += ["--out", str(out)] if args[0] in ("search", "bench") else []
     proc = run(*args, *extra)
     assert proc.returncode == 2, proc.stderr
     assert_clean_error(proc, *needles)

@@ -183,3 +183,72 @@ def test_sampling_top_p_and_seed():
     b = [sample(logits, temps, full, g2).item() for _ in range(50)]
     assert a == b and len(set(a)) > 2
     assert sample(logits, torch.tensor([0.0]), full).item() == 0
+
+
+def _drive(interleave: bool, num_blocks: int = 64) -> tuple[list[str], list[int]]:
+    """Two short prompts decode while a 100-token prompt arrives (chunks of 32): the steps the
+    scheduler picks (P: prefill, D: decode) and the step at which each of the two got a token."""
+    from sparsetune.engine.block_manager import BlockManager
+    from sparsetune.engine.scheduler import Scheduler
+    from sparsetune.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(num_blocks, 8), max_num_seqs=8, max_num_batched_tokens=32, interleave=interleave)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    short = [Sequence(list(range(10)), params), Sequence(list(range(12)), params)]
+    steps, short_tokens = [], []
+
+    def step():
+        batch = sched.schedule()
+        steps.append("P" if batch.is_prefill else "D")
+        sampled = {s.seq_id: 7 for i, s in enumerate(batch.seqs) if not batch.is_prefill or batch.completes_prefill(i)}
+        if not batch.is_prefill and short[0] in batch.seqs:
+            short_tokens.append(len(steps) - 1)
+        sched.postprocess(batch, sampled, (), 10_000)
+
+    for s in short:
+        sched.add(s)
+    step()  # both short prompts in one prefill
+    step()
+    sched.add(Sequence(list(range(100)), params))  # arrives mid-decode: 4 chunks
+    for _ in range(10):
+        step()
+    return steps, short_tokens
+
+
+def test_interleave_puts_a_decode_step_between_prefill_chunks():
+    steps, tokens = _drive(interleave=False)
+    assert steps == ["P", "D", "P", "P", "P", "P", "D", "D", "D", "D", "D", "D"]  # the prompt stalls decode 4 steps
+    steps, tokens = _drive(interleave=True)
+    assert steps == ["P", "D", "P", "D", "P", "D", "P", "D", "P", "D", "D", "D"]
+    assert all(b - a <= 2 for a, b in zip(tokens, tokens[1:]))  # a running request waits one chunk at most
+
+
+def test_interleave_never_preempts_and_lets_a_blocked_sequence_wait():
+    """A pool too small for every running sequence's next block: the interleaved decode step takes
+    only those with room (no preemption); the regular decode step after it still preempts."""
+    from sparsetune.engine.block_manager import BlockManager
+    from sparsetune.engine.scheduler import Scheduler
+    from sparsetune.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(4, 8), max_num_seqs=8, max_num_batched_tokens=64, interleave=True)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    a, b, c = Sequence(list(range(8)), params), Sequence(list(range(5)), params), Sequence(list(range(9)), params)
+    for s in (a, b, c):
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs == [a, b, c]  # 1 + 1 + 2 blocks: the pool is full
+    sched.postprocess(batch, {s.seq_id: 1 for s in batch.seqs}, (), 10_000)  # a: 9 tokens, its next needs a block
+    batch = sched.schedule()  # interleaved: a waits, b and c have room
+    assert not batch.is_prefill and batch.seqs == [b, c] and sched.num_preemptions == 0
+    assert list(sched.running) == [a, b, c]
+    sched.postprocess(batch, {s.seq_id: 1 for s in batch.seqs}, (), 10_000)
+    batch = sched.schedule()  # a regular decode step: the last admitted gives its blocks to a
+    assert batch.seqs == [a, b] and sched.num_preemptions == 1 and list(sched.waiting) == [c]
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_interleave_keeps_outputs(smollm):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    reference = [o.token_ids for o in smollm.generate(TEXTS, params)]
+    llm = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, max_num_batched_tokens=16, schedule="interleave")
+    assert [o.token_ids for o in llm.generate(TEXTS, params)] == reference
