@@ -297,7 +297,7 @@ def bench_sparse_point(
     kv_bytes = batch * HKV * k_sel * BLOCK_SIZE * HEAD_DIM * 2 * 2
     out = torch.empty_like(q)
     auto_splits = choose_num_splits(batch, HKV, k_sel, BLOCK_SIZE, paged_decode._num_sms(q.device))
-    res: dict[str, Any] = {"batch": batch, "ctx": ctx, "k_sel": k_sel, "kv_bytes": kv_bytes,
+    res: dict[str, Any] = {"batch": batch, "ctx": ctx, "k_sel": k_sel, "block_size": BLOCK_SIZE, "kv_bytes": kv_bytes,
                            "auto_splits": auto_splits, "variants": {}}
 
     ref = sparse_paged_decode_attention_ref(q, k, v, bt, seq_lens, sel, counts, scale)
@@ -325,7 +325,7 @@ def bench_sparse_point(
     sparse_cfgs = [cfg for cfg in configs if not cfg[3]]  # no hand-pipelined sparse loop
     times = {cfg: run(cfg, None) for cfg in sparse_cfgs}
     best_cfg = min(times, key=times.get)
-    for splits in sorted({max(1, auto_splits // 2), auto_splits * 2} - {auto_splits}):
+    for splits in sorted({max(1, auto_splits // 2), auto_splits * 2, auto_splits * 4} - {auto_splits}):
         run(best_cfg, splits)
     best_key = min(res["variants"], key=lambda kk: res["variants"][kk]["us"])
     res["best"] = {"key": best_key, **res["variants"][best_key]}
@@ -604,7 +604,10 @@ def main() -> int:
     ap.add_argument("--compile-only", action="store_true", help="AOT-compile all kernel variants (no GPU needed)")
     ap.add_argument("--target", type=str, default="cuda:90", help="target for --compile-only, e.g. cuda:90")
     ap.add_argument("--cpu-smoke", action="store_true", help="run the flow on CPU (interpreter, tiny shapes)")
+    ap.add_argument("--sparse-block-sizes", default="16", help="KV block sizes of the sparse points, e.g. 2,4,8,16 "
+                    "(the selection's tokens stay SPARSE_K x 16: 2048)")
     args = ap.parse_args()
+    sparse_block_sizes = [int(b) for b in args.sparse_block_sizes.split(",")]
 
     if args.compile_only:
         return compile_only(args.target, args.quick)
@@ -646,15 +649,20 @@ def main() -> int:
         _release_memory()
 
     results["sparse"] = []
-    for batch, ctx in SPARSE_POINTS:
-        print(f"sparse decode B={batch} ctx={ctx} K={SPARSE_K} blocks "
-              f"(KV read {batch * HKV * SPARSE_K * BLOCK_SIZE * HEAD_DIM * 4 / 1e9:.3f} GB):")
-        try:
-            results["sparse"].append(bench_sparse_point(batch, ctx, SPARSE_K, configs, copy_gbs, gen))
-        except torch.cuda.OutOfMemoryError as exc:
-            print(f"  OOM: {str(exc)[:120]}")
-            results["sparse"].append({"batch": batch, "ctx": ctx, "k_sel": SPARSE_K, "error": "OOM"})
-        _release_memory()
+    global BLOCK_SIZE
+    page, budget = BLOCK_SIZE, SPARSE_K * BLOCK_SIZE  # the selection's tokens, at every block size
+    for BLOCK_SIZE in sparse_block_sizes:  # make_paged_kv and random_selection read it
+        k_sel = max(1, budget // BLOCK_SIZE)
+        for batch, ctx in SPARSE_POINTS:
+            print(f"sparse decode B={batch} ctx={ctx} K={k_sel} blocks of {BLOCK_SIZE} "
+                  f"(KV read {batch * HKV * k_sel * BLOCK_SIZE * HEAD_DIM * 4 / 1e9:.3f} GB):")
+            try:
+                results["sparse"].append(bench_sparse_point(batch, ctx, k_sel, configs, copy_gbs, gen))
+            except torch.cuda.OutOfMemoryError as exc:
+                print(f"  OOM: {str(exc)[:120]}")
+                results["sparse"].append({"batch": batch, "ctx": ctx, "k_sel": k_sel, "block_size": BLOCK_SIZE, "error": "OOM"})
+            _release_memory()
+    BLOCK_SIZE = page
 
     results["fused"] = {}
     for n_tokens in FUSED_TOKENS:
@@ -690,14 +698,14 @@ def main() -> int:
     if ranked:
         print("config ranking (geomean fraction of copy bw, auto splits): " + ", ".join(f"{k} {s:.1%}" for s, k in ranked))
         results["config_ranking"] = [{"config": k, "geomean_frac_copy_bw": s} for s, k in ranked]
-    print(f"\n=== block-sparse paged decode (same shapes, K={SPARSE_K} blocks of {BLOCK_SIZE} per seq and kv head) ===")
-    print(f"{'B':>4s} {'ctx':>6s} {'splits':>6s} {'best variant':30s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'dense us':>9s} {'dense %':>7s}")
+    print(f"\n=== block-sparse paged decode (same shapes, {SPARSE_K * BLOCK_SIZE} tokens per seq and kv head in blocks of bs) ===")
+    print(f"{'bs':>3s} {'B':>4s} {'ctx':>6s} {'splits':>6s} {'best variant':30s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'dense us':>9s} {'dense %':>7s}")
     for r in results["sparse"]:
         if "error" in r:
             print(f"{r['batch']:>4d} {r['ctx']:>6d} {r['error']}")
             continue
         best, dn = r["best"], r["dense_same_bytes"]
-        print(f"{r['batch']:>4d} {r['ctx']:>6d} {r['auto_splits']:>6d} {best['key']:30s} {best['us']:9.1f} {best['gbs']:7.0f} "
+        print(f"{r['block_size']:>3d} {r['batch']:>4d} {r['ctx']:>6d} {r['auto_splits']:>6d} {best['key']:30s} {best['us']:9.1f} {best['gbs']:7.0f} "
               f"{best['frac_copy_bw']:6.1%} {dn['us']:9.1f} {dn['frac_copy_bw']:7.1%}")
     print("\n=== fused ops (bf16) ===")
     for n_tokens, ops in results["fused"].items():

@@ -22,3 +22,11 @@ step reuse 560 bash -c 'python3 -c "import json, torch; torch.manual_seed(0); js
   python3 benchmarks/bench_reuse.py --model qwen3-8b --context 32768 --repeats 3 --rows torch,kernels \
     --flows full_recompute,pie,cacheblend,sparsex,a3,redknot,loopserve --param redknot:head_classes=/tmp/heads-8b.json \
     --json-out "$OUT/reuse.json"'
+# Issue #17 (opt-in: `bash benchmarks/run_gpu.sh sparse_blocks engine_blocks`): the sparse decode kernel at
+# selection blocks of 2-16 tokens (2048 tokens selected; splits swept to 4x the automatic count, the
+# batch-8 lead), then the engine's sparse step at those block sizes (every sparse layer selecting).
+step sparse_blocks 400 python3 benchmarks/bench_kernels.py --quick --skip-large --sparse-block-sizes 2,4,8,16 \
+  --json-out "$OUT/sparse_blocks.json"
+step engine_blocks 560 bash -c 'for bs in 2 4 8; do python3 benchmarks/bench_engine.py --model qwen3-8b \
+  --flows dense,block_topk,quest --param budget=2048 --param dense_layers=0 --param block_size=$bs \
+  --decode 16x32768,8x32768 --prefill "" --profile "" --profile-prefill 0 --json-out "$OUT/engine_bs$bs.json"; done'
