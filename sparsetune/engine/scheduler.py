@@ -81,12 +81,15 @@ class Scheduler:
         return Batch(True, seqs, counts) if seqs else None
 
     def _schedule_decode(self, preempt: bool = True) -> Batch:
-        if not preempt:  # the sequences whose next token has room, in order; the others wait
-            seqs = [s for s in self.running if self.blocks.can_grow(s, s.num_tokens)][: self.max_num_seqs]
-            for s in seqs:
-                self.blocks.grow(s, s.num_tokens)
+        seqs: list[Sequence] = []
+        if not preempt:  # the sequences whose next token has room, in order (each takes its block before
+            for s in self.running:  # the next one asks); the others wait
+                if len(seqs) == self.max_num_seqs:
+                    break
+                if self.blocks.can_grow(s, s.num_tokens):
+                    self.blocks.grow(s, s.num_tokens)
+                    seqs.append(s)
             return Batch(False, seqs, [1] * len(seqs))
-        seqs = []
         while self.running and len(seqs) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.blocks.can_grow(seq, seq.num_tokens):

@@ -246,6 +246,24 @@ def test_interleave_never_preempts_and_lets_a_blocked_sequence_wait():
     assert batch.seqs == [a, b] and sched.num_preemptions == 1 and list(sched.waiting) == [c]
 
 
+def test_interleave_takes_the_last_free_block_once():
+    """Two sequences cross a block boundary on the same step with one block free: the first takes
+    it, the second waits (both had passed a room check against the same free list)."""
+    from sparsetune.engine.block_manager import BlockManager
+    from sparsetune.engine.scheduler import Scheduler
+    from sparsetune.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(3, 8), max_num_seqs=8, max_num_batched_tokens=64, interleave=True)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    a, b = Sequence(list(range(8)), params), Sequence(list(range(8)), params)
+    for s in (a, b):
+        sched.add(s)
+    batch = sched.schedule()
+    sched.postprocess(batch, {a.seq_id: 1, b.seq_id: 1}, (), 10_000)  # 9 tokens each: each needs a 2nd block
+    batch = sched.schedule()
+    assert batch.seqs == [a] and len(a.block_table) == 2 and len(b.block_table) == 1
+
+
 @pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_interleave_keeps_outputs(smollm):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
