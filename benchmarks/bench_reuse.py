@@ -6,7 +6,10 @@
 The prompt is a plain prefix, `--segments` reusable segments and a plain question; the segments
 hold `--reuse-ratio` of the tokens. `--rows torch,kernels` times every flow both ways in one run:
 the recomputed rows' attention in the torch path (gathered keys, SDPA with masks) and in
-`kernels/rows_attention` (the engine's CUDA path). Stage 1 (cache building) prefills it once with `pie`, which
+`kernels/rows_attention` (the engine's CUDA path). Each row's compute floor: the plan's matmul
+FLOPs (`perf.cost.prefill_flops` of the token-layers, MLP rows and attended pairs the executor
+counted) at the bf16 GEMM rate measured in the same run; "ceiling" is full recompute's FLOPs over
+the plan's, the most any kernel can give at this budget. Stage 1 (cache building) prefills it once with `pie`, which
 stores the segments; stage 2 times each flow's reuse prefill on the same prompt (the segments hit).
 Random weights: the byte tokenizer makes one token per character, so the lengths are exact.
 """
@@ -23,6 +26,7 @@ import sparsetune.engine.rows as engine_rows
 from sparsetune.llm import LLM
 from sparsetune.flow.params import parse_flow_param_args
 from sparsetune.engine.sequence import SamplingParams
+from sparsetune.perf.cost import full_prefill_flops, prefill_flops
 from sparsetune.perf.speed import reuse_prompt, reuse_ttft_seconds, store_segments
 
 
@@ -63,8 +67,10 @@ def main() -> None:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     llm.generate([parts], once, chat=False)
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-            row = {"flow": flow, "rows": path, "params": llm.reuse_flow.params(), "ttft_s": ttft, **{k: last[k] for k in
-                   ("prompt_tokens", "reuse_ratio", "recompute_ratio", "compute_fraction", "segment_hits")}}
+            flops = prefill_flops(llm.model_config, last["token_layers"], last["mlp_token_layers"], last["attention_pairs"])
+            row = {"flow": flow, "rows": path, "params": llm.reuse_flow.params(), "ttft_s": ttft, "flops": flops,
+                   **{k: last[k] for k in ("prompt_tokens", "reuse_ratio", "recompute_ratio", "compute_fraction",
+                                           "segment_hits", "attention_pairs")}}
             rows.append(row)
             print(json.dumps(row), flush=True)
     engine_rows.use_kernels = default_path
@@ -79,16 +85,33 @@ def main() -> None:
     engine = statistics.median(times)
     base = {p: next((r["ttft_s"] for r in rows if r["flow"] == "full_recompute" and r["rows"] == p), engine) for p in paths}
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    full = full_prefill_flops(llm.model_config, first["prompt_tokens"])
+    peak = None
+    if torch.cuda.is_available():
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import measure_matmul_flops
+
+        peak = measure_matmul_flops()
     print(f"\n{args.model} random weights, {dev} {llm.dtype}, {first['prompt_tokens']} tokens, "
           f"{args.reuse_ratio:.0%} in {args.segments} reused segments; engine prefill TTFT {engine:.3f} s")
-    print("| flow | rows' attention | TTFT s | vs full_recompute | recomputed share of reused | token-layers computed |")
-    print("|---|---|---|---|---|---|")
+    print(f"full prefill {full / 1e12:.1f} TFLOP; bf16 GEMM rate " + (f"{peak / 1e12:.0f} TFLOP/s (measured)" if peak else "not measured (no GPU)"))
+    print("| flow | rows' attention | TTFT s | vs full_recompute | recomputed share of reused | token-layers computed "
+          "| FLOPs (share) | ceiling | floor s | % of floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        r["flop_share"], r["ceiling"] = r["flops"] / full, full / r["flops"]
+        r["floor_s"] = r["flops"] / peak if peak else None
+        floor = f"{r['floor_s']:.3f} | {r['floor_s'] / r['ttft_s']:.0%}" if peak else "— | —"
         print(f"| {r['flow']} | {r['rows']} | {r['ttft_s']:.3f} | {base[r['rows']] / r['ttft_s']:.2f}x | "
-              f"{r['recompute_ratio']:.1%} | {r['compute_fraction']:.1%} |")
+              f"{r['recompute_ratio']:.1%} | {r['compute_fraction']:.1%} | {r['flops'] / 1e12:.1f} T ({r['flop_share']:.1%}) | "
+              f"{r['ceiling']:.2f}x | {floor} |")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"rows": rows, "engine_prefill_ttft_s": engine}, f, indent=1)
+            json.dump({"rows": rows, "engine_prefill_ttft_s": engine, "full_prefill_flops": full,
+                       "matmul_flops_per_s": peak}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ class HeadWindows:
         near = (keys[None, None, :] < sinks) | (pos[None, :, None] - keys[None, None, :] < windows)  # [Hkv, n, T]
         return near.repeat_interleave(self.group, 0)
 
+    def pairs(self, pos: torch.Tensor) -> torch.Tensor:
+        """(row, key) pairs the rows at `pos` attend, summed over rows, averaged over heads (float64)."""
+        p1 = pos.double()[None, :] + 1  # keys 0..p
+        w, s = self.windows.to(pos.device).double()[:, None], self.sinks.to(pos.device).double()[:, None]
+        seen = torch.minimum(w, p1) + (torch.minimum(s, p1 - w)).clamp(min=0)  # the window, then sinks before it
+        return seen.sum(1).mean()
+
 
 @dataclass
 class Lines:
@@ -74,6 +81,16 @@ class Lines:
         dist = (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0)  # [n, T]; 0 past the row
         by_slash = self.slash.gather(1, dist.flatten().expand(h, -1)).view(h, pos.numel(), t)
         return self.vertical[:, None, :] | by_slash
+
+    def pairs(self, pos: torch.Tensor) -> torch.Tensor:
+        """(row, key) pairs the rows at `pos` attend (the lines and the own key), summed over rows,
+        averaged over heads (float64). Per head and row p: vertical keys <= p + slash distances <= p
+        - keys on both (sum_j vertical[j] slash[p - j], a convolution, by FFT) + the own key if on neither."""
+        v, s = self.vertical.double(), self.slash.double()
+        t = v.shape[1]
+        both = torch.fft.irfft(torch.fft.rfft(v, 2 * t) * torch.fft.rfft(s, 2 * t), 2 * t)[:, :t].round()
+        union = v.cumsum(1) + s.cumsum(1) - both + (1 - torch.maximum(v, s[:, :1]))
+        return union[:, pos].sum(1).mean()
 
 
 AttentionPattern = Union[MaskFn, HeadWindows, Lines]
@@ -93,6 +110,9 @@ class Rows:
         self.kv, self.block_table, self.num_tokens, self.scale = kv, block_table, num_tokens, scale
         self.slots = kv.slots(block_table, torch.arange(num_tokens, device=kv.k.device))  # [T] every token's
         self.table32 = block_table.to(torch.int32).contiguous()  # the kernels' block table
+        # Σ over layers of the (row, key) pairs attended, averaged over query heads: the attention's
+        # FLOPs are 4 · head_dim · Hq · this (perf.cost.prefill_flops). Counted on the device.
+        self.attention_pairs = torch.zeros((), dtype=torch.float64, device=kv.k.device)
         self.set_rows(positions)
 
     def set_rows(self, positions: torch.Tensor) -> None:
@@ -149,6 +169,10 @@ class Rows:
         """q `[n, Hq, D]` of the rows over the sequence's KV in the pool → `[n, Hq, D]`."""
         gathered = functools.cache(lambda: self.kv.gather(layer, self.block_table, self.num_tokens))  # [Hkv, T, D] x 2
         pattern = self.attention_pattern(layer, q, lambda: gathered()[0])
+        if pattern is None:
+            self.attention_pairs += (self.positions + 1).sum()
+        elif isinstance(pattern, (HeadWindows, Lines)):
+            self.attention_pairs += pattern.pairs(self.positions)
         if use_kernels(q) and (pattern is None or isinstance(pattern, (HeadWindows, Lines))):
             k, v = self.kv.k[layer], self.kv.v[layer]  # the paged pool: no gather
             with stage("attention"):
@@ -161,7 +185,8 @@ class Rows:
         k, v = gathered()
         if pattern is None:
             return attend_causal(q, self.positions, k, v, self.runs, self.scale)
-        return attend_pattern(q, self.positions, k, v, pattern, self.scale)
+        return attend_pattern(q, self.positions, k, v, pattern, self.scale,
+                              pairs=None if isinstance(pattern, (HeadWindows, Lines)) else self.attention_pairs)
 
     def mlp(self, layer: int, mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         m = self.mlp_rows(layer)
@@ -214,9 +239,10 @@ def attend_causal(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 def attend_pattern(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern,
-                   scale: float) -> torch.Tensor:
+                   scale: float, pairs: torch.Tensor | None = None) -> torch.Tensor:
     """Like `attend_causal`, each head's rows seeing only the keys `pattern` allows (and their own key);
-    chunks of rows bound the `[Hq, rows, T]` mask."""
+    chunks of rows bound the `[Hq, rows, T]` mask. `pairs`: a counter the attended (row, key) pairs,
+    averaged over heads, are added to."""
     qh, t = q.transpose(0, 1), k.shape[1]
     out = torch.empty_like(qh)
     keys = torch.arange(t, device=q.device)
@@ -227,6 +253,8 @@ def attend_pattern(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
             end = int(p[-1]) + 1
             mask = pattern(p).to(q.device)[:, :, :end] & (keys[None, None, :end] <= p[None, :, None])
             mask |= keys[None, None, :end] == p[None, :, None]
+            if pairs is not None:
+                pairs += mask.sum(dtype=torch.float64) / mask.shape[0]
             out[:, a : a + step] = F.scaled_dot_product_attention(
                 qh[:, a : a + step].unsqueeze(0), k[:, :end].unsqueeze(0), v[:, :end].unsqueeze(0),
                 attn_mask=mask.unsqueeze(0), scale=scale, enable_gqa=True).squeeze(0)

@@ -70,3 +70,22 @@ def modeled_speedup(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, conte
     """Dense step bytes over the flow's: the decode speedup at the byte floor."""
     return decode_step_bytes(cfg, None, batch, context, dtype_bytes).total / decode_step_bytes(
         cfg, flow, batch, context, dtype_bytes).total
+
+
+# ---- prefill FLOPs (a reuse flow's compute floor) -----------------------------------------------------
+
+def prefill_flops(cfg: ModelConfig, token_layers: float, mlp_token_layers: float, attention_pairs: float) -> float:
+    """Matmul FLOPs of a prefill that computes `token_layers` rows (Σ over layers), runs the MLP on
+    `mlp_token_layers` of them and attends `attention_pairs` (row, key) pairs per query head (Σ over
+    layers; `ReuseStats` counts all three): the attention projections, the MLP (gate, up, down) and
+    QK^T + PV. Norms, RoPE and the LM head are left out (under 1% at long contexts)."""
+    d, hd, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    proj = d * (hq + 2 * hkv) * hd + hq * hd * d
+    mlp = 3 * d * cfg.intermediate_size
+    return 2.0 * (proj * token_layers + mlp * mlp_token_layers) + 4.0 * hd * hq * attention_pairs
+
+
+def full_prefill_flops(cfg: ModelConfig, tokens: int) -> float:
+    """`prefill_flops` of a full causal prefill of `tokens` tokens (every row, every key before it)."""
+    layers = cfg.num_hidden_layers
+    return prefill_flops(cfg, layers * tokens, layers * tokens, layers * tokens * (tokens + 1) / 2)

@@ -37,6 +37,7 @@ class ReuseStats:
     recomputed_reused: int = 0  # reused tokens recomputed in the layers after the selection
     token_layers: int = 0  # Σ over layers of rows computed
     mlp_token_layers: int = 0  # Σ over layers of rows that ran the MLP (fewer with a sparse FFN)
+    attention_pairs: int = 0  # Σ over layers and rows of the keys attended, averaged over query heads
     fresh_kv: int = 0  # Σ over layers of reused (token, KV head) pairs whose KV was recomputed
     num_kv_heads: int = 1
     head_paged_kv_fraction: float | None = None  # share of per-head KV a head-paged store would keep
@@ -63,6 +64,8 @@ class ReuseStats:
             "reuse_ratio": round(self.reuse_ratio, 6), "recompute_ratio": round(self.recompute_ratio, 6),
             "compute_fraction": round(self.compute_fraction, 6), "segment_hits": self.segment_hits,
             "segment_misses": self.segment_misses, "seconds": self.seconds,
+            "token_layers": self.token_layers, "mlp_token_layers": self.mlp_token_layers,
+            "attention_pairs": self.attention_pairs,
             "mlp_fraction": round(self.mlp_token_layers / max(1, self.num_layers * self.prompt_tokens), 6),
             "fresh_kv_fraction": round(self.fresh_kv / max(1, self.num_layers * self.num_kv_heads * self.reused_tokens), 6),
             **({} if self.head_paged_kv_fraction is None
@@ -225,4 +228,5 @@ class ReusePlan(Rows):
     def finish(self) -> None:
         """Read the device counters into the stats."""
         self.stats.fresh_kv, self.stats.mlp_token_layers = int(self.fresh), int(self.mlp_count)
+        self.stats.attention_pairs = round(float(self.attention_pairs))
         self.stats.recomputed_reused = int((self.recomputed & self.reused).sum())

@@ -3,6 +3,8 @@ weights (the module's parameters) and a flow's field stores."""
 
 from __future__ import annotations
 
+import torch
+
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.models.registry import REGISTRY
@@ -59,3 +61,19 @@ def test_kv_share_is_the_context_a_step_reads_dense_layers_included():
     assert kv_share(CFG, quest, 4096) == (2 * 4096 + 28 * 512) / (30 * 4096)
     ratio = build_flow("block_topk", {"block_size": "2", "budget_ratio": "0.125", "dense_layers": ""})
     assert kv_share(CFG, ratio, 2048) == 0.125  # 128 blocks of 2 on every layer; its fields are not K/V
+
+
+def test_prefill_flops_count_the_model_s_linear_weights_and_attention_pairs(smollm):
+    from sparsetune.perf.cost import full_prefill_flops, prefill_flops
+
+    linear = sum(m.weight.numel() for name, m in smollm.model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}")  # per token, all layers
+    cfg, t = smollm.model_config, 300
+    per_layer = linear // cfg.num_hidden_layers
+    pairs = cfg.num_hidden_layers * t * (t + 1) / 2  # every row, keys 0..i
+    want = 2 * linear * t + 4 * cfg.head_dim * cfg.num_attention_heads * pairs
+    assert full_prefill_flops(cfg, t) == want
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size  # a sparse FFN skips these rows' MLP only
+    assert prefill_flops(cfg, 10, 4, 0) == 2 * (10 * per_layer - 6 * mlp)
+    qwen = REGISTRY["qwen3-8b"].config  # BENCHMARKS' hand figure at 32K: 455 + 317 TFLOP
+    assert abs(full_prefill_flops(qwen, 32768) / 1e12 - 772) < 4

@@ -20,6 +20,8 @@ def test_full_recompute_equals_plain_prefill(smollm):
     ref = plain_logits(smollm, layout)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     assert stats.reused_tokens == 0 and stats.compute_fraction == 1.0
+    t = layout.num_tokens  # every row attends keys 0..i on every layer
+    assert stats.attention_pairs == stats.num_layers * t * (t + 1) // 2
 
 
 @pytest.mark.parametrize("flow,params", [("cacheblend", {}), ("a3", {}), ("sparsex", {}), ("sparsex", {"boundary_layer": "0"}),

@@ -51,3 +51,24 @@ def test_kernel_path_equals_the_torch_path(smollm_dev, head_file, monkeypatch, f
     assert calls[kernel] == layers  # every layer of the reused prefill ran in the kernel
     if flow == "cacheblend":  # nothing reads the keys: the kernel reads the pool, no gather (but reuse_logits' own)
         assert calls["gather"] == 1
+
+
+def test_pattern_pairs_count_their_masks():
+    """The (row, key) pairs a structured pattern attends (what the FLOP count uses) against its own
+    mask, AND-ed with the causal mask and OR-ed with the row's own key, counted entry by entry."""
+    from sparsetune.engine.rows import HeadWindows, Lines
+
+    g = torch.Generator().manual_seed(3)
+    t, hkv, group = 97, 3, 2
+    pos = torch.tensor(sorted(torch.randperm(t, generator=g)[:40].tolist()))
+    keys = torch.arange(t)
+
+    def brute(mask):
+        seen = (mask & (keys[None, None, :] <= pos[None, :, None])) | (keys[None, None, :] == pos[None, :, None])
+        return seen.sum().item() / mask.shape[0]
+
+    windows = HeadWindows(torch.tensor([0, 5, 2]), torch.tensor([HeadWindows.UNBOUNDED, 7, 1]), group, t)
+    assert windows.pairs(pos).item() == brute(windows(pos))
+    lines = Lines(torch.rand(hkv * group, t, generator=g) < 0.1, torch.rand(hkv * group, t, generator=g) < 0.1)
+    lines.slash[0, 0] = True  # a head whose own-key diagonal is a chosen line
+    assert lines.pairs(pos).item() == brute(lines(pos))
