@@ -184,9 +184,10 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
         options["kind"] = "reuse"
     cfg = SearchConfig(flows=tuple(names(reuse) or names(flows) or DEFAULT_FLOWS), study=study, **options)
     check_search(cfg)  # before torch loads
-    from sparsetune.search.storage import open_storage, stored_config
+    from sparsetune.search.storage import is_rdb, open_storage, stored_config
 
-    if resume and stored_config(open_storage(cfg.storage_url()), study) is None:
+    url = cfg.storage_url()
+    if resume and ((not is_rdb(url) and not Path(url).is_file()) or stored_config(open_storage(url), study) is None):
         raise SparsetuneError(f"--resume: no search {study!r} in {cfg.storage_url()}; drop --resume to start it")
     agent = None
     if cfg.agent is not None:

@@ -143,12 +143,17 @@ class _Live:
             c = data["cell"]
             self.base += c["requests"]
             err.print(f"{c['flow']} at {c['rate']:g} req/s: P95 TPOT {_ms(c['tpot_ms'], 'p95')}, P95 TTFT "
-                      f"{_ms(c['ttft_ms'], 'p95')}, {c['output_throughput']:.0f} tok/s"
+                      f"{_ms(c['ttft_ms'], 'p95')}, {_rate(c['output_throughput'])} tok/s"
                       + ("" if c["kept_up"] is not False else " [yellow](did not keep up)[/]"))
 
 
 def _ms(stats: dict | None, q: str) -> str:
     return "-" if not stats else f"{stats[q]:.1f} ms"
+
+
+def _rate(x: float) -> str:
+    """Tokens/s: whole numbers from 100 up, three significant digits below (a CPU run makes < 1)."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def table(result: dict[str, Any]):
@@ -167,7 +172,7 @@ def table(result: dict[str, Any]):
         row = [c["flow"], f"{c['rate']:g}", kept] + [
             "-" if not c[f"{m}_ms"] else f"{c[f'{m}_ms'][q]:.1f}"
             for m, q in (("ttft", "p50"), ("ttft", "p95"), ("tpot", "p50"), ("tpot", "p95"), ("tpot", "p99"),
-                         ("itl", "p95"), ("e2e", "p95"))] + [f"{c['output_throughput']:.0f}"]
+                         ("itl", "p95"), ("e2e", "p95"))] + [_rate(c["output_throughput"])]
         if has_slo:
             s = c.get("slo") or {}
             row += [f"{s['goodput']:.2f}" if s else "-", f"{100 * s['attainment']:.0f}" if s else "-"]

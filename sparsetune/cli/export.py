@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from sparsetune.cli import options as opt
 from sparsetune.cli.output import emit_json, err
@@ -40,9 +41,9 @@ def export(
         if json_out:
             emit_json(result)
         for p in result["problems"]:
-            err.print(f"[red]problem:[/] {p}")
+            err.print(f"[red]problem:[/] {escape(p)}")
         if result["sglang_problem"]:
-            err.print(f"[{'red' if require_sglang else 'yellow'}]sglang:[/] {result['sglang_problem']}")
+            err.print(f"[{'red' if require_sglang else 'yellow'}]sglang:[/] {escape(result['sglang_problem'])}")
         if result["ok"]:
             err.print(f"{check}: the bundle checks" + (f"; SGLang {result['sglang']} can serve it" if not result["sglang_problem"] else ""))
             return

@@ -245,8 +245,10 @@ def check_serve(cfg: ServeConfig) -> None:
         specs = cls.param_specs()
         for key, value in params.items():
             if key not in specs:
-                raise SparsetuneError(f"--param {key}: {flow} has no such param (it has {', '.join(specs)}); "
-                                      f"give a flow its own with --param FLOW:{key}=VALUE")
+                own = any(p.partition("=")[0] == f"{flow}:{key}" for p in cfg.params)
+                raise SparsetuneError(f"--param {f'{flow}:' if own else ''}{key}: {flow} has no such param (it has "
+                                      f"{', '.join(specs)})" + ("" if own else f"; a param for one flow only is "
+                                                                              f"--param FLOW:{key}=VALUE"))
             specs[key].parse(key, value)
 
 

@@ -127,6 +127,7 @@ def test_the_cli_exports_checks_and_refuses_a_bundle_that_changed(search_run, tm
     assert ok.returncode == 0 and json.loads(ok.stdout)["problems"] == [], ok.stderr
     # here SGLang is not installed: a launch's check says so in one line
     assert_clean_error(run("export", "--check", str(tmp_path / "b"), "--require-sglang"), "SGLang is not installed")
+    assert "(or 'sparsetune[sglang]')" in ok.stderr  # the hint as written (not eaten as console markup)
     source = tmp_path / "b" / m["source"]
     source.write_text(source.read_text() + "\n# edited\n")
     assert_clean_error(run("export", "--check", str(tmp_path / "b")), "changed since export")

@@ -230,6 +230,9 @@ def test_sparsetune_search_is_the_python_api(tmp_path):
     assert out["study"] == "s" and out["trials"]["finished"] == 3 and out["complete"]
     with pytest.raises(SparsetuneError, match="--resume: no search 'new'"):
         sparsetune.search("quest", resume=True, study="new", out=str(tmp_path))
+    with pytest.raises(SparsetuneError, match="--resume: no search 'new'"):  # refused: nothing written
+        sparsetune.search("quest", resume=True, study="new", out=str(tmp_path / "fresh"))
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_a_confirmed_point_holds_unless_fresh_prompts_put_it_below_the_bar_or_its_search_figure():
