@@ -185,8 +185,8 @@ _CLOSE = 0.01  # stop once the prompt is within 1% under the context
 
 def too_small(task: str, context: int, need: int) -> SparsetuneError:
     """`need`: this sample's prompt with the least filler (others may differ by a few tokens)."""
-    return SparsetuneError(f"--context {context} is too small for {task}: it needs at least {need} tokens "
-                           f"(raise --context, or pass --task without {task})")
+    return SparsetuneError(f"--context {context} is too small for {task}: it needs at least {need} tokens; "
+                           f"raise --context")
 
 
 def fit(
