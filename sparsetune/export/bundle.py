@@ -100,8 +100,9 @@ def point_of_run(run_dir: Path, trial: str | None = None, pick: str | None = Non
         rows = held + summary.get("not_confirmed", []) + summary.get("defaults", [])
         row = next((r for r in rows if r["trial"] == trial), None)
         if row is None:
-            raise SparsetuneError(f"--trial {trial!r}: not a confirmed point or default of {run_dir} "
-                                  f"(confirmed frontier: {', '.join(r['trial'] for r in held) or 'none'})")
+            raise SparsetuneError(f"--trial {trial!r}: not on the confirmed frontier of {run_dir}, nor a default or a "
+                                  f"point that failed confirmation there (a confirmed point another one beats is not "
+                                  f"kept; confirmed frontier: {', '.join(r['trial'] for r in held) or 'none'})")
         if not row.get("holds"):
             raise SparsetuneError(f"--trial {trial}: it did not hold on fresh prompts "
                                   f"({row.get('confirmed_accuracy')} of dense); pick a point of the confirmed frontier")
