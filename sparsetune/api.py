@@ -188,7 +188,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
 
     url = cfg.storage_url()
     if resume and ((not is_rdb(url) and not Path(url).is_file()) or stored_config(open_storage(url), study) is None):
-        raise SparsetuneError(f"--resume: no search {study!r} in {cfg.storage_url()}; drop --resume to start it")
+        raise SparsetuneError(f"--resume: no search {study!r} in {url}; drop --resume to start it")
     agent = None
     if cfg.agent is not None:
         if workers > 1:

@@ -169,11 +169,12 @@ class Rows:
         """q `[n, Hq, D]` of the rows over the sequence's KV in the pool → `[n, Hq, D]`."""
         gathered = functools.cache(lambda: self.kv.gather(layer, self.block_table, self.num_tokens))  # [Hkv, T, D] x 2
         pattern = self.attention_pattern(layer, q, lambda: gathered()[0])
+        structured = isinstance(pattern, (HeadWindows, Lines))
         if pattern is None:
             self.attention_pairs += (self.positions + 1).sum()
-        elif isinstance(pattern, (HeadWindows, Lines)):
+        elif structured:
             self.attention_pairs += pattern.pairs(self.positions)
-        if use_kernels(q) and (pattern is None or isinstance(pattern, (HeadWindows, Lines))):
+        if use_kernels(q) and (pattern is None or structured):
             k, v = self.kv.k[layer], self.kv.v[layer]  # the paged pool: no gather
             with stage("attention"):
                 if isinstance(pattern, Lines):
@@ -186,7 +187,7 @@ class Rows:
         if pattern is None:
             return attend_causal(q, self.positions, k, v, self.runs, self.scale)
         return attend_pattern(q, self.positions, k, v, pattern, self.scale,
-                              pairs=None if isinstance(pattern, (HeadWindows, Lines)) else self.attention_pairs)
+                              pairs=None if structured else self.attention_pairs)
 
     def mlp(self, layer: int, mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         m = self.mlp_rows(layer)

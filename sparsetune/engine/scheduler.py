@@ -52,7 +52,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         if self.interleave and self._after_prefill:
             self._after_prefill = False
-            batch = self._schedule_decode(preempt=False)
+            batch = self._decode_with_room()
             if batch.seqs:
                 return batch
         batch = self._schedule_prefill()
@@ -80,16 +80,20 @@ class Scheduler:
                 break
         return Batch(True, seqs, counts) if seqs else None
 
-    def _schedule_decode(self, preempt: bool = True) -> Batch:
+    def _decode_with_room(self) -> Batch:
+        """The interleaved decode step: the running sequences whose next token has room, in order
+        (each takes its block before the next one asks); the others wait. Never preempts."""
         seqs: list[Sequence] = []
-        if not preempt:  # the sequences whose next token has room, in order (each takes its block before
-            for s in self.running:  # the next one asks); the others wait
-                if len(seqs) == self.max_num_seqs:
-                    break
-                if self.blocks.can_grow(s, s.num_tokens):
-                    self.blocks.grow(s, s.num_tokens)
-                    seqs.append(s)
-            return Batch(False, seqs, [1] * len(seqs))
+        for s in self.running:
+            if len(seqs) == self.max_num_seqs:
+                break
+            if self.blocks.can_grow(s, s.num_tokens):
+                self.blocks.grow(s, s.num_tokens)
+                seqs.append(s)
+        return Batch(False, seqs, [1] * len(seqs))
+
+    def _schedule_decode(self) -> Batch:
+        seqs: list[Sequence] = []
         while self.running and len(seqs) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.blocks.can_grow(seq, seq.num_tokens):
