@@ -47,6 +47,31 @@ def row_set(t: int, fresh: float, budget: float, gen: torch.Generator) -> torch.
     return torch.cat([picked, torch.arange(reused, t)]).cuda()
 
 
+def sweep(qa, k, v, kp, vp, table, scale, pos, peak, d, hq) -> None:
+    """The row kernel's tile configs (rows per program, keys per tile, warps, stages) on one row set,
+    contiguous and paged, fastest paged first."""
+    q = qa[pos]
+    flops = 4 * d * hq * float((pos + 1).sum())
+    out = []
+    for bm in (16, 32, 64):
+        for bn in (16, 32, 64, 128):
+            for w in (4, 8):
+                for st in (2, 3, 4):
+                    kw = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                    try:
+                        us = {"rows": bench_us(lambda: rows_attention(q, pos, k, v, scale, **kw)),
+                              "rows_paged": bench_us(lambda: rows_attention(q, pos, kp, vp, scale, block_table=table, **kw))}
+                    except Exception as e:  # out of shared memory and the like
+                        print(f"  {kw}: {type(e).__name__}", flush=True)
+                        continue
+                    rec = {"kernel": kw, "us": {n: round(x, 1) for n, x in us.items()},
+                           "of_peak": {n: round(flops / x * 1e6 / peak, 3) for n, x in us.items()}}
+                    out.append(rec)
+                    print(json.dumps(rec), flush=True)
+    for rec in sorted(out, key=lambda r: r["us"]["rows_paged"])[:8]:
+        print("best paged:", json.dumps(rec))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=32768)
@@ -63,6 +88,8 @@ def main() -> None:
     ap.add_argument("--vertical", type=float, default=0.02)
     ap.add_argument("--slash", type=float, default=0.01)
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the scattered rows (first budget, contiguous and paged) over a grid of tile configs, then exit")
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
     t, hq, hkv, d, bs = a.context, 32, 8, 128, 16
@@ -84,6 +111,9 @@ def main() -> None:
     with prefill_backends():
         causal_us = bench_us(lambda: causal_sdpa(qa.transpose(0, 1), k, v, 0, scale), use_graph=False)
     causal_flops = 4 * d * hq * t * (t + 1) / 2
+    if a.sweep:
+        sweep(qa, k, v, kp, vp, table, scale, row_set(t, a.fresh, float(a.budgets.split(",")[0]), gen), peak, d, hq)
+        return
     for budget in (float(x) for x in a.budgets.split(",")):
         pos = row_set(t, a.fresh, budget, gen)
         q = qa[pos]

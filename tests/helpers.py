@@ -151,7 +151,7 @@ def reuse_logits(llm, flow: str, parts, params: dict[str, str] | None = None, wa
         llm.generate([parts], SamplingParams(max_tokens=1), chat=False)
     seq_table = llm.block_manager.allocate(-(-layout.num_tokens // llm.kv.block_size))
     try:
-        table = torch.tensor(seq_table, dtype=torch.int32)
+        table = torch.tensor(seq_table, dtype=torch.int32, device=llm.kv.k.device)
         logits, stats = llm.reuse_executor.prefill(llm.reuse_flow, layout, table)
         layer0_k = llm.kv.gather(0, table, layout.num_tokens)[0].clone()
     finally:

@@ -11,8 +11,9 @@ RoPE at `positions`, the model's layer calls
 - `attention`: those rows attend over the sequence's first `num_tokens` keys in the pool, row i
   seeing keys 0..i, narrowed per head by `attention_pattern`: a mask function, or one of the
   structured patterns below, which on CUDA run block-sparse in `kernels/rows_attention` straight
-  from the paged pool (key tiles no row sees are not read); the torch path (CPU, or a mask
-  function) gathers the keys and runs SDPA;
+  from the paged pool (key tiles no row sees are not read), as do scattered rows without a pattern;
+  rows that are all long consecutive runs (a full recompute) take the flash causal call, and the
+  torch path (CPU, or a mask function) gathers the keys and runs SDPA;
 - `mlp`: the MLP of the rows `mlp_rows` names; the others take the residual path.
 
 The hooks return None by default: every row goes on, stores fresh KV, attends causally and runs the
@@ -174,7 +175,10 @@ class Rows:
             self.attention_pairs += (self.positions + 1).sum()
         elif structured:
             self.attention_pairs += pattern.pairs(self.positions)
-        if use_kernels(q) and (pattern is None or structured):
+        # All rows in long consecutive runs (a full recompute, a layer recomputing every row): the flash
+        # causal kernels beat the row kernel there; a mixed set runs in the row kernel whole (measured
+        # faster than splitting it: BENCHMARKS.md, #18).
+        if use_kernels(q) and (structured or (pattern is None and self.runs.rest is not None)):
             k, v = self.kv.k[layer], self.kv.v[layer]  # the paged pool: no gather
             with stage("attention"):
                 if isinstance(pattern, Lines):

@@ -14,23 +14,28 @@ from sparsetune.kernels import rows_attention as kernels
 from helpers import reuse_logits, reuse_parts
 
 
+# A fresh (not reused) tail of over 64 tokens: a consecutive run among the recomputed rows of every
+# layer (the set stays mixed: the row kernel runs it whole).
+TAIL = " Answer in one word, after thinking about both documents, the doors, their colours and codes," * 4
 CASES = [
-    ("cacheblend", {"ratio": "0.3"}, "rows_attention"),
-    ("redknot", {"window": "8", "sink": "2", "global_ratio": "0.3", "ffn_layer": "1000"}, "rows_attention"),
-    ("loopserve", {"alpha": "0.6"}, "lines_attention"),
+    ("cacheblend", {"ratio": "0.3"}, "rows_attention", ""),
+    ("cacheblend", {"ratio": "0.3"}, "rows_attention", TAIL),
+    ("redknot", {"window": "8", "sink": "2", "global_ratio": "0.3", "ffn_layer": "1000"}, "rows_attention", ""),
+    ("loopserve", {"alpha": "0.6"}, "lines_attention", ""),
 ]
 
 
 @pytest.mark.slow  # the interpreter runs every layer's attention
-@pytest.mark.parametrize("flow,params,kernel", CASES, ids=[c[0] for c in CASES])
-def test_kernel_path_equals_the_torch_path(smollm_dev, head_file, monkeypatch, flow, params, kernel):
+@pytest.mark.parametrize("flow,params,kernel,tail", CASES, ids=["cacheblend", "cacheblend-tail", "redknot", "loopserve"])
+def test_kernel_path_equals_the_torch_path(smollm_dev, head_file, monkeypatch, flow, params, kernel, tail):
     llm = smollm_dev
     if flow == "redknot":
         params = {**params, "head_classes": head_file}
+    parts = reuse_parts() + [tail] if tail else reuse_parts()
     monkeypatch.setattr(rows_mod, "use_kernels", lambda q: False)
-    want, want_stats, _, _ = reuse_logits(llm, flow, reuse_parts(), params)
+    want, want_stats, _, _ = reuse_logits(llm, flow, parts, params)
 
-    calls = {"rows_attention": 0, "lines_attention": 0, "gather": 0}
+    calls = {"rows_attention": 0, "lines_attention": 0, "gather": 0, "attend_causal": 0}
 
     def counted(name, fn):
         def wrapper(*a, **kw):
@@ -41,16 +46,25 @@ def test_kernel_path_equals_the_torch_path(smollm_dev, head_file, monkeypatch, f
     monkeypatch.setattr(rows_mod, "use_kernels", lambda q: True)
     for name in ("rows_attention", "lines_attention"):
         monkeypatch.setattr(rows_mod, name, counted(name, getattr(kernels, name)))
+    monkeypatch.setattr(rows_mod, "attend_causal", counted("attend_causal", rows_mod.attend_causal))
+    masked = []  # the torch path's masked calls (what the kernels replace) must not run
+    monkeypatch.setattr(rows_mod, "attend_pattern", lambda *a, **kw: masked.append(1))
     monkeypatch.setattr(llm.kv, "gather", counted("gather", llm.kv.gather))
-    got, got_stats, _, _ = reuse_logits(llm, flow, reuse_parts(), params, warm=False)  # the segments are stored
+    got, got_stats, _, _ = reuse_logits(llm, flow, parts, params, warm=False)  # the segments are stored
 
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     assert got.argmax() == want.argmax()
     assert got_stats.to_dict() | {"seconds": 0} == want_stats.to_dict() | {"seconds": 0}
     layers = llm.model_config.num_hidden_layers
-    assert calls[kernel] == layers  # every layer of the reused prefill ran in the kernel
-    if flow == "cacheblend":  # nothing reads the keys: the kernel reads the pool, no gather (but reuse_logits' own)
-        assert calls["gather"] == 1
+    assert not masked
+    # Layers that recompute every row (CacheBlend's layer 0, RedKnot's 2 dense layers) are one
+    # consecutive run: the flash causal call, on keys gathered from the pool. The rest run in the
+    # kernel: CacheBlend's scattered rows (with a long fresh tail's run among them the set is still
+    # mixed), RedKnot's windows, LoopServe's lines, straight from the pool.
+    full = {"cacheblend": 1, "redknot": 2, "loopserve": 0}[flow]
+    assert calls[kernel] == layers - full and calls["attend_causal"] == full
+    if flow == "cacheblend":  # nothing else gathers the keys (+ reuse_logits' own); RedKnot's hooks read them
+        assert calls["gather"] == 1 + full
 
 
 def test_pattern_pairs_count_their_masks():
