@@ -77,6 +77,9 @@ class _Live:
         elif kind == "failed":
             self.done += 1
             err.print(f"  [red]failed:[/] {data['reason']}")
+        elif kind == "waiting":
+            err.print(f"[dim]--trials is spent; waiting for {', '.join(data['trials'])} (other workers; "
+                      "one whose worker stopped is expired and run here)[/]")
         elif kind == "expired":
             err.print(f"[yellow]expired {data['trial']} (its worker stopped); its params are enqueued again[/]")
         elif kind == "trial":

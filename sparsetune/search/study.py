@@ -27,7 +27,10 @@ broken). Ctrl-C stops the running trial, tells it FAIL ("interrupted") and
 enqueues its params again, so a resumed study redoes it. A RUNNING trial whose heartbeat is older
 than the lease (a killed worker) is told FAIL and its params enqueued again, once, by whichever
 worker sees it first (the tell is the lock). Such a retry is the next trial its flow runs, ahead of
-enqueued seeds (`ask`): under `--trials` it is not left waiting when the budget is spent.
+enqueued seeds (`ask`): under `--trials` it is not left waiting when the budget is spent. A
+worker that finds `--trials` spent while other workers' trials still run waits for them before it
+leaves: the budget counts running trials, so a worker that died in the last one would otherwise
+take its point with it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ FAILURES_IN_A_ROW = 5  # then the search stops: something other than the points 
 CONFIRM_SEED_OFFSET = 1000
 HEARTBEAT_S = float(os.environ.get("SPARSETUNE_HEARTBEAT_S", "20"))
 LEASE_S = 6 * HEARTBEAT_S
+WAIT_S = min(1.0, HEARTBEAT_S)  # how often a worker with nothing left to start looks at the others' trials
 DEFAULT_BUDGET_RATIO = 0.125  # the defaults' budget, as a share of the context (the search's budget coordinate)
 
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -345,6 +349,16 @@ class Budget:
     def left_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
 
+    def others_running(self, flows: Flows, reserve_s: float = 0.0) -> list[str]:
+        """When `--trials` is spent counting trials other workers run now (this one runs none between
+        trials), with time left: those trials. The worker waits for them before it leaves, so that
+        one whose worker died expires and is run again here instead of being lost with the budget."""
+        left = self.left_s()
+        if self.cfg.trials is None or (left is not None and left < self.trial_s + reserve_s):
+            return []
+        return [f"{k}#{t.number}" for k, s in flows.studies.items()
+                for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+
     def reason_to_stop(self, flows: Flows, reserve_s: float = 0.0) -> str | None:
         if self.cfg.trials is not None and trial_count(flows.studies) >= self.cfg.trials:
             return f"{self.cfg.trials} trials done"
@@ -361,9 +375,13 @@ def pick_flow(flows: Flows, records: list[dict[str, Any]], turn: int, min_accura
     run = tuple(s for s in TrialState if s != TrialState.WAITING)
     counts = {k: len(s.get_trials(deepcopy=False, states=run)) for k, s in flows.studies.items()}  # run or running
     keys = list(flows.studies)
-    retries = [k for k in keys if flows.studies[k].get_trials(deepcopy=False, states=(TrialState.WAITING,))]
-    if retries:  # enqueued points (seeds, interrupted or expired trials) run first, flows interleaved
+    waiting = {k: flows.studies[k].get_trials(deepcopy=False, states=(TrialState.WAITING,)) for k in keys}
+    retries = [k for k in keys if any("retry_of" in t.user_attrs for t in waiting[k])]
+    if retries:  # interrupted or expired trials first (under --trials the budget may hold only them)
         return min(retries, key=lambda k: (counts[k], keys.index(k)))
+    enqueued = [k for k in keys if waiting[k]]
+    if enqueued:  # then the other enqueued points (seeds), flows interleaved
+        return min(enqueued, key=lambda k: (counts[k], keys.index(k)))
     cold = [k for k in keys if counts[k] < WARM_TRIALS]
     if cold or turn % 3 == 2:
         pool = cold or keys
@@ -387,13 +405,20 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
     emit = on_event or (lambda kind, data: None)
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
     run = run or run_trial
-    turn, failures = 0, []
+    turn, failures, waited_on = 0, [], []
     while True:
         for name in expire_stale(flows):
             emit("expired", {"trial": name})
         if between is not None:
             between()
         stop = budget.reason_to_stop(flows, reserve_s())
+        running = budget.others_running(flows, reserve_s()) if stop is not None else []
+        if running:  # the last trials run elsewhere: a dead worker's expires (above) and runs here
+            if running != waited_on:
+                emit("waiting", {"trials": running})
+            waited_on = running
+            time.sleep(WAIT_S)
+            continue
         if stop is not None:
             return stop
         records = trial_records(flows)

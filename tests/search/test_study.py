@@ -16,8 +16,9 @@ from optuna.trial import TrialState
 from sparsetune.errors import SparsetuneError
 from sparsetune.registry import get_flow_class
 from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import (CONFIRM_SEED_OFFSET, Budget, ask, confirm_reserve, default_trial_params, expire_stale,
-                                     open_flows, run_search, run_trial, to_confirm, trial_records)
+from sparsetune.search.space import suggest
+from sparsetune.search.study import (CONFIRM_SEED_OFFSET, LEASE_S, Budget, ask, confirm_reserve, default_trial_params,
+                                     expire_stale, open_flows, run_search, run_trial, to_confirm, trial_records)
 from helpers import SyntheticEvaluator
 
 
@@ -167,6 +168,25 @@ def test_a_stale_running_trial_is_expired_and_enqueued_again_once(tmp_path):
     seeds = [w.number for w in study.get_trials(states=(TrialState.WAITING,)) if "retry_of" not in w.user_attrs]
     assert seeds and min(seeds) < waiting[0].number  # enqueued before it, yet the retry runs first:
     assert ask(study).number == waiting[0].number and study.ask().number == min(seeds)
+
+
+def test_a_worker_waits_for_the_last_trial_of_a_worker_that_dies_and_runs_it_again(tmp_path):
+    """--trials counts running trials: a worker that died in the last one must not take its point
+    with it (seen on 2 GPUs, issue #19: 7 of 8 trials finished, the killed one never redone)."""
+    cfg = _cfg(tmp_path, trials=3, confirm_samples=1)
+    flows = open_flows(cfg, create=True)
+    study = flows.studies["quest"]
+    orphan = ask(study)  # another worker takes the defaults, and dies in 1.5 s (its heartbeat stops)
+    params = suggest(orphan, flows.classes["quest"], flows.num_layers, {})
+    orphan.set_user_attr("heartbeat", time.time() - LEASE_S + 1.5)
+    events = []
+    run_search(cfg, SyntheticEvaluator(cfg), on_event=lambda kind, data: events.append((kind, data)))
+    records = trial_records(open_flows(cfg, create=False))
+    assert [r["state"] for r in records].count("COMPLETE") == 3
+    failed = [r for r in records if r["state"] == "FAIL"]
+    assert len(failed) == 1 and failed[0]["failure"].startswith("expired")
+    assert [r for r in records if r["state"] == "COMPLETE" and r["flow"] == "quest" and r["params"] == params]
+    assert ("waiting", {"trials": ["quest#0"]}) in events and ("expired", {"trial": "quest#0"}) in events
 
 
 def test_a_study_run_with_other_settings_is_refused(tmp_path):
