@@ -6,6 +6,7 @@ a search worker's trials) reuses the class, and an edited file is loaded again."
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import os
@@ -96,7 +97,10 @@ def flow_path(name_or_path: str) -> Path:
         return Path(name_or_path)
     flows = builtin_flows()
     if name_or_path not in flows:
-        raise SparsetuneError(f"unknown flow {name_or_path!r}; built-in: {', '.join(flows)} (or pass a path to a .py file)")
+        near = difflib.get_close_matches(name_or_path, flows, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise SparsetuneError(f"unknown flow {name_or_path!r}; {hint}built-in: {', '.join(flows)} "
+                              "(or pass a path to a .py file)")
     return flows[name_or_path]
 
 

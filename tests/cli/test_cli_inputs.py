@@ -114,6 +114,7 @@ AFTER_TORCH = [
     (("eval", "--threads", "0"), ("--threads must be at least 1",)),
     (("generate", "--prompt", "hi", "--flow", "quest", "--param", "budget_ratio=2"), ("must be in [0.0, 1.0]",)),
     (("flows", "show", "nosuch"), ("unknown flow 'nosuch'",)),
+    (("flows", "show", "qeust"), ("unknown flow 'qeust'; did you mean 'quest'?",)),
     (("generate", "--prompt", "hi", "--kv-memory", "100TiB"), ("the KV pool needs", "lower --batch or --context")),
     (("search", "--flow", "nosuch"), ("unknown flow 'nosuch'",)),
     (("search", "--flow", "quest", "--param", "nosuch=1"), ("--param nosuch: quest has no such param",)),
