@@ -235,10 +235,12 @@ def promote_flow(candidate_dir: str | Path, out: str | Path | None = None) -> di
 
 def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | None = None,
            params: dict[str, str] | None = None, trial: str | None = None, pick: str | None = None,
-           model: str | None = None, force: bool = False) -> dict[str, Any]:
+           model: str | None = None, force: bool = False, defaults: str = "tuned") -> dict[str, Any]:
     """Write a bundle of a tuned decode flow to `out` (`export.bundle`): a search's confirmed point
     (`run_dir`, by `trial` or a `pick` rule; by default the fastest above the search's bar), or a
-    flow with `params` and no search. Returns the manifest, with the bundle's folder as `bundle`."""
+    flow with `params` and no search: with `model`, over the model's tuned defaults (as `eval` runs
+    it) unless `defaults` is "published". Returns the manifest, with the bundle's folder as `bundle`
+    and, for `flow`, what was taken from the tuned defaults as `tuned` (None: nothing)."""
     out = Path(out)
     if (run_dir is None) == (flow is None):
         raise SparsetuneError("export a search's run folder (runs/<study>) or a --flow with --param, not both and not neither")
@@ -251,9 +253,17 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
 
     if run_dir is not None:
         manifest = export_run(Path(run_dir), out, trial=trial, pick=pick, overwrite=force)
-    else:
-        manifest = write_bundle(out, flow_path(flow), params or {}, model=model, overwrite=force)
-    return {**manifest, "bundle": str(out)}
+        return {**manifest, "bundle": str(out)}
+    if defaults not in ("tuned", "published"):
+        raise SparsetuneError(f"--defaults {defaults}: expected tuned or published")
+    params, tuned = dict(params or {}), None
+    if model is not None and defaults == "tuned":
+        from sparsetune.flow.defaults import with_tuned_defaults
+
+        params, tuned = with_tuned_defaults(model, False, flow, params)
+    origin = {"from": "params"} if tuned is None else {"from": "params", "tuned": tuned}
+    manifest = write_bundle(out, flow_path(flow), params, model=model, origin=origin, overwrite=force)
+    return {**manifest, "bundle": str(out), "tuned": tuned}
 
 
 def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str | Path | None = None) -> dict[str, Any]:

@@ -24,6 +24,7 @@ def export(
     model: str = typer.Option(None, "--model", help="With --flow: the model the params were tuned for (recorded). "
                               "With --check: the model folder SGLang will serve the bundle on (checked too)."),
     force: bool = typer.Option(False, "--force", help="Replace the bundle at --out."),
+    defaults: str = opt.defaults_option(),
     check: Path = typer.Option(None, "--check", help="Check a bundle instead: files, hashes, params, SGLang version."),
     require_sglang: bool = typer.Option(False, "--require-sglang", help="With --check: fail unless this environment's "
                                         "SGLang can serve the bundle (launch_sglang.sh passes it)."),
@@ -52,9 +53,15 @@ def export(
     if out is None:
         raise SparsetuneError("--out DIR: where to write the bundle")
     m = export_bundle(run_dir, out=out, flow=flow, params=parse_param_args(param), trial=trial, pick=pick, model=model,
-                      force=force)
+                      force=force, defaults=defaults)
     if json_out:
         emit_json(m)
+    if flow is not None and model is not None and defaults == "tuned":
+        from sparsetune.flow.defaults import describe
+
+        said = describe(m["flow"], model, m["tuned"])
+        if said:
+            err.print(f"[dim]{escape(said)}[/]")
     measured = m.get("measured") or {}
     figures = ""
     if measured:

@@ -75,6 +75,27 @@ def test_a_flow_and_params_alone_make_a_bundle_and_bad_params_are_refused(tmp_pa
         write_bundle(tmp_path / "y", flow_path("cacheblend"), {})
 
 
+@pytest.mark.tuned_defaults
+def test_a_flow_exported_for_a_model_takes_its_tuned_defaults_as_eval_does(tmp_path):
+    """`export --flow F --model M` runs what `eval --flow F --model M` runs: M's tuned defaults under
+    the user's --param (a shipped file here: smollm2-135m's quest block size), or the flow's own with
+    --defaults published; the manifest says what it took."""
+    from sparsetune.api import export
+    from sparsetune.models.artifacts import read_tuned_defaults
+
+    tuned = read_tuned_defaults("smollm2-135m")["quest"]["params"]
+    assert tuned["block_size"] != "16"  # the published default, which the bundle must not fall back to
+    m = export(out=tmp_path / "t", flow="quest", model="smollm2-135m")
+    assert {k: m["params"][k] for k in tuned} == tuned and m["tuned"]["params"] == tuned
+    assert json.loads((tmp_path / "t" / MANIFEST).read_text())["origin"]["tuned"]["params"] == tuned
+    assert check_bundle(tmp_path / "t") == []
+    m = export(out=tmp_path / "u", flow="quest", model="smollm2-135m", params={"block_size": "8"})
+    assert m["params"]["block_size"] == "8" and "block_size" not in m["tuned"]["params"]  # the user's param wins
+    m = export(out=tmp_path / "p", flow="quest", model="smollm2-135m", defaults="published")
+    assert m["params"]["block_size"] == "16" and m["tuned"] is None
+    assert export(out=tmp_path / "n", flow="quest")["params"]["block_size"] == "16"  # no model: nothing tuned
+
+
 def _edit(bundle, **changes):
     m = json.loads((bundle / MANIFEST).read_text())
     for k, v in changes.items():
