@@ -39,6 +39,7 @@ class GenerateResult:
     decode_tokens_per_second: float | None
     reuse: dict[str, Any] | None = None  # the reuse flow's name, params and prefill stats (prompts as parts)
     defaults: dict[str, Any] | None = None  # the model's tuned flow defaults the run took (`flow.defaults`)
+    attended_tokens: int | None = None  # of the prompt's tokens, what a sparse layer attends (None: dense)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -77,6 +78,7 @@ def generate(
         config.check()  # before torch loads
     from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
+    from sparsetune.perf.cost import attended_tokens
 
     t0 = time.perf_counter()
     if llm is None:
@@ -107,6 +109,7 @@ def generate(
         decode_tokens_per_second=None if tps is None else round(tps, 2),
         reuse=None if out.reuse is None else {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **out.reuse},
         defaults=llm.config.tuned,
+        attended_tokens=None if llm.flow is None else attended_tokens(llm.model_config, llm.flow, out.prompt_tokens),
     )
 
 

@@ -93,6 +93,9 @@ def generate(
     said = describe(result.flow, result.model, result.defaults)
     if said:
         err.print(f"[dim]{said}[/]")
+    if result.attended_tokens is not None:
+        err.print(f"[dim]{result.flow} attends {result.attended_tokens} of the prompt's {result.prompt_tokens} tokens "
+                  "per sparse layer[/]")
     if result.reuse:
         r = result.reuse
         err.print(f"[dim]reuse ({r['flow']}): {r['reuse_ratio']:.0%} of the prompt reused, {r['recompute_ratio']:.0%} of "

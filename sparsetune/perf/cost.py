@@ -41,6 +41,13 @@ def field_bytes_per_block(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) 
     return cfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * dtype_bytes
 
 
+def attended_tokens(cfg: ModelConfig, flow: DecodeFlow, context: int) -> int:
+    """The tokens a sparse layer of `flow` attends in a sequence of `context` tokens (the budget's
+    blocks; sinks and the local window only for an indexer that scores nothing)."""
+    scores = not index_traits(flow, cfg.head_dim, flow.const_dims(cfg.head_dim)).forced_only
+    return min(context, flow.attended_blocks(-(-context // flow.block_size), scores) * flow.block_size)
+
+
 def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, context: int, dtype_bytes: int) -> StepBytes:
     """What one decode step reads with `flow` (None: dense) at `batch` sequences of `context` tokens."""
     kv_token_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
@@ -52,8 +59,7 @@ def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, con
     nb = -(-context // bs)
     sparse = [i for i in range(layers) if i not in flow.dense_layers]
     selecting = [i for i in sparse if not flow.select_layers or i in flow.select_layers]
-    scores = not index_traits(flow, cfg.head_dim, flow.const_dims(cfg.head_dim)).forced_only
-    attended = min(context, flow.attended_blocks(nb, scores) * bs)
+    attended = attended_tokens(cfg, flow, context)
     kv = batch * kv_token_layer * (context * (layers - len(sparse)) + attended * len(sparse))
     fields = batch * nb * field_bytes_per_block(flow, cfg, dtype_bytes) * len(selecting)
     return StepBytes(weights, kv, fields)

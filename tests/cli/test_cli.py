@@ -23,6 +23,7 @@ def test_generate_json():
     assert "Paris" in out["text"]
     assert out["prompt_tokens"] > 5 and 0 < out["completion_tokens"] <= 12
     assert out["random_weights"] is False
+    assert out["attended_tokens"] is None  # dense
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores

@@ -8,7 +8,7 @@ import torch
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.models.registry import REGISTRY
-from sparsetune.perf.cost import decode_step_bytes, field_bytes_per_block, kv_share, modeled_speedup, weight_bytes
+from sparsetune.perf.cost import attended_tokens, decode_step_bytes, field_bytes_per_block, kv_share, modeled_speedup, weight_bytes
 from sparsetune.registry import build_flow
 
 CFG = REGISTRY["smollm2-135m"].config  # 30 layers, 3 KV heads, head dim 64, tied embeddings
@@ -53,6 +53,16 @@ def test_window_flows_and_shared_selection():
     shared = build_flow("block_topk", {"budget": "512", "dense_layers": "0", "select_layers": "1,15"})
     a, b = decode_step_bytes(CFG, every, 1, 4096, 4), decode_step_bytes(CFG, shared, 1, 4096, 4)
     assert a.kv == b.kv and b.fields * 29 == a.fields * 2  # fields read on the 2 selecting layers of 29
+
+
+def test_attended_tokens_by_hand():
+    """What `generate` reports: a short prompt at a budget ratio attends its forced blocks at least."""
+    quest = build_flow("quest", {"budget_ratio": "0.125", "block_size": "2"})  # sink 1 + local 2 blocks
+    assert attended_tokens(CFG, quest, 37) == 6  # 19 blocks: ceil(2.375) = 3 = the forced 3, of 2 tokens
+    assert attended_tokens(CFG, quest, 400) == 50  # 200 blocks: 25
+    assert attended_tokens(CFG, build_flow("quest", {"budget": "2048"}), 37) == 37  # the budget covers it
+    streaming = build_flow("streaming", {"local_blocks": "8"})  # no scoring: sink block + 8, whatever the budget
+    assert attended_tokens(CFG, streaming, 4096) == 9 * 16
 
 
 def test_kv_share_is_the_context_a_step_reads_dense_layers_included():
