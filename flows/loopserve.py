@@ -19,22 +19,11 @@ from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import Lines, attention_probs
 
 
-def distances(rows: torch.Tensor, t: int) -> torch.Tensor:
-    """`[n, T]`: how far each key lies behind each row (0 on and past the diagonal): its slash line."""
-    return (rows[:, None] - torch.arange(t, device=rows.device)[None, :]).clamp(min=0)
-
-
-def on_lines(vertical: torch.Tensor, slash: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`[H, n, T]` bool: the (row, key) entries on a head's chosen vertical (`[H, T]` by key) or slash
-    (`[H, T]` by distance) lines, for rows at positions `rows`."""
-    return Lines(vertical, slash)(rows)
-
-
 def line_masses(probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the mass of every vertical line (key j) and slash line (distance d) of a sampled
     causal map `probs` `[H, n, T]` whose rows sit at positions `rows`: `[H, T]` each."""
     vertical = probs.sum(dim=1)
-    dist = distances(rows, probs.shape[2])
+    dist = Lines.distances(rows, probs.shape[2])
     slash = torch.zeros_like(vertical).scatter_add_(1, dist.flatten().expand(probs.shape[0], -1),
                                                     probs.flatten(1))
     return vertical, slash
@@ -55,7 +44,7 @@ def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[
         return pick[:, :t], pick[:, t:]
 
     def covered(k: torch.Tensor) -> torch.Tensor:
-        return (probs * on_lines(*chosen(k), rows)).sum(dim=(1, 2))
+        return (probs * Lines(*chosen(k))(rows)).sum(dim=(1, 2))
 
     lo = torch.zeros(h, dtype=torch.long, device=probs.device)  # covered(lo) < target (or lo = 0)
     hi = torch.full((h,), 2 * t, dtype=torch.long, device=probs.device)  # covered(hi) >= target

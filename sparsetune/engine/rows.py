@@ -77,10 +77,15 @@ class Lines:
     vertical: torch.Tensor
     slash: torch.Tensor
 
+    @staticmethod
+    def distances(pos: torch.Tensor, t: int) -> torch.Tensor:
+        """`[n, T]`: how far each of `t` keys lies behind each row at `pos` (0 on and past the
+        diagonal): the slash line a (row, key) entry is on."""
+        return (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0)
+
     def __call__(self, pos: torch.Tensor) -> torch.Tensor:
         h, t = self.vertical.shape
-        dist = (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0)  # [n, T]; 0 past the row
-        by_slash = self.slash.gather(1, dist.flatten().expand(h, -1)).view(h, pos.numel(), t)
+        by_slash = self.slash.gather(1, self.distances(pos, t).flatten().expand(h, -1)).view(h, pos.numel(), t)
         return self.vertical[:, None, :] | by_slash
 
     def pairs(self, pos: torch.Tensor) -> torch.Tensor:
