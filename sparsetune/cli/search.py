@@ -205,6 +205,9 @@ def show(
         emit_json(result)
         return
     _report(result, False)
+    for r in result["running"]:
+        beat = "" if r["heartbeat_age_s"] is None else f", last heartbeat {r['heartbeat_age_s']:.0f} s ago"
+        err.print(f"running: {r['trial']} {_short(r['params'] or {})} on {r['worker'] or '?'} since {r['started']}{beat}")
 
 
 def _report(s: dict[str, Any], json_out: bool) -> None:

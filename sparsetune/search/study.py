@@ -275,6 +275,21 @@ def trial_records(flows: Flows) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (r["started"] or "", r["flow"], r["number"]))
 
 
+def running_trials(flows: Flows, now: float | None = None) -> list[dict[str, Any]]:
+    """The trials running now (or whose worker died within the lease): flow, number, params, worker,
+    start, seconds since the last heartbeat."""
+    now = time.time() if now is None else now
+    out = []
+    for key, study in flows.studies.items():
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            rec, beat = record_of(t) or {}, t.user_attrs.get("heartbeat")
+            out.append({"flow": key, "number": t.number, "trial": f"{key}#{t.number}", "params": rec.get("params"),
+                        "worker": t.user_attrs.get("worker"), "role": t.user_attrs.get("role", "search"),
+                        "started": t.datetime_start.isoformat() if t.datetime_start else None,
+                        "heartbeat_age_s": None if beat is None else round(now - beat, 1)})
+    return sorted(out, key=lambda r: (r["started"] or "", r["flow"], r["number"]))
+
+
 # ---- one trial ------------------------------------------------------------------------------------
 
 def run_trial(cfg: SearchConfig, evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
@@ -716,7 +731,7 @@ def show(run_dir: str | Path | None = None, *, study: str | None = None, storage
             flows.studies[key] = optuna.load_study(study_name=name, storage=storage)
     records = trial_records(flows)
     s = summary(cfg, records, complete=False, stopped=None)
-    s["records"] = records
+    s["records"], s["running"] = records, running_trials(flows)
     return s
 
 

@@ -176,17 +176,41 @@ def test_a_worker_waits_for_the_last_trial_of_a_worker_that_dies_and_runs_it_aga
     cfg = _cfg(tmp_path, trials=3, confirm_samples=1)
     flows = open_flows(cfg, create=True)
     study = flows.studies["quest"]
-    orphan = ask(study)  # another worker takes the defaults, and dies in 1.5 s (its heartbeat stops)
+    orphan = ask(study)  # another worker takes the defaults ...
     params = suggest(orphan, flows.classes["quest"], flows.num_layers, {})
-    orphan.set_user_attr("heartbeat", time.time() - LEASE_S + 1.5)
+    orphan.set_user_attr("heartbeat", time.time())
     events = []
-    run_search(cfg, SyntheticEvaluator(cfg), on_event=lambda kind, data: events.append((kind, data)))
+
+    def on_event(kind, data):
+        events.append((kind, data))
+        if kind == "waiting":  # ... and dies once this one has spent the budget: its heartbeat is past the lease
+            orphan.set_user_attr("heartbeat", time.time() - LEASE_S - 1)
+
+    run_search(cfg, SyntheticEvaluator(cfg), on_event=on_event)
     records = trial_records(open_flows(cfg, create=False))
     assert [r["state"] for r in records].count("COMPLETE") == 3
     failed = [r for r in records if r["state"] == "FAIL"]
     assert len(failed) == 1 and failed[0]["failure"].startswith("expired")
     assert [r for r in records if r["state"] == "COMPLETE" and r["flow"] == "quest" and r["params"] == params]
     assert ("waiting", {"trials": ["quest#0"]}) in events and ("expired", {"trial": "quest#0"}) in events
+
+
+def test_running_trials_name_their_point_worker_and_heartbeat(tmp_path):
+    """What `search show` adds while a search runs: the trials in flight (finished ones are records)."""
+    from sparsetune.search.study import running_trials
+
+    flows = open_flows(_cfg(tmp_path), create=True)
+    assert running_trials(flows) == []
+    t = ask(flows.studies["block_topk"])
+    params = suggest(t, flows.classes["block_topk"], flows.num_layers, {})
+    t.set_user_attr("record", {"params": params, "stage": "running"})
+    t.set_user_attr("worker", "host:7")
+    t.set_user_attr("heartbeat", 1000.0)
+    [r] = running_trials(flows, now=1012.5)
+    assert (r["trial"], r["params"], r["worker"], r["heartbeat_age_s"], r["role"]) == \
+        ("block_topk#0", params, "host:7", 12.5, "defaults")
+    flows.studies["block_topk"].tell(t, [0.5, 1.5])
+    assert running_trials(flows) == []
 
 
 def test_a_study_run_with_other_settings_is_refused(tmp_path):
