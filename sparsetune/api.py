@@ -251,20 +251,29 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
         raise SparsetuneError("--param and --model come from the search when exporting its run folder; drop them")
     if flow is not None and (trial or pick):
         raise SparsetuneError("--trial and --pick choose a point of a search: pass its run folder, not --flow")
+    if defaults not in ("tuned", "published"):
+        raise SparsetuneError(f"--defaults {defaults!r}: use tuned or published")
+    if defaults != "tuned" and (run_dir is not None or model is None):
+        raise SparsetuneError("--defaults applies to --flow with --model (a search's point has its own params)")
     from sparsetune.export.bundle import export_run, write_bundle
     from sparsetune.registry import flow_path
 
     if run_dir is not None:
         manifest = export_run(Path(run_dir), out, trial=trial, pick=pick, overwrite=force)
         return {**manifest, "bundle": str(out)}
-    if defaults not in ("tuned", "published"):
-        raise SparsetuneError(f"--defaults {defaults}: expected tuned or published")
     params, tuned = dict(params or {}), None
+    if model is not None:
+        from sparsetune.models.resolve import model_name
+
+        model = model_name(model)
     if model is not None and defaults == "tuned":
         from sparsetune.flow.defaults import with_tuned_defaults
 
         params, tuned = with_tuned_defaults(model, False, flow, params)
-    origin = {"from": "params"} if tuned is None else {"from": "params", "tuned": tuned}
+    # what the manifest keeps of where they came from: no storage URL (it may hold a password), no local path
+    origin = {"from": "params"} if tuned is None else {"from": "params", "tuned": {
+        "params": tuned["params"], "file": Path(tuned["file"]).name,
+        "source": {k: v for k, v in tuned["source"].items() if k != "storage"}}}
     manifest = write_bundle(out, flow_path(flow), params, model=model, origin=origin, overwrite=force)
     return {**manifest, "bundle": str(out), "tuned": tuned}
 

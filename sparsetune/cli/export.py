@@ -59,7 +59,7 @@ def export(
     if flow is not None and model is not None and defaults == "tuned":
         from sparsetune.flow.defaults import describe
 
-        said = describe(m["flow"], model, m["tuned"])
+        said = describe(m["flow"], m["model"], m["tuned"])
         if said:
             err.print(f"[dim]{escape(said)}[/]")
     measured = m.get("measured") or {}

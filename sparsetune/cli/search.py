@@ -78,8 +78,8 @@ class _Live:
             self.done += 1
             err.print(f"  [red]failed:[/] {data['reason']}")
         elif kind == "waiting":
-            err.print(f"[dim]--trials is spent; waiting for {', '.join(data['trials'])} (other workers; "
-                      "one whose worker stopped is expired and run here)[/]")
+            err.print(f"[dim]--trials is spent; waiting for {', '.join(data['trials'])} (other workers'; one whose "
+                      f"worker stopped is expired after {data['lease_s']:.0f} s without a heartbeat and run here)[/]")
         elif kind == "expired":
             err.print(f"[yellow]expired {data['trial']} (its worker stopped); its params are enqueued again[/]")
         elif kind == "trial":

@@ -173,6 +173,8 @@ class Rows:
 
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q `[n, Hq, D]` of the rows over the sequence's KV in the pool → `[n, Hq, D]`."""
+        if not self.positions.numel():
+            return torch.empty_like(q)
         gathered = functools.cache(lambda: self.kv.gather(layer, self.block_table, self.num_tokens))  # [Hkv, T, D] x 2
         pattern = self.attention_pattern(layer, q, lambda: gathered()[0])
         structured = isinstance(pattern, (HeadWindows, Lines))

@@ -60,6 +60,16 @@ def _check_local_dir(path: Path, random_weights: bool) -> ModelConfig:
     return config
 
 
+def model_name(name_or_path: str) -> str:
+    """The name runs record a model under (and its tuned defaults and calibrations are filed by): a
+    local directory's path, a registered model's own name; anything else as given. Checks nothing."""
+    path = _local_dir(name_or_path)
+    if path is not None:
+        return str(path)
+    spec = REGISTRY.get(name_or_path.lower())
+    return name_or_path if spec is None else spec.name
+
+
 def model_config(name_or_path: str, random_weights: bool = False) -> tuple[str, ModelConfig]:
     """The model's name and architecture, checked without loading or converting anything (no torch):
     what argument checks need before an engine is built."""

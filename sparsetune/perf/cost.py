@@ -45,7 +45,8 @@ def attended_tokens(cfg: ModelConfig, flow: DecodeFlow, context: int) -> int:
     """The tokens a sparse layer of `flow` attends in a sequence of `context` tokens (the budget's
     blocks; sinks and the local window only for an indexer that scores nothing)."""
     scores = not index_traits(flow, cfg.head_dim, flow.const_dims(cfg.head_dim)).forced_only
-    return min(context, flow.attended_blocks(-(-context // flow.block_size), scores) * flow.block_size)
+    blocks = flow.attended_blocks(-(-context // flow.block_size), scores)
+    return min(context, blocks * flow.block_size - (-context) % flow.block_size)  # the last block (always kept) is partial
 
 
 def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, context: int, dtype_bytes: int) -> StepBytes:

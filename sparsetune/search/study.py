@@ -63,7 +63,7 @@ FAILURES_IN_A_ROW = 5  # then the search stops: something other than the points 
 CONFIRM_SEED_OFFSET = 1000
 HEARTBEAT_S = float(os.environ.get("SPARSETUNE_HEARTBEAT_S", "20"))
 LEASE_S = 6 * HEARTBEAT_S
-WAIT_S = min(1.0, HEARTBEAT_S)  # how often a worker with nothing left to start looks at the others' trials
+WAIT_S = min(5.0, HEARTBEAT_S / 4)  # how often a worker with nothing left to start looks at the others' trials
 DEFAULT_BUDGET_RATIO = 0.125  # the defaults' budget, as a share of the context (the search's budget coordinate)
 
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -193,10 +193,11 @@ def add_flow(cfg: SearchConfig, flows: Flows, flow: str, cls: type, *, storage=N
 
 # ---- stale trials ---------------------------------------------------------------------------------
 
-def ask(study: optuna.Study) -> optuna.Trial:
+def ask(study: optuna.Study, retries_only: bool = False) -> optuna.Trial | None:
     """`study.ask()`, except that a retry (an interrupted or expired trial's params, enqueued again)
     is taken before the other enqueued points: Optuna pops enqueued trials oldest first, which
-    would put the retry behind the seeds and, under `--trials`, possibly past the budget."""
+    would put the retry behind the seeds and, under `--trials`, possibly past the budget.
+    `retries_only`: a retry or None."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         if "retry_of" not in t.user_attrs:
             continue
@@ -205,7 +206,7 @@ def ask(study: optuna.Study) -> optuna.Trial:
                 return optuna.Trial(study, t._trial_id)
         except optuna.exceptions.UpdateFinishedTrialError:
             continue
-    return study.ask()
+    return None if retries_only else study.ask()
 
 
 def retry(study: optuna.Study, trial: optuna.Trial | FrozenTrial, failure: str) -> None:
@@ -365,14 +366,14 @@ class Budget:
         return None if self.deadline is None else self.deadline - time.time()
 
     def others_running(self, flows: Flows, reserve_s: float = 0.0) -> list[str]:
-        """When `--trials` is spent counting trials other workers run now (this one runs none between
-        trials), with time left: those trials. The worker waits for them before it leaves, so that
-        one whose worker died expires and is run again here instead of being lost with the budget."""
+        """Called when the budget says stop: under `--trials`, with time left, the trials other
+        workers run now (this one runs none between trials). The worker waits for them before it
+        leaves, so that one whose worker died expires and is run again here instead of being lost
+        with the budget, which counts it."""
         left = self.left_s()
         if self.cfg.trials is None or (left is not None and left < self.trial_s + reserve_s):
             return []
-        return [f"{k}#{t.number}" for k, s in flows.studies.items()
-                for t in s.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
+        return [r["trial"] for r in running_trials(flows)]
 
     def reason_to_stop(self, flows: Flows, reserve_s: float = 0.0) -> str | None:
         if self.cfg.trials is not None and trial_count(flows.studies) >= self.cfg.trials:
@@ -426,11 +427,12 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
             emit("expired", {"trial": name})
         if between is not None:
             between()
-        stop = budget.reason_to_stop(flows, reserve_s())
-        running = budget.others_running(flows, reserve_s()) if stop is not None else []
+        reserve = reserve_s()
+        stop = budget.reason_to_stop(flows, reserve)
+        running = budget.others_running(flows, reserve) if stop is not None else []
         if running:  # the last trials run elsewhere: a dead worker's expires (above) and runs here
             if running != waited_on:
-                emit("waiting", {"trials": running})
+                emit("waiting", {"trials": running, "lease_s": LEASE_S})
             waited_on = running
             time.sleep(WAIT_S)
             continue
@@ -438,9 +440,14 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
             return stop
         records = trial_records(flows)
         key = pick_flow(flows, records, turn, cfg.min_accuracy)
-        turn += 1
         study = flows.studies[key]
-        trial = ask(study)
+        # After a wait, the room in the budget is an expired trial's: take only its retry (another
+        # waiting worker may have taken it, and a new point would run past --trials).
+        trial = ask(study, retries_only=bool(waited_on))
+        if trial is None:  # another worker took it: look again
+            time.sleep(min(1.0, WAIT_S))
+            continue
+        turn, waited_on = turn + 1, []
         trial.set_user_attr("worker", worker)
         role = trial.user_attrs.get("role", "search")
         beat = Heartbeat(trial)

@@ -94,6 +94,10 @@ def test_a_flow_exported_for_a_model_takes_its_tuned_defaults_as_eval_does(tmp_p
     m = export(out=tmp_path / "p", flow="quest", model="smollm2-135m", defaults="published")
     assert m["params"]["block_size"] == "16" and m["tuned"] is None
     assert export(out=tmp_path / "n", flow="quest")["params"]["block_size"] == "16"  # no model: nothing tuned
+    m = export(out=tmp_path / "c", flow="quest", model="SmolLM2-135M")  # the model's name as eval records it
+    assert m["model"] == "smollm2-135m" and m["tuned"]["params"] == tuned
+    with pytest.raises(SparsetuneError, match="--defaults applies to --flow with --model"):
+        export(out=tmp_path / "d", flow="quest", defaults="published")
 
 
 def _edit(bundle, **changes):

@@ -58,7 +58,7 @@ def test_window_flows_and_shared_selection():
 def test_attended_tokens_by_hand():
     """What `generate` reports: a short prompt at a budget ratio attends its forced blocks at least."""
     quest = build_flow("quest", {"budget_ratio": "0.125", "block_size": "2"})  # sink 1 + local 2 blocks
-    assert attended_tokens(CFG, quest, 37) == 6  # 19 blocks: ceil(2.375) = 3 = the forced 3, of 2 tokens
+    assert attended_tokens(CFG, quest, 37) == 5  # 19 blocks: ceil(2.375) = 3 = the forced 3; the last holds 1 token
     assert attended_tokens(CFG, quest, 400) == 50  # 200 blocks: 25
     assert attended_tokens(CFG, build_flow("quest", {"budget": "2048"}), 37) == 37  # the budget covers it
     streaming = build_flow("streaming", {"local_blocks": "8"})  # no scoring: sink block + 8, whatever the budget

@@ -192,7 +192,7 @@ def test_a_worker_waits_for_the_last_trial_of_a_worker_that_dies_and_runs_it_aga
     failed = [r for r in records if r["state"] == "FAIL"]
     assert len(failed) == 1 and failed[0]["failure"].startswith("expired")
     assert [r for r in records if r["state"] == "COMPLETE" and r["flow"] == "quest" and r["params"] == params]
-    assert ("waiting", {"trials": ["quest#0"]}) in events and ("expired", {"trial": "quest#0"}) in events
+    assert ("waiting", {"trials": ["quest#0"], "lease_s": LEASE_S}) in events and ("expired", {"trial": "quest#0"}) in events
 
 
 def test_running_trials_name_their_point_worker_and_heartbeat(tmp_path):
