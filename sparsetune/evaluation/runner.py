@@ -32,6 +32,7 @@ from sparsetune.evaluation.reference import DenseReference, PromptKV
 from sparsetune.evaluation.results import SCHEMA, EvalResult
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import score_turns
+from sparsetune.perf.cost import attended_tokens, forced_only
 from sparsetune.perf.fit import check_fits
 from sparsetune.perf.speed import measure_speed
 from sparsetune.flow.defaults import tuned_config
@@ -349,13 +350,9 @@ def _check_samples_fit(llm: LLM, samples: list[Sample], cfg: EvalConfig) -> None
 def _budget_note(llm: LLM, context: int) -> str | None:
     """Say so when a sparse flow attends every block of the context anyway: it then matches dense."""
     flow = llm.flow
-    if flow is None:
+    if flow is None or attended_tokens(llm.model_config, flow, context) < context:
         return None
-    blocks = -(-context // flow.block_size)
-    window = "budget" in flow.inapplicable  # sinks + recent window only (streaming)
-    attended = flow.attended_blocks(blocks, scores=not window)
-    if attended < blocks:
-        return None
+    window = forced_only(llm.model_config, flow)  # sinks + recent window only (streaming)
     budget = f"{flow.budget_ratio:g} of the context" if flow.budget_ratio is not None else f"{flow.budget} tokens"
     what = f"its sink and local blocks ({flow.sink_blocks} + {flow.local_blocks})" if window else f"its budget ({budget})"
     fix = "lower --param local_blocks" if window else "pass --param budget_ratio=0.125 (or a smaller --param budget)"

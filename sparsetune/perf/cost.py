@@ -41,11 +41,15 @@ def field_bytes_per_block(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) 
     return cfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * dtype_bytes
 
 
+def forced_only(cfg: ModelConfig, flow: DecodeFlow) -> bool:
+    """Whether the flow's indexer scores nothing (`F.keep_only_forced`: sinks and the local window)."""
+    return index_traits(flow, cfg.head_dim, flow.const_dims(cfg.head_dim)).forced_only
+
+
 def attended_tokens(cfg: ModelConfig, flow: DecodeFlow, context: int) -> int:
     """The tokens a sparse layer of `flow` attends in a sequence of `context` tokens (the budget's
     blocks; sinks and the local window only for an indexer that scores nothing)."""
-    scores = not index_traits(flow, cfg.head_dim, flow.const_dims(cfg.head_dim)).forced_only
-    blocks = flow.attended_blocks(-(-context // flow.block_size), scores)
+    blocks = flow.attended_blocks(-(-context // flow.block_size), not forced_only(cfg, flow))
     return min(context, blocks * flow.block_size - (-context) % flow.block_size)  # the last block (always kept) is partial
 
 

@@ -233,3 +233,21 @@ def test_interrupt_mid_pass_leaves_the_engine_idle(smollm, tmp_path, monkeypatch
         evaluate("quest", llm=smollm, tasks=["niah_single"], context=256, samples=2, batch=2, max_new_tokens=4,
                  out=tmp_path)
     assert not smollm.scheduler.has_work()
+
+
+def test_the_budget_note_names_a_window_that_covers_the_context(smollm):
+    """A flow whose indexer scores nothing (streaming: sinks + local window) is told apart by its
+    traced stages, and said to be dense when its window covers the context."""
+    from sparsetune.evaluation.runner import _budget_note
+
+    try:
+        smollm.set_flow("streaming", {"local_blocks": "40", "dense_layers": ""})  # 1 + 40 blocks of 16 > 512 tokens
+        note = _budget_note(smollm, 512)
+        assert note and "its sink and local blocks (1 + 40)" in note and "lower --param local_blocks" in note
+        assert _budget_note(smollm, 4096) is None
+        smollm.set_flow("quest", {"budget": "64"})
+        assert _budget_note(smollm, 512) is None
+        smollm.set_flow("quest", {"budget": "512"})
+        assert "its budget (512 tokens)" in _budget_note(smollm, 500)
+    finally:
+        smollm.set_flow(None)
