@@ -7,15 +7,16 @@
 #                                              (agent_hour.sh prep), .carry/pg (pgserver, psycopg)
 # There (device tool, kind nvidia-h100-x2 or nvidia-h200-x2), calls back to back (a machine goes
 # back 30 s after a call returns, background processes or not; /tmp stays while it is held). Steps
-# 4-6 each write the report so far to $OUT. Measured on 2 H100s: one 12 ~190 s, two 12 ~200 s, kill 8 ~150 s.
+# 4-6 each write the report so far to $OUT. Measured on 2 H100s (2026-11-26): warm 12 149 s, one 36 151 s, two 36 92 s, kill 12 52 s.
 #   1. carry .carry/ga:                  bash benchmarks/multi_gpu.sh place a
 #   2. carry .carry/gb .carry/wheels:    bash benchmarks/multi_gpu.sh place b
 #   3. carry .carry/pg:                  bash benchmarks/multi_gpu.sh pg          (installs, starts PostgreSQL)
 #   4.                                   bash benchmarks/multi_gpu.sh warm && bash benchmarks/multi_gpu.sh one [TRIALS]
 #                                        (warm: a throwaway study that fills Triton's cache; one: 1 GPU, study "one", default 24)
-#   5.                                   bash benchmarks/multi_gpu.sh two [TRIALS]   (2 GPUs, study "two", 2 x TRIALS)
+#   5.                                   bash benchmarks/multi_gpu.sh two [TRIALS]   (2 GPUs, study "two", the same
+#                                        TRIALS: equal work, since a study's later (TPE) trials cost more than its seeds)
 #   6.                                   bash benchmarks/multi_gpu.sh kill [TRIALS]  (2 GPUs; the second worker
-#                                        is killed with SIGKILL during its second trial; study "kill")
+#                                        is killed with SIGKILL 4 s into its first trial; study "kill")
 #   7.                                   bash benchmarks/multi_gpu.sh report         ($OUT/report.json, the logs)
 # Both items of #19 in one lease (~1000 s of device time on 2 H100s; `sglang_gpu.sh prep` too): the
 # SGLang chunks ride along with the search steps, the install runs on the CPU during the last one:
@@ -23,10 +24,10 @@
 #   2. carry .carry/gb .carry/wheels:   multi_gpu.sh place b && mkdir -p /tmp/keep && cp -r .carry/wheels /tmp/keep/
 #   3. carry .carry/pg .carry/sgl/c3 .carry/stw .carry/srv:
 #        cp -r .carry/stw .carry/srv /tmp/keep/ && sglang_gpu.sh place c3 &&
-#        multi_gpu.sh pg && multi_gpu.sh warm && multi_gpu.sh one 12
-#   4. carry .carry/sgl/c1:   sglang_gpu.sh place c1 && multi_gpu.sh two 12
+#        multi_gpu.sh pg && multi_gpu.sh warm && multi_gpu.sh one 36
+#   4. carry .carry/sgl/c1:   sglang_gpu.sh place c1 && multi_gpu.sh two 36
 #   5. carry .carry/sgl/c2:   sglang_gpu.sh place c2 && cp -rn /tmp/keep/* .carry/ &&
-#        { sglang_gpu.sh install > /tmp/install.log 2>&1 & } ; multi_gpu.sh kill 8; wait; tail -n 3 /tmp/install.log
+#        { sglang_gpu.sh install > /tmp/install.log 2>&1 & } ; multi_gpu.sh kill 12; wait; tail -n 3 /tmp/install.log
 #   6. TP=2 BATCHES=16 sglang_gpu.sh bench dense block_topk quest
 # Each search: quest and block_topk on the embedded model (accuracy, float32) with the speed of
 # Qwen3-8B random weights measured at 8 x 16K; a study's trials per hour count each worker's trials
@@ -34,15 +35,16 @@
 set -u
 PP=${PP:-/tmp/pp}
 URI_FILE=/tmp/pg.uri
+KILL=${KILL:-kill}  # the kill step's study (another name to run it again on the same machine)
 SEARCH="--flow quest,block_topk --context 1024 --samples 2 --confirm-samples 1 --speed-model qwen3-8b \
   --speed-batch 8 --speed-context 16384 --out /tmp/runs"
 env_on() { export PYTHONPATH="$PWD:$PP" PYTHONUNBUFFERED=1 SPARSETUNE_HEARTBEAT_S=${SPARSETUNE_HEARTBEAT_S:-2}; }
 uri() { cat "$URI_FILE"; }
 # After each run: what the storage holds so far, in $OUT (a machine lost before the next call keeps it)
 report() {
-    python3 benchmarks/multi_gpu_report.py --storage "$(uri)" --studies one,two,kill --runs /tmp/runs > "${OUT:-/tmp}/report.json"
-    cp /tmp/one.log /tmp/two.log /tmp/kill.log "${OUT:-/tmp}/" 2>/dev/null
-    for s in one two kill; do [ -f /tmp/runs/$s/trials.jsonl ] && cp /tmp/runs/$s/trials.jsonl "${OUT:-/tmp}/$s.trials.jsonl"; done
+    python3 benchmarks/multi_gpu_report.py --storage "$(uri)" --studies one,two,$KILL --runs /tmp/runs > "${OUT:-/tmp}/report.json"
+    cp /tmp/one.log /tmp/two.log /tmp/$KILL.log "${OUT:-/tmp}/" 2>/dev/null
+    for s in one two $KILL; do [ -f /tmp/runs/$s/trials.jsonl ] && cp /tmp/runs/$s/trials.jsonl "${OUT:-/tmp}/$s.trials.jsonl"; done
     python3 -c "import json, sys; r = json.load(open(sys.argv[1])); [print({k: s.get(k) for k in ('study', 'finished', 'failed',
         'redone', 'workers', 'trials_per_hour', 'run_twice', 'frontier_equal')}) for s in r['studies']]; print('scaling', r.get('scaling'))" \
         "${OUT:-/tmp}/report.json"
@@ -92,20 +94,24 @@ one)
     ;;
 two)
     env_on; t0=$(date +%s)
-    python3 -m sparsetune.cli.main search $SEARCH --trials $(( 2 * ${2:-24} )) --workers 2 --study two --storage "$(uri)" \
+    python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-24}" --workers 2 --study two --storage "$(uri)" \
         > /tmp/two.log 2>&1; echo "rc $? in $(( $(date +%s) - t0 )) s"; tail -c 300 /tmp/two.log; report
     ;;
 kill)
     env_on; t0=$(date +%s)
-    python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-8}" --workers 2 --study kill --storage "$(uri)" \
-        > /tmp/kill.log 2>&1 &
+    log=/tmp/runs/$KILL/workers/w1.log; rm -f $log
+    python3 -m sparsetune.cli.main search $SEARCH --trials "${2:-8}" --workers 2 --study $KILL --storage "$(uri)" \
+        > /tmp/$KILL.log 2>&1 &
     main=$!
-    log=/tmp/runs/kill/workers/w1.log
-    for _ in $(seq 1 240); do  # the worker's second trial (its first loads the engines)
-        [ -f $log ] && [ "$(grep -c '^trial ' $log)" -ge 2 ] && break; sleep 1
+    # its first trial (which loads the engines: ~10 s) has begun; the first worker, already loaded,
+    # may finish every other trial before the second one starts a second trial
+    for _ in $(seq 1 240); do
+        [ -f $log ] && grep -q '^trial ' $log && break; kill -0 $main 2>/dev/null || break; sleep 1
     done
-    sleep 2; pkill -9 -f "[s]earch worker --study kill" && echo "killed the second worker mid-trial at $(( $(date +%s) - t0 )) s"
-    wait $main; echo "rc $? in $(( $(date +%s) - t0 )) s"; grep -h "expired" /tmp/kill.log; report
+    sleep 4; grep -c '^  accuracy\|^  speedup' $log
+    pkill -9 -f "[s]earch worker --study $KILL " && echo "killed the second worker mid-trial at $(( $(date +%s) - t0 )) s" \
+        || echo "the second worker was not running: nothing killed"
+    wait $main; echo "rc $? in $(( $(date +%s) - t0 )) s"; grep -h "expired" /tmp/$KILL.log; report
     ;;
 report)
     env_on; report
