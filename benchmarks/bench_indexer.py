@@ -79,11 +79,7 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
         "radix_select": bench_us(lambda: select_topk(sc, counts, k_max)),
         "torch_topk": bench_us(lambda: sc.topk(k_max, dim=1)),
     }
-    for bits in (1, 2, 4):
-        for warps in (4, 8):
-            topk_mod.RADIX_BITS, topk_mod.NUM_WARPS = bits, warps
-            t[f"radix{bits}_w{warps}"] = bench_us(lambda: select_topk(sc, counts, k_max))
-    topk_mod.RADIX_BITS, topk_mod.NUM_WARPS = 2, 0
+    t.update(topk_sweep(sc, counts, k_max))
     field_bytes = batch * HKV * nb * sum(2 * r * c for r, c in dims.values())
     floor_us = 1e6 * field_bytes / bw
     a = inductor().view(batch, HKV, k_max)
@@ -95,6 +91,46 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
             "field_bytes": field_bytes, "floor_us": floor_us, "same_blocks": same}
 
 
+def topk_sweep(sc: torch.Tensor, counts: torch.Tensor, k_max: int) -> dict[str, float]:
+    """The radix select alone at each warp count (the default restored after)."""
+    warps0, t = topk_mod.NUM_WARPS, {}
+    for warps in (4, 8, 16, 32):
+        topk_mod.NUM_WARPS = warps
+        t[f"radix_w{warps}"] = bench_us(lambda: select_topk(sc, counts, k_max))
+    topk_mod.NUM_WARPS = warps0
+    return t
+
+
+def topk_widths(widths: list[int], rows: int, budget: int, block_sizes: list[int], baseline: str) -> list[dict]:
+    """The top-k alone on rows as wide as a 32K sequence's blocks at each block size: the engine's
+    scores (random here) with its ten table columns past the context at -inf and the first and
+    last blocks forced (+inf), k = budget / block size; against torch.topk and, if given, another
+    select_topk module (`--topk-baseline`, e.g. an earlier version of the file)."""
+    base = None
+    if baseline:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("baseline_topk", baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+    out = []
+    for width, bs in zip(widths, block_sizes):
+        k = budget // bs
+        sc = torch.randn(rows, width + 10, device="cuda")
+        sc[:, width:] = float("-inf")
+        sc[:, :2] = float("inf")
+        counts = torch.full((rows,), k, dtype=torch.int32, device="cuda")
+        ref = topk_mod.select_topk_ref(sc, counts, k)
+        assert torch.equal(select_topk(sc, counts, k), ref), "select_topk differs from its torch twin"
+        t = {"default": bench_us(lambda: select_topk(sc, counts, k)), "torch_topk": bench_us(lambda: sc.topk(k, dim=1))}
+        if base is not None:
+            assert torch.equal(base.select_topk(sc, counts, k), ref)
+            t["baseline"] = bench_us(lambda: base.select_topk(sc, counts, k))
+        t.update(topk_sweep(sc, counts, k))
+        out.append({"rows": rows, "width": width + 10, "k": k, "block_size": bs, "us": t})
+        print(f"top-k {rows} rows x {width + 10} (block {bs}, k {k}): " + ", ".join(f"{a} {b:.1f}" for a, b in t.items()) + " us")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flows", default="block_topk,quest")
@@ -102,8 +138,17 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--table-extra", type=int, default=10, help="block-table columns past the context (engine: ~10)")
     ap.add_argument("--elems", default="", help="sweep the generator's per-program element budget, e.g. 4096,16384")
+    ap.add_argument("--topk-block-sizes", default="", help="only the top-k alone, rows of a 32K context at these "
+                    "block sizes, e.g. 2,4,8,16 (16 x 8 rows: batch 16, 8 KV heads)")
+    ap.add_argument("--topk-baseline", default="", help="a select_topk module file to time beside it")
     ap.add_argument("--json-out")
     args = ap.parse_args()
+    if args.topk_block_sizes:
+        sizes = [int(x) for x in args.topk_block_sizes.split(",")]
+        rows = topk_widths([32768 // b for b in sizes], 128, args.budget, sizes, args.topk_baseline)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"topk": rows}, indent=1))
+        return
     bw = measure_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []

@@ -7,10 +7,11 @@ kernel reads only the first `counts[r]` entries, so neither score order nor padd
 
 Why not `torch.topk`: it sorts (a radix sort plus a gather, ~28 µs per layer for 128 rows of
 2K blocks on an H200) while the selection needs only the set. Here one program owns one row,
-holds its scores in registers, and finds the k-th largest score by building its 32-bit key
-from the top, RADIX_BITS bits per counting pass over registers (no memory traffic), then
-writes the winners with a prefix sum. Floats map to integers with the same order
-(`i ^ 0x7FFFFFFF` for negative floats), so ±inf work as always-kept / never-kept markers.
+holds its scores in registers as uint32 keys with the floats' order (negative floats flip every
+bit, the others set the sign bit, so ±inf work as never-kept / always-kept markers), and finds
+the k-th largest key from the top, one bit per counting pass over registers (no memory traffic),
+then writes the winners with a prefix sum. (A 16-bin histogram per 4 bits measured no faster at
+2K-wide rows and 2.5x slower at 16K: `bench_indexer.py --topk-block-sizes`, BENCHMARKS.md.)
 Nothing is read on the host: the call can be captured in a CUDA graph.
 """
 
@@ -23,47 +24,45 @@ import triton.language as tl
 __all__ = ["select_topk", "select_topk_ref", "MAX_WIDTH"]
 
 _INTERPRET: bool = bool(triton.knobs.runtime.interpret)
-MAX_WIDTH = 16384  # widest row held in registers; wider rows go through torch (see select_topk)
-RADIX_BITS = 2  # key bits settled per counting pass (1, 2 or 4; benchmarks/bench_indexer.py sweeps it)
+MAX_WIDTH = 65536  # widest row held in registers (a 32K context at block 2 is 16,394 wide); wider: torch
 NUM_WARPS = 0  # 0: by row width
 
 
 @triton.jit
 def _keys(scores, stride_s, r, offs, W):
-    """Row r's scores at `offs` as int64 keys in [0, 2^32) with the floats' order (negative floats
-    flip their magnitude bits); past the row: -1, below everything."""
+    """Row r's scores at `offs` as uint32 keys with the floats' order (negative floats flip every
+    bit, the others set the sign bit); past the row: 0, at or below everything (it is never counted:
+    `valid` masks it)."""
     valid = offs < W
-    bits = tl.load(scores + r * stride_s + offs, mask=valid, other=float("-inf")).to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
-    return tl.where(valid, key, -1)
+    bits = tl.load(scores + r * stride_s + offs, mask=valid, other=0.0).to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, ~bits, bits | -2147483648).to(tl.uint32, bitcast=True)
+    return tl.where(valid, key, 0), valid
 
 
 @triton.jit
 def _select_topk_kernel(
     scores, counts, out, W, K, stride_s, stride_o, K_PAD: tl.constexpr, MAIN: tl.constexpr, TAIL: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
 ):
     # The row is held as a power-of-two main tile plus a small tail tile, so a width just past a
     # power of two (the engine's 2058 blocks) costs 2048 + 16 lanes, not 4096.
     r = tl.program_id(0)
     offs = tl.arange(0, MAIN)
     offs2 = MAIN + tl.arange(0, TAIL)
-    key = _keys(scores, stride_s, r, offs, W)
-    key2 = _keys(scores, stride_s, r, offs2, W)
+    key, valid = _keys(scores, stride_s, r, offs, W)
+    key2, valid2 = _keys(scores, stride_s, r, offs2, W)
     k = tl.load(counts + r)
-    # RADIX_BITS bits per pass: count the keys at or above each of the 2^bits candidate thresholds
-    # at once; counts fall as the candidate rises, so the passing ones are a prefix (digit 0
-    # always passes: at least k keys are >= t).
-    digits = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
-    t = tl.zeros([], dtype=tl.int64)
-    for i in tl.static_range(32 // RADIX_BITS):
-        cand = t | (digits << (32 - RADIX_BITS * (i + 1)))
-        n = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-        n += tl.sum((key2[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-        t = t | ((tl.sum((n >= k).to(tl.int64), axis=0) - 1) << (32 - RADIX_BITS * (i + 1)))
+    # Find t, the k-th largest key, one bit per pass from the top: keep the bit if at least k keys
+    # are at or above t with it set. Every array op is 1-D over the row's own layout (the kernel
+    # before, int64 keys and 2 bits per pass over a [4, W] broadcast, was 1.3-1.5x slower).
+    t = tl.zeros([], dtype=tl.uint32)
+    one = tl.full([], 1, dtype=tl.uint32)
+    for i in tl.static_range(32):
+        cand = t | (one << (31 - i))
+        n = tl.sum((key >= cand).to(tl.int32), axis=0) + tl.sum((key2 >= cand).to(tl.int32), axis=0)
+        t = tl.where(n >= k, cand, t)
     # t is now the k-th largest key: take everything above it, then ties in index order.
     above, above2 = key > t, key2 > t
-    tie, tie2 = (key == t).to(tl.int32), (key2 == t).to(tl.int32)
+    tie, tie2 = (valid & (key == t)).to(tl.int32), (valid2 & (key2 == t)).to(tl.int32)
     room = k - tl.sum(above.to(tl.int32), axis=0) - tl.sum(above2.to(tl.int32), axis=0)
     take = above | ((tie > 0) & (tl.cumsum(tie, axis=0) <= room))
     take2 = above2 | ((tie2 > 0) & (tl.sum(tie, axis=0) + tl.cumsum(tie2, axis=0) <= room))
@@ -92,8 +91,8 @@ def select_topk(scores: torch.Tensor, counts: torch.Tensor, k_max: int) -> torch
     tail = triton.next_power_of_2(max(1, width - main))
     _select_topk_kernel[(rows,)](
         scores, counts.to(torch.int32).contiguous(), out, width, k_max, scores.stride(0), out.stride(0),
-        K_PAD=triton.next_power_of_2(k_max), MAIN=main, TAIL=tail, RADIX_BITS=RADIX_BITS,
-        num_warps=NUM_WARPS or (4 if main <= 1024 else 8 if main <= 8192 else 16),
+        K_PAD=triton.next_power_of_2(k_max), MAIN=main, TAIL=tail,
+        num_warps=NUM_WARPS or (4 if main <= 1024 else 8 if main <= 8192 else 16 if main <= 16384 else 32),
     )
     return out
 
