@@ -31,29 +31,25 @@ def line_masses(probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, 
 
 def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the fewest top lines (vertical and slash, ranked together by mass) whose union holds
-    at least `alpha` of the sampled mass: (vertical `[H, T]` bool, slash `[H, T]` bool by distance)."""
+    at least `alpha` of the sampled mass: (vertical `[H, T]` bool, slash `[H, T]` bool by distance).
+
+    The union of the top k lines covers an entry of the map once k passes the better rank of the
+    entry's two lines (its key's vertical, its distance's slash), so one histogram of the entries'
+    mass by that rank, summed up, is the coverage at every k at once."""
     h, n, t = probs.shape
     vertical, slash = line_masses(probs, rows)
     rank = torch.empty(h, 2 * t, dtype=torch.long, device=probs.device)
     order = torch.cat([vertical, slash], dim=1).argsort(dim=1, descending=True, stable=True)
     rank.scatter_(1, order, torch.arange(2 * t, device=probs.device).expand(h, -1))
-    target = alpha * probs.sum(dim=(1, 2))
-
-    def chosen(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pick = rank < k[:, None]
-        return pick[:, :t], pick[:, t:]
-
-    def covered(k: torch.Tensor) -> torch.Tensor:
-        return (probs * Lines(*chosen(k))(rows)).sum(dim=(1, 2))
-
-    lo = torch.zeros(h, dtype=torch.long, device=probs.device)  # covered(lo) < target (or lo = 0)
-    hi = torch.full((h,), 2 * t, dtype=torch.long, device=probs.device)  # covered(hi) >= target
-    while bool((hi - lo > 1).any()):
-        mid = (lo + hi) // 2
-        ok = covered(mid) >= target - 1e-6
-        hi, lo = torch.where(ok, mid, hi), torch.where(ok, lo, mid)
-    k = torch.where(covered(lo) >= target - 1e-6, lo, hi)
-    return chosen(k)
+    by_slash = rank[:, t:].gather(1, Lines.distances(rows, t).flatten().expand(h, -1)).view(h, n, t)
+    first = torch.minimum(rank[:, None, :t], by_slash)  # [H, n, T]: the entry is covered for k > first
+    mass = torch.zeros(h, 2 * t + 1, dtype=torch.float64, device=probs.device)
+    mass.scatter_add_(1, (first + 1).flatten(1), probs.flatten(1).double())
+    covered = mass.cumsum(1)  # [:, k]: what the top k lines cover
+    target = alpha * probs.double().sum(dim=(1, 2))
+    k = (covered < (target - 1e-6)[:, None]).sum(1)  # the fewest lines reaching the target
+    pick = rank < k[:, None]
+    return pick[:, :t], pick[:, t:]
 
 
 class LoopServe(ReuseFlow):
