@@ -26,6 +26,7 @@ __all__ = ["select_topk", "select_topk_ref", "MAX_WIDTH"]
 _INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 MAX_WIDTH = 65536  # widest row held in registers (a 32K context at block 2 is 16,394 wide); wider: torch
 NUM_WARPS = 0  # 0: by row width
+PASS_BITS = 1  # key bits per counting pass: 1 (measured) or 2 (one packed sum; bench_indexer.py --topk-block-sizes)
 
 
 @triton.jit
@@ -42,6 +43,7 @@ def _keys(scores, stride_s, r, offs, W):
 @triton.jit
 def _select_topk_kernel(
     scores, counts, out, W, K, stride_s, stride_o, K_PAD: tl.constexpr, MAIN: tl.constexpr, TAIL: tl.constexpr,
+    PASS_BITS: tl.constexpr,
 ):
     # The row is held as a power-of-two main tile plus a small tail tile, so a width just past a
     # power of two (the engine's 2058 blocks) costs 2048 + 16 lanes, not 4096.
@@ -51,15 +53,30 @@ def _select_topk_kernel(
     key, valid = _keys(scores, stride_s, r, offs, W)
     key2, valid2 = _keys(scores, stride_s, r, offs2, W)
     k = tl.load(counts + r)
-    # Find t, the k-th largest key, one bit per pass from the top: keep the bit if at least k keys
-    # are at or above t with it set. Every array op is 1-D over the row's own layout (the kernel
-    # before, int64 keys and 2 bits per pass over a [4, W] broadcast, was 1.3-1.5x slower).
+    # Find t, the k-th largest key, from the top: a 1-bit pass keeps the bit if at least k keys are
+    # at or above t with it set. Every array op is 1-D over the row's own layout (the kernel before,
+    # int64 keys and 2 bits per pass over a [4, W] broadcast, was 1.3-1.5x slower). A pass costs
+    # its reductions over the row (two: the main tile and the tail), so PASS_BITS 2 counts the three
+    # candidates of a 2-bit digit in one int64 sum (21 bits each), halving the reductions.
     t = tl.zeros([], dtype=tl.uint32)
     one = tl.full([], 1, dtype=tl.uint32)
-    for i in tl.static_range(32):
-        cand = t | (one << (31 - i))
-        n = tl.sum((key >= cand).to(tl.int32), axis=0) + tl.sum((key2 >= cand).to(tl.int32), axis=0)
-        t = tl.where(n >= k, cand, t)
+    if PASS_BITS == 1:
+        for i in tl.static_range(32):
+            cand = t | (one << (31 - i))
+            n = tl.sum((key >= cand).to(tl.int32), axis=0) + tl.sum((key2 >= cand).to(tl.int32), axis=0)
+            t = tl.where(n >= k, cand, t)
+    else:
+        for i in tl.static_range(16):
+            shift = 30 - 2 * i
+            c1, c2, c3 = t | (one << shift), t | ((one + one) << shift), t | ((one + one + one) << shift)
+            packed = ((key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 21)
+                      + ((key >= c3).to(tl.int64) << 42))
+            packed2 = ((key2 >= c1).to(tl.int64) + ((key2 >= c2).to(tl.int64) << 21)
+                       + ((key2 >= c3).to(tl.int64) << 42))
+            n = tl.sum(packed, axis=0) + tl.sum(packed2, axis=0)
+            digit = (((n & 0x1FFFFF) >= k).to(tl.uint32) + (((n >> 21) & 0x1FFFFF) >= k).to(tl.uint32)
+                     + ((n >> 42) >= k).to(tl.uint32))  # the counts fall with the candidate: a prefix passes
+            t = t | (digit << shift)
     # t is now the k-th largest key: take everything above it, then ties in index order.
     above, above2 = key > t, key2 > t
     tie, tie2 = (valid & (key == t)).to(tl.int32), (valid2 & (key2 == t)).to(tl.int32)
@@ -91,7 +108,7 @@ def select_topk(scores: torch.Tensor, counts: torch.Tensor, k_max: int) -> torch
     tail = triton.next_power_of_2(max(1, width - main))
     _select_topk_kernel[(rows,)](
         scores, counts.to(torch.int32).contiguous(), out, width, k_max, scores.stride(0), out.stride(0),
-        K_PAD=triton.next_power_of_2(k_max), MAIN=main, TAIL=tail,
+        K_PAD=triton.next_power_of_2(k_max), MAIN=main, TAIL=tail, PASS_BITS=PASS_BITS,
         num_warps=NUM_WARPS or (4 if main <= 1024 else 8 if main <= 8192 else 16 if main <= 16384 else 32),
     )
     return out

@@ -38,8 +38,10 @@ def brute_force(scores: torch.Tensor, counts: torch.Tensor, k_max: int) -> torch
     return out
 
 
+@pytest.mark.parametrize("pass_bits", [1, 2])
 @pytest.mark.parametrize("width", [1, 37, 64, 300])
-def test_select_topk_matches_brute_force(width):
+def test_select_topk_matches_brute_force(pass_bits, width, monkeypatch):
+    monkeypatch.setattr(topk_mod, "PASS_BITS", pass_bits)
     g = torch.Generator().manual_seed(width)
     rows = 6
     s = torch.randn(rows, width, generator=g)
@@ -55,7 +57,8 @@ def test_select_topk_matches_brute_force(width):
     assert torch.equal(topk_mod.select_topk_ref(s, counts, k_max), want)
 
 
-def test_select_topk_runs_rows_of_a_32k_context_at_block_2_in_the_kernel(monkeypatch):
+@pytest.mark.parametrize("pass_bits", [1, 2])
+def test_select_topk_runs_rows_of_a_32k_context_at_block_2_in_the_kernel(pass_bits, monkeypatch):
     """16,394 blocks (32K tokens at block 2, plus the engine's ten spare table columns) stay in
     the kernel; the torch twin, which sorts, is only the reference here."""
     g = torch.Generator().manual_seed(2)
@@ -65,6 +68,7 @@ def test_select_topk_runs_rows_of_a_32k_context_at_block_2_in_the_kernel(monkeyp
     s[2, 100:4000] = 0.5  # a long run of ties
     counts = torch.tensor([1024, 7, 3000], dtype=torch.int32)
     want = topk_mod.select_topk_ref(s, counts, 3000)
+    monkeypatch.setattr(topk_mod, "PASS_BITS", pass_bits)
     monkeypatch.setattr(topk_mod, "select_topk_ref", lambda *a: pytest.fail("went to the torch twin"))
     assert torch.equal(topk_mod.select_topk(s.to(DEVICE), counts.to(DEVICE), 3000).cpu(), want)
 
