@@ -19,6 +19,9 @@ from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.flow import Lines, attention_probs
 
 
+_CHUNK = 1 << 23  # map entries per round of cover_lines (heads are taken whole)
+
+
 def line_masses(probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the mass of every vertical line (key j) and slash line (distance d) of a sampled
     causal map `probs` `[H, n, T]` whose rows sit at positions `rows`: `[H, T]` each."""
@@ -41,10 +44,14 @@ def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[
     rank = torch.empty(h, 2 * t, dtype=torch.long, device=probs.device)
     order = torch.cat([vertical, slash], dim=1).argsort(dim=1, descending=True, stable=True)
     rank.scatter_(1, order, torch.arange(2 * t, device=probs.device).expand(h, -1))
-    by_slash = rank[:, t:].gather(1, Lines.distances(rows, t).flatten().expand(h, -1)).view(h, n, t)
-    first = torch.minimum(rank[:, None, :t], by_slash)  # [H, n, T]: the entry is covered for k > first
+    dist = Lines.distances(rows, t).flatten()
     mass = torch.zeros(h, 2 * t + 1, dtype=torch.float64, device=probs.device)
-    mass.scatter_add_(1, (first + 1).flatten(1), probs.flatten(1).double())
+    step = max(1, _CHUNK // (n * t))  # heads at a time: ~32 bytes of temporaries per map entry
+    for a in range(0, h, step):
+        r = rank[a : a + step]
+        first = r[:, t:].gather(1, dist.expand(r.shape[0], -1)).view(-1, n, t)
+        torch.minimum(first, r[:, None, :t], out=first)  # [h', n, T]: the entry is covered for k > first
+        mass[a : a + step].scatter_add_(1, first.add_(1).flatten(1), probs[a : a + step].flatten(1).double())
     covered = mass.cumsum(1)  # [:, k]: what the top k lines cover
     target = alpha * probs.double().sum(dim=(1, 2))
     k = (covered < (target - 1e-6)[:, None]).sum(1)  # the fewest lines reaching the target

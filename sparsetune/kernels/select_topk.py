@@ -32,10 +32,12 @@ PASS_BITS = 1  # key bits per counting pass: 1 (measured) or 2 (one packed sum; 
 @triton.jit
 def _keys(scores, stride_s, r, offs, W):
     """Row r's scores at `offs` as uint32 keys with the floats' order (negative floats flip every
-    bit, the others set the sign bit); past the row: 0, at or below everything (it is never counted:
-    `valid` masks it)."""
+    bit, the others set the sign bit; -0.0 is +0.0 first); past the row: 0, at or below everything
+    (it is never counted: `valid` masks it). Scores are never NaN (the indexers map NaN to a finite
+    floor, `flow.stages`)."""
     valid = offs < W
     bits = tl.load(scores + r * stride_s + offs, mask=valid, other=0.0).to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 ties with +0.0
     key = tl.where(bits < 0, ~bits, bits | -2147483648).to(tl.uint32, bitcast=True)
     return tl.where(valid, key, 0), valid
 

@@ -49,6 +49,8 @@ def test_select_topk_matches_brute_force(pass_bits, width, monkeypatch):
     s[1, width // 2 :] = float("-inf")  # past the sequence
     s[2] = torch.randint(0, 4, (width,), generator=g).float()  # many ties: lower index wins
     s[3] = -s[3].abs()  # negative floats keep their order
+    s[4] = -s[4].abs()
+    s[4, ::3], s[4, 1::3] = -0.0, 0.0  # -0.0 ties with +0.0: the lower index wins
     k_max = min(width, 17)
     counts = torch.tensor([min(width, 5), min(width // 2 + (width == 1), 9), k_max, 0, k_max, 1], dtype=torch.int32)
     want = brute_force(s, counts, k_max)
