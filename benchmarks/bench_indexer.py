@@ -92,18 +92,19 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
 
 
 def topk_sweep(sc: torch.Tensor, counts: torch.Tensor, k_max: int) -> dict[str, float]:
-    """The radix select alone at each pass width and warp count (the defaults restored after)."""
+    """The radix select alone at each pass width and warp count, each checked against the default's
+    selection (the defaults restored after)."""
+    default = select_topk(sc, counts, k_max)
     warps0, bits0, t = topk_mod.NUM_WARPS, topk_mod.PASS_BITS, {}
-    for bits in (1, 2):
-        for warps in (4, 8, 16, 32):
-            topk_mod.NUM_WARPS, topk_mod.PASS_BITS = warps, bits
-            got = select_topk(sc, counts, k_max)
-            topk_mod.NUM_WARPS, topk_mod.PASS_BITS = warps0, bits0
-            if not torch.equal(got, select_topk(sc, counts, k_max)):
-                raise SystemExit(f"select_topk at {bits}-bit passes, {warps} warps differs from the default")
-            topk_mod.NUM_WARPS, topk_mod.PASS_BITS = warps, bits
-            t[f"radix{bits}_w{warps}"] = bench_us(lambda: select_topk(sc, counts, k_max))
-    topk_mod.NUM_WARPS, topk_mod.PASS_BITS = warps0, bits0
+    try:
+        for bits in (1, 2):
+            for warps in (4, 8, 16, 32):
+                topk_mod.NUM_WARPS, topk_mod.PASS_BITS = warps, bits
+                if not torch.equal(select_topk(sc, counts, k_max), default):
+                    raise SystemExit(f"select_topk at {bits}-bit passes, {warps} warps differs from the default")
+                t[f"radix{bits}_w{warps}"] = bench_us(lambda: select_topk(sc, counts, k_max))
+    finally:
+        topk_mod.NUM_WARPS, topk_mod.PASS_BITS = warps0, bits0
     return t
 
 

@@ -22,13 +22,12 @@ from sparsetune.reuse.flow import Lines, attention_probs
 _CHUNK = 1 << 23  # map entries per round of cover_lines (heads are taken whole)
 
 
-def line_masses(probs: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def line_masses(probs: torch.Tensor, dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, the mass of every vertical line (key j) and slash line (distance d) of a sampled
-    causal map `probs` `[H, n, T]` whose rows sit at positions `rows`: `[H, T]` each."""
+    causal map `probs` `[H, n, T]`, its entries' distances `dist` `[n * T]` (`Lines.distances` of
+    the rows' positions, flattened): `[H, T]` each."""
     vertical = probs.sum(dim=1)
-    dist = Lines.distances(rows, probs.shape[2])
-    slash = torch.zeros_like(vertical).scatter_add_(1, dist.flatten().expand(probs.shape[0], -1),
-                                                    probs.flatten(1))
+    slash = torch.zeros_like(vertical).scatter_add_(1, dist.expand(probs.shape[0], -1), probs.flatten(1))
     return vertical, slash
 
 
@@ -40,11 +39,11 @@ def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[
     entry's two lines (its key's vertical, its distance's slash), so one histogram of the entries'
     mass by that rank, summed up, is the coverage at every k at once."""
     h, n, t = probs.shape
-    vertical, slash = line_masses(probs, rows)
+    dist = Lines.distances(rows, t).flatten()
+    vertical, slash = line_masses(probs, dist)
     rank = torch.empty(h, 2 * t, dtype=torch.long, device=probs.device)
     order = torch.cat([vertical, slash], dim=1).argsort(dim=1, descending=True, stable=True)
     rank.scatter_(1, order, torch.arange(2 * t, device=probs.device).expand(h, -1))
-    dist = Lines.distances(rows, t).flatten()
     mass = torch.zeros(h, 2 * t + 1, dtype=torch.float64, device=probs.device)
     step = max(1, _CHUNK // (n * t))  # heads at a time: ~32 bytes of temporaries per map entry
     for a in range(0, h, step):

@@ -263,13 +263,12 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
         return {**manifest, "bundle": str(out)}
     params, tuned = dict(params or {}), None
     if model is not None:
+        from sparsetune.flow.defaults import with_tuned_defaults
         from sparsetune.models.resolve import model_name
 
         model = model_name(model)
-    if model is not None and defaults == "tuned":
-        from sparsetune.flow.defaults import with_tuned_defaults
-
-        params, tuned = with_tuned_defaults(model, False, flow, params)
+        if defaults == "tuned":
+            params, tuned = with_tuned_defaults(model, False, flow, params)
     # what the manifest keeps of where they came from: no storage URL (it may hold a password), no local path
     origin = {"from": "params"} if tuned is None else {"from": "params", "tuned": {
         "params": tuned["params"], "file": Path(tuned["file"]).name,

@@ -43,6 +43,12 @@ def _keys(scores, stride_s, r, offs, W):
 
 
 @triton.jit
+def _packed(key, c1, c2, c3):
+    """Per key, whether it is at or above each of three candidates, as one int64 (21 bits each)."""
+    return (key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 21) + ((key >= c3).to(tl.int64) << 42)
+
+
+@triton.jit
 def _select_topk_kernel(
     scores, counts, out, W, K, stride_s, stride_o, K_PAD: tl.constexpr, MAIN: tl.constexpr, TAIL: tl.constexpr,
     PASS_BITS: tl.constexpr,
@@ -71,11 +77,7 @@ def _select_topk_kernel(
         for i in tl.static_range(16):
             shift = 30 - 2 * i
             c1, c2, c3 = t | (one << shift), t | ((one + one) << shift), t | ((one + one + one) << shift)
-            packed = ((key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 21)
-                      + ((key >= c3).to(tl.int64) << 42))
-            packed2 = ((key2 >= c1).to(tl.int64) + ((key2 >= c2).to(tl.int64) << 21)
-                       + ((key2 >= c3).to(tl.int64) << 42))
-            n = tl.sum(packed, axis=0) + tl.sum(packed2, axis=0)
+            n = tl.sum(_packed(key, c1, c2, c3), axis=0) + tl.sum(_packed(key2, c1, c2, c3), axis=0)
             digit = (((n & 0x1FFFFF) >= k).to(tl.uint32) + (((n >> 21) & 0x1FFFFF) >= k).to(tl.uint32)
                      + ((n >> 42) >= k).to(tl.uint32))  # the counts fall with the candidate: a prefix passes
             t = t | (digit << shift)
