@@ -108,11 +108,13 @@ def topk_sweep(sc: torch.Tensor, counts: torch.Tensor, k_max: int) -> dict[str, 
     return t
 
 
-def topk_widths(widths: list[int], rows: int, budget: int, block_sizes: list[int], baseline: str) -> list[dict]:
+def topk_widths(widths: list[int], rows: int, budget: int, block_sizes: list[int], baseline: str,
+                json_out: str = "") -> list[dict]:
     """The top-k alone on rows as wide as a 32K sequence's blocks at each block size: the engine's
     scores (random here) with its ten table columns past the context at -inf and the first and
     last blocks forced (+inf), k = budget / block size; against torch.topk and, if given, another
-    select_topk module (`--topk-baseline`, e.g. an earlier version of the file)."""
+    select_topk module (`--topk-baseline`, e.g. an earlier version of the file). Each block size's
+    sweep compiles 8 variants: `json_out` is rewritten after each, so a step cut short keeps its part."""
     base = None
     if baseline:
         import importlib.util
@@ -135,6 +137,8 @@ def topk_widths(widths: list[int], rows: int, budget: int, block_sizes: list[int
         t.update(topk_sweep(sc, counts, k))
         out.append({"rows": rows, "width": width + 10, "k": k, "block_size": bs, "us": t})
         print(f"top-k {rows} rows x {width + 10} (block {bs}, k {k}): " + ", ".join(f"{a} {b:.1f}" for a, b in t.items()) + " us")
+        if json_out:
+            Path(json_out).write_text(json.dumps({"topk": out}, indent=1))
     return out
 
 
@@ -152,9 +156,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.topk_block_sizes:
         sizes = [int(x) for x in args.topk_block_sizes.split(",")]
-        rows = topk_widths([32768 // b for b in sizes], 128, args.budget, sizes, args.topk_baseline)
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps({"topk": rows}, indent=1))
+        topk_widths([32768 // b for b in sizes], 128, args.budget, sizes, args.topk_baseline, args.json_out)
         return
     bw = measure_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -169,15 +169,20 @@ def main() -> None:
     flops = 4 * d * float(seen)
     q = qa[pos]
     today = attend_pattern(q, pos, k, v, lines, scale)
-    got = lines_attention(q, pos, k, v, scale, vertical, slash)
-    blocks, counts = line_blocks(pos, vertical, slash, 64, 64)
+    kw = {n: x for n, x in kw.items() if x}  # lines_attention's defaults are numbers
+    got = lines_attention(q, pos, k, v, scale, vertical, slash, **kw)
+    got_paged = lines_attention(q, pos, kp, vp, scale, vertical, slash, block_table=table, **kw)
+    diff = max(float((got.float() - today.float()).abs().max()), float((got_paged.float() - today.float()).abs().max()))
+    bm, bn = a.block_m or 64, a.block_n or 64  # lines_attention's default tiles
+    blocks, counts = line_blocks(pos, vertical, slash, bm, bn)
     us = {"today": bench_us(lambda: attend_pattern(q, pos, k, v, lines, scale), use_graph=False),
-          "lines": bench_us(lambda: lines_attention(q, pos, k, v, scale, vertical, slash)),
-          "line_blocks": bench_us(lambda: line_blocks(pos, vertical, slash, 64, 64))}
+          "lines": bench_us(lambda: lines_attention(q, pos, k, v, scale, vertical, slash, **kw)),
+          "lines_paged": bench_us(lambda: lines_attention(q, pos, kp, vp, scale, vertical, slash, block_table=table, **kw)),
+          "line_blocks": bench_us(lambda: line_blocks(pos, vertical, slash, bm, bn))}
     rec = {"case": "loopserve", "context": t, "rows": int(pos.numel()), "vertical": a.vertical, "slash": a.slash,
            "tiles_read": round(float(counts.sum()) / counts.numel() / blocks.shape[2], 3),
            "us": {n: round(x, 1) for n, x in us.items()}, "floor_us": round(flops / peak * 1e6, 1),
-           "max_abs_diff_vs_today": float((got.float() - today.float()).abs().max())}
+           "max_abs_diff_vs_today": diff}
     results.append(rec)
     print(json.dumps(rec))
     if a.json_out:

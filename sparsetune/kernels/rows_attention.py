@@ -177,8 +177,9 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     group = hq // hkv
     g2 = triton.next_power_of_2(group)
     wide = q.element_size() <= 2  # 16-bit: tensor cores, Hopper's usual 128 x 64 tiles; fp32: IEEE FMAs, smaller
+    paged_wide = wide and block_table is not None  # paged 16-bit: 32-key tiles, 4 warps (the tile sweep's best, #18)
     block_m = block_m or max(1, (128 if wide else 64) // g2)
-    block_n = block_n or (64 if wide else 32)
+    block_n = block_n or (64 if wide and not paged_wide else 32)
     _check(q, k, hkv, block_m, block_n)
     out = torch.empty_like(q)
     if n == 0:
@@ -189,7 +190,7 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
         q, k, v, out, pos.contiguous(), kv["bt"], sinks, windows, n, scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, **kv["consts"],
-        num_warps=num_warps or (8 if wide else 4), num_stages=num_stages or (3 if wide else 2),
+        num_warps=num_warps or (8 if wide and not paged_wide else 4), num_stages=num_stages or (3 if wide else 2),
     )
     return out
 
@@ -261,8 +262,8 @@ def line_blocks(pos: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, 
     lo = (first[:, None] - starts[None, :] - block_n + 1).clamp(0, t)  # [tiles, NB]
     hi = (last[:, None] - starts[None, :] + 1).clamp(0, t)  # distances [lo, hi)
     on_s = (cs[:, hi] - cs[:, lo.clamp(max=hi)]) > 0  # [Hq, tiles, NB]
-    own = torch.zeros(tiles, nb, dtype=torch.bool, device=dev)
-    own[torch.arange(n, device=dev) // block_m, pos // block_n] = True
+    own = torch.zeros(tiles * nb, dtype=torch.bool, device=dev)  # scatter_ of a scalar: no host copy, graph-safe
+    own = own.scatter_(0, torch.arange(n, device=dev) // block_m * nb + pos // block_n, True).view(tiles, nb)
     causal = starts[None, :] <= last[:, None]  # [tiles, NB]
     mask = (on_v[None] | on_s.transpose(0, 1) | own[:, None]) & causal[:, None]  # [tiles, Hq, NB]
     ids = torch.where(mask, torch.arange(nb, device=dev, dtype=torch.int32), nb)

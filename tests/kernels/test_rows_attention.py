@@ -205,5 +205,6 @@ def test_bfloat16_at_the_default_tiles_on_the_gpu(paged):
     vertical = torch.rand(8, t, generator=torch.Generator().manual_seed(15)) < 0.05
     slash = torch.rand(8, t, generator=torch.Generator().manual_seed(16)) < 0.05
     want = truth(q, pos, k, v, d**-0.5, sees=lambda h, p, j: bool(vertical[h, j] or slash[h, p - j]) or j == p)
-    got = lines_attention(q, pos, k, v, d**-0.5, vertical.to(DEV), slash.to(DEV))
+    kv = dict(k=kp, v=vp, block_table=table) if paged else dict(k=k, v=v)
+    got = lines_attention(q, pos, scale=d**-0.5, vertical=vertical.to(DEV), slash=slash.to(DEV), **kv)
     assert (got.double().cpu() - want).abs().max() < 2e-2
