@@ -52,7 +52,7 @@ def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[
         torch.minimum(first, r[:, None, :t], out=first)  # [h', n, T]: the entry is covered for k > first
         mass[a : a + step].scatter_add_(1, first.add_(1).flatten(1), probs[a : a + step].flatten(1).double())
     covered = mass.cumsum(1)  # [:, k]: what the top k lines cover
-    target = alpha * probs.double().sum(dim=(1, 2))
+    target = alpha * probs.sum(dim=(1, 2), dtype=torch.float64)  # summed in float64, no float64 copy of the map
     k = (covered < (target - 1e-6)[:, None]).sum(1)  # the fewest lines reaching the target
     pick = rank < k[:, None]
     return pick[:, :t], pick[:, t:]

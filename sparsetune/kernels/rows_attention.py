@@ -177,9 +177,10 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     group = hq // hkv
     g2 = triton.next_power_of_2(group)
     wide = q.element_size() <= 2  # 16-bit: tensor cores, Hopper's usual 128 x 64 tiles; fp32: IEEE FMAs, smaller
-    paged_wide = wide and block_table is not None  # paged 16-bit: 32-key tiles, 4 warps (the tile sweep's best, #18)
+    # 64-key tiles and 8 warps only for contiguous 16-bit KV; paged 16-bit: 32 keys, 4 warps (the tile sweep's best, #18)
+    big_tiles = wide and block_table is None
     block_m = block_m or max(1, (128 if wide else 64) // g2)
-    block_n = block_n or (64 if wide and not paged_wide else 32)
+    block_n = block_n or (64 if big_tiles else 32)
     _check(q, k, hkv, block_m, block_n)
     out = torch.empty_like(q)
     if n == 0:
@@ -190,7 +191,7 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
         q, k, v, out, pos.contiguous(), kv["bt"], sinks, windows, n, scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, **kv["consts"],
-        num_warps=num_warps or (8 if wide and not paged_wide else 4), num_stages=num_stages or (3 if wide else 2),
+        num_warps=num_warps or (8 if big_tiles else 4), num_stages=num_stages or (3 if wide else 2),
     )
     return out
 
