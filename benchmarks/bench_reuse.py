@@ -30,6 +30,36 @@ from sparsetune.perf.cost import full_prefill_flops, prefill_flops
 from sparsetune.perf.speed import reuse_prompt, reuse_ttft_seconds, store_segments
 
 
+def print_gpu_gaps(prof, top: int = 12) -> None:
+    """Where the GPU waits within the profiled request: its busy time (kernels and copies, overlaps
+    merged) against their span, and the longest idle gaps with the work on either side."""
+    from torch.autograd import DeviceType
+
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA), key=lambda x: x[0])
+    if not ev:
+        return
+    gaps, busy, end, last = [], 0.0, ev[0][0], ev[0][2]
+    for a, b, name in ev:
+        if a > end:
+            gaps.append((a - end, last, name, a))
+        busy += max(0.0, b - max(a, end))
+        if b > end:
+            end, last = b, name
+    span = end - ev[0][0]
+    print(f"GPU busy {busy / 1e3:.1f} ms of a {span / 1e3:.1f} ms span; idle {sum(g[0] for g in gaps) / 1e3:.1f} ms "
+          f"in {len(gaps)} gaps; the longest:")
+    cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    for i, (g, before, after, at) in enumerate(sorted(gaps, reverse=True)[:top]):
+        print(f"  {g / 1e3:7.2f} ms  after {before[:50]}  before {after[:50]}")
+        if i < 3:  # what the host ran meanwhile: the longest ops that began in the gap, with their code
+            inside = sorted((e for e in cpu if at - g <= e.time_range.start < at),
+                            key=lambda e: e.time_range.end - e.time_range.start, reverse=True)[:4]
+            for e in inside:
+                frames = [f for f in (e.stack or []) if "sparsetune" in f][:2]
+                print(f"      {(e.time_range.end - e.time_range.start) / 1e3:6.2f} ms {e.name[:40]} {' < '.join(frames)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -41,7 +71,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json-out", default=None)
-    ap.add_argument("--profile", action="store_true", help="print each flow's top GPU kernels (torch profiler)")
+    ap.add_argument("--profile", action="store_true", help="print each flow's 30 costliest kernels and ops by their own GPU time (torch profiler), and the GPU's idle gaps")
     ap.add_argument("--rows", default="kernels", help="the rows' attention: kernels, torch, or both (torch,kernels)")
     args = ap.parse_args()
     paths = args.rows.split(",")
@@ -64,9 +94,10 @@ def main() -> None:
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
                     llm.generate([parts], once, chat=False)
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+                print_gpu_gaps(prof)
             flops = prefill_flops(llm.model_config, last["token_layers"], last["mlp_token_layers"], last["attention_pairs"])
             row = {"flow": flow, "rows": path, "params": llm.reuse_flow.params(), "ttft_s": ttft, "flops": flops,
                    **{k: last[k] for k in ("prompt_tokens", "reuse_ratio", "recompute_ratio", "compute_fraction",

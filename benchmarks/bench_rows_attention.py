@@ -9,8 +9,11 @@ reuse plan at 90% reused recomputes past its selection layer: the 10% of the pro
 (random, sorted). For each budget it times:
   - `today`: `engine.rows.attend_causal` (cuDNN/flash causal calls for runs of >= 64 consecutive
     rows, one masked SDPA call over keys 0..max for the scattered rest), on the gathered `[Hkv, T, D]` KV;
-  - `rows`: `kernels.rows_attention` on the same contiguous KV, and on the paged pool (block 16,
-    shuffled table: no gather needed);
+  - `rows`: `kernels.rows_attention` on the same contiguous KV (through tensor descriptors on
+    Hopper; `rows_pointers`: pointer loads), and on the paged pool (block 16,
+    shuffled table: no gather needed), and `rows_gather`: the pool's pages gathered to contiguous
+    K and V first (`kernels.kv_store.gather_kv`, what `KVCache.gather` runs on CUDA, timed alone as
+    `gather`; its torch twin's index_select as `gather_index_select`), then the contiguous kernel;
   - `causal_all`: causal attention of every row of the prompt (full recompute's attention);
 and the floor: the FLOPs the rows need (4 * D * Hq * sum(pos + 1)) / the measured matmul rate.
 Checks the outputs agree (max abs difference against `today`).
@@ -37,6 +40,7 @@ import torch  # noqa: E402
 from common import bench_us, measure_matmul_flops  # noqa: E402
 
 from sparsetune.engine.attention import causal_sdpa, prefill_backends  # noqa: E402
+from sparsetune.kernels.kv_store import gather_kv, gather_kv_ref  # noqa: E402
 from sparsetune.engine.rows import CausalRuns, HeadWindows, Lines, attend_causal, attend_pattern  # noqa: E402
 from sparsetune.kernels.rows_attention import line_blocks, lines_attention, rows_attention  # noqa: E402
 
@@ -47,9 +51,9 @@ def row_set(t: int, fresh: float, budget: float, gen: torch.Generator) -> torch.
     return torch.cat([picked, torch.arange(reused, t)]).cuda()
 
 
-def sweep(qa, k, v, kp, vp, table, scale, pos, peak, d, hq) -> None:
+def sweep(qa, k, v, scale, pos, peak, d, hq) -> None:
     """The row kernel's tile configs (rows per program, keys per tile, warps, stages) on one row set,
-    contiguous and paged, fastest paged first."""
+    contiguous through tensor descriptors (what the engine runs) and through pointers, fastest first."""
     q = qa[pos]
     flops = 4 * d * hq * float((pos + 1).sum())
     out = []
@@ -60,7 +64,7 @@ def sweep(qa, k, v, kp, vp, table, scale, pos, peak, d, hq) -> None:
                     kw = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
                     try:
                         us = {"rows": bench_us(lambda: rows_attention(q, pos, k, v, scale, **kw)),
-                              "rows_paged": bench_us(lambda: rows_attention(q, pos, kp, vp, scale, block_table=table, **kw))}
+                              "rows_pointers": bench_us(lambda: rows_attention(q, pos, k, v, scale, tma=False, **kw))}
                     except Exception as e:  # out of shared memory and the like
                         print(f"  {kw}: {type(e).__name__}", flush=True)
                         continue
@@ -68,8 +72,8 @@ def sweep(qa, k, v, kp, vp, table, scale, pos, peak, d, hq) -> None:
                            "of_peak": {n: round(flops / x * 1e6 / peak, 3) for n, x in us.items()}}
                     out.append(rec)
                     print(json.dumps(rec), flush=True)
-    for rec in sorted(out, key=lambda r: r["us"]["rows_paged"])[:8]:
-        print("best paged:", json.dumps(rec))
+    for rec in sorted(out, key=lambda r: r["us"]["rows"])[:8]:
+        print("best:", json.dumps(rec))
 
 
 def main() -> None:
@@ -89,7 +93,7 @@ def main() -> None:
     ap.add_argument("--slash", type=float, default=0.01)
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--sweep", action="store_true",
-                    help="time the scattered rows (first budget, contiguous and paged) over a grid of tile configs, then exit")
+                    help="time the scattered rows (first budget; contiguous, descriptors and pointers) over a grid of tile configs, then exit")
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
     t, hq, hkv, d, bs = a.context, 32, 8, 128, 16
@@ -102,6 +106,11 @@ def main() -> None:
     vp = torch.empty_like(kp)
     kp[table.long()] = k.view(hkv, nb, bs, d).transpose(0, 1)
     vp[table.long()] = v.view(hkv, nb, bs, d).transpose(0, 1)
+    ids = table.long()
+
+    def gathered():
+        return gather_kv(kp, vp, ids, t)
+
     peak = measure_matmul_flops()
     scale = d**-0.5
     kw = dict(block_m=a.block_m or None, block_n=a.block_n or None, num_warps=a.num_warps or None,
@@ -112,7 +121,7 @@ def main() -> None:
         causal_us = bench_us(lambda: causal_sdpa(qa.transpose(0, 1), k, v, 0, scale), use_graph=False)
     causal_flops = 4 * d * hq * t * (t + 1) / 2
     if a.sweep:
-        sweep(qa, k, v, kp, vp, table, scale, row_set(t, a.fresh, float(a.budgets.split(",")[0]), gen), peak, d, hq)
+        sweep(qa, k, v, scale, row_set(t, a.fresh, float(a.budgets.split(",")[0]), gen), peak, d, hq)
         return
     for budget in (float(x) for x in a.budgets.split(",")):
         pos = row_set(t, a.fresh, budget, gen)
@@ -126,7 +135,11 @@ def main() -> None:
         us = {
             "today": bench_us(lambda: attend_causal(q, pos, k, v, runs, scale), use_graph=False),
             "rows": bench_us(lambda: rows_attention(q, pos, k, v, scale, **kw)),
+            "rows_pointers": bench_us(lambda: rows_attention(q, pos, k, v, scale, tma=False, **kw)),
             "rows_paged": bench_us(lambda: rows_attention(q, pos, kp, vp, scale, block_table=table, **kw)),
+            "rows_gather": bench_us(lambda: rows_attention(q, pos, *gathered(), scale, **kw)),
+            "gather": bench_us(gathered),
+            "gather_index_select": bench_us(lambda: gather_kv_ref(kp, vp, ids, t)),
         }
         rec = {"context": t, "budget": budget, "fresh": a.fresh, "rows": int(pos.numel()), "dtype": a.dtype,
                "us": {n: round(x, 1) for n, x in us.items()}, "floor_us": round(flops / peak * 1e6, 1),
@@ -148,7 +161,8 @@ def main() -> None:
     today = attend_pattern(qa, pos, k, v, allowed, scale)
     got = rows_attention(qa, pos, k, v, scale, sinks=sinks, windows=wins, **kw)
     us = {"today": bench_us(lambda: attend_pattern(qa, pos, k, v, allowed, scale), use_graph=False),
-          "rows": bench_us(lambda: rows_attention(qa, pos, k, v, scale, sinks=sinks, windows=wins, **kw))}
+          "rows": bench_us(lambda: rows_attention(qa, pos, k, v, scale, sinks=sinks, windows=wins, **kw)),
+          "rows_pointers": bench_us(lambda: rows_attention(qa, pos, k, v, scale, sinks=sinks, windows=wins, tma=False, **kw))}
     rec = {"case": "redknot", "context": t, "global_kv_heads": a.global_heads, "window": a.window, "sink": a.sink,
            "us": {n: round(x, 1) for n, x in us.items()}, "floor_us": round(flops / peak * 1e6, 1),
            "of_peak": {n: round(flops / x * 1e6 / peak, 3) for n, x in us.items()},
@@ -177,7 +191,9 @@ def main() -> None:
     blocks, counts = line_blocks(pos, vertical, slash, bm, bn)
     us = {"today": bench_us(lambda: attend_pattern(q, pos, k, v, lines, scale), use_graph=False),
           "lines": bench_us(lambda: lines_attention(q, pos, k, v, scale, vertical, slash, **kw)),
+          "lines_pointers": bench_us(lambda: lines_attention(q, pos, k, v, scale, vertical, slash, tma=False, **kw)),
           "lines_paged": bench_us(lambda: lines_attention(q, pos, kp, vp, scale, vertical, slash, block_table=table, **kw)),
+          "lines_gather": bench_us(lambda: lines_attention(q, pos, *gathered(), scale, vertical, slash, **kw)),
           "line_blocks": bench_us(lambda: line_blocks(pos, vertical, slash, bm, bn))}
     rec = {"case": "loopserve", "context": t, "rows": int(pos.numel()), "vertical": a.vertical, "slash": a.slash,
            "tiles_read": round(float(counts.sum()) / counts.numel() / blocks.shape[2], 3),

@@ -70,12 +70,8 @@ class KVCache:
         return self.k[layer][blk, :, off], self.v[layer][blk, :, off]
 
     def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's first `length` tokens as contiguous `[kv_heads, length, head_dim]` K and V."""
-        n = -(-length // self.block_size)
-        ids = block_table[:n].long()
-
-        def flat(pool: torch.Tensor) -> torch.Tensor:
-            blocks = pool[layer][ids]  # [n, H, bs, D]
-            return blocks.transpose(0, 1).reshape(self.num_kv_heads, n * self.block_size, self.head_dim)[:, :length]
-
-        return flat(self.k), flat(self.v)
+        """One sequence's first `length` tokens as `[kv_heads, length, head_dim]` K and V (contiguous
+        on CUDA, `kv_store.gather_kv`; the torch twin elsewhere)."""
+        ids = block_table[: -(-length // self.block_size)].long()
+        fn = kv_store.gather_kv if self.k.is_cuda else kv_store.gather_kv_ref
+        return fn(self.k[layer], self.v[layer], ids, length)

@@ -10,10 +10,11 @@ RoPE at `positions`, the model's layer calls
   q, the residual and `positions` to the continuing rows;
 - `attention`: those rows attend over the sequence's first `num_tokens` keys in the pool, row i
   seeing keys 0..i, narrowed per head by `attention_pattern`: a mask function, or one of the
-  structured patterns below, which on CUDA run block-sparse in `kernels/rows_attention` straight
-  from the paged pool (key tiles no row sees are not read), as do scattered rows without a pattern;
-  rows that are all long consecutive runs (a full recompute) take the flash causal call, and the
-  torch path (CPU, or a mask function) gathers the keys and runs SDPA;
+  structured patterns below, which on CUDA run block-sparse in `kernels/rows_attention` (key tiles
+  no row sees are not read), as do scattered rows without a pattern; rows that are all long
+  consecutive runs (a full recompute) take the flash causal call, and the torch path (CPU, or a
+  mask function) runs SDPA; all of them read the keys gathered from the pool once per layer
+  (`KVCache.gather`: contiguous tiles beat paged gathers by far more than the copy costs);
 - `mlp`: the MLP of the rows `mlp_rows` names; the others take the residual path.
 
 The hooks return None by default: every row goes on, stores fresh KV, attends causally and runs the
@@ -115,7 +116,6 @@ class Rows:
                  scale: float) -> None:
         self.kv, self.block_table, self.num_tokens, self.scale = kv, block_table, num_tokens, scale
         self.slots = kv.slots(block_table, torch.arange(num_tokens, device=kv.k.device))  # [T] every token's
-        self.table32 = block_table.to(torch.int32).contiguous()  # the kernels' block table
         # Σ over layers of the (row, key) pairs attended, averaged over query heads: the attention's
         # FLOPs are 4 · head_dim · Hq · this (perf.cost.prefill_flops). Counted on the device.
         self.attention_pairs = torch.zeros((), dtype=torch.float64, device=kv.k.device)
@@ -185,16 +185,15 @@ class Rows:
         # All rows in long consecutive runs (a full recompute, a layer recomputing every row): the flash
         # causal kernels beat the row kernel there; a mixed set runs in the row kernel whole (measured
         # faster than splitting it: BENCHMARKS.md, #18).
+        # The kernels read the gathered KV, not the pool: contiguous 64-key tiles beat the paged gathers
+        # by more than the gather costs (32K, H100: 6.27 ms with it vs 8.26 ms paged; BENCHMARKS.md, #18).
+        k, v = gathered()
         if use_kernels(q) and (structured or (pattern is None and self.runs.rest is not None)):
-            k, v = self.kv.k[layer], self.kv.v[layer]  # the paged pool: no gather
             with stage("attention"):
                 if isinstance(pattern, Lines):
-                    return lines_attention(q, self.positions, k, v, self.scale, pattern.vertical, pattern.slash,
-                                           block_table=self.table32)
+                    return lines_attention(q, self.positions, k, v, self.scale, pattern.vertical, pattern.slash)
                 sinks, windows = (None, None) if pattern is None else (pattern.sinks, pattern.windows)
-                return rows_attention(q, self.positions, k, v, self.scale, block_table=self.table32, sinks=sinks,
-                                      windows=windows)
-        k, v = gathered()
+                return rows_attention(q, self.positions, k, v, self.scale, sinks=sinks, windows=windows)
         if pattern is None:
             return attend_causal(q, self.positions, k, v, self.runs, self.scale)
         return attend_pattern(q, self.positions, k, v, pattern, self.scale,

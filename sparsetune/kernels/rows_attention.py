@@ -3,8 +3,10 @@
 `rows_attention(q [n, Hq, D], pos [n], k, v, scale)`: row r (query heads q[r], at position
 pos[r] of the sequence) attends causally to the sequence's keys 0..pos[r]. The rows are what a
 reuse flow recomputes (scattered through a prompt: issue #18) or a whole prompt (consecutive rows
-are the plain causal case). Keys and values are either contiguous `[Hkv, T, D]` or the engine's
-paged pool `[num_blocks, Hkv, block_size, D]` with the sequence's `block_table` (no gather copy).
+are the plain causal case). Keys and values are either contiguous `[Hkv, T, D]` (on Hopper read
+through tensor descriptors: TMA tiles, zeros past T) or the engine's paged pool
+`[num_blocks, Hkv, block_size, D]` with the sequence's `block_table` (no gather copy; slower per
+key than contiguous tiles by more than a gather costs, so the engine gathers: #18).
 Per KV head, optional sinks and a window narrow what a row sees (key j <= p seen iff j < sink or
 p - j < window: RedKnot's local heads, issue #18 item 2), one launch for global and local heads.
 `lines_attention`: LoopServe's per-query-head vertical + slash lines, block-sparse (the MInference
@@ -28,6 +30,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = ["rows_attention", "rows_attention_ref", "lines_attention", "line_blocks"]
 
@@ -36,21 +39,25 @@ _NO_WINDOW = 2147483647
 
 
 @triton.jit
-def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, klo, khi, win, vert, slash, d, s_kb, s_kt, s_vb,
-          s_vt, scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr,
-          MASK: tl.constexpr, PREC: tl.constexpr):
+def _step(acc, m_i, l_i, qt, k_base, v_base, kd, vd, h, bt, start, p, hi, klo, khi, win, vert, slash, d, s_kb, s_kt,
+          s_vb, s_vt, scale_log2, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+          BS: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
     """One key tile [start, start + BLOCK_N) into the online softmax. MASK 0: every row takes every
     key; 1: row r takes key j iff j <= pos[r], klo <= j < khi and pos[r] - j < win; 2 (lines): iff
     j <= pos[r] and j is on the head's vertical lines (vert[j]), its slash lines (slash[pos[r] - j])
-    or j == pos[r]."""
+    or j == pos[r]. TMA (contiguous KV): the tiles come through the tensor descriptors kd, vd
+    (`[Hkv, T, D]`, zeros past T; keys in [hi, T) are read and masked like any key a row does not see)."""
     kk = start + tl.arange(0, BLOCK_N)
     ok = kk < hi
-    if PAGED:  # token t: block bt[t // BS], slot t % BS
-        blk = tl.load(bt + kk // BS, mask=ok, other=0).to(tl.int64)
-        k_off, v_off = blk * s_kb + (kk % BS) * s_kt, blk * s_vb + (kk % BS) * s_vt
+    if TMA:
+        kt = tl.trans(kd.load([h, start, 0]).reshape(BLOCK_N, D_P2))
     else:
-        k_off, v_off = kk.to(tl.int64) * s_kt, kk.to(tl.int64) * s_vt
-    kt = tl.load(k_base + k_off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < D), other=0.0)
+        if PAGED:  # token t: block bt[t // BS], slot t % BS
+            blk = tl.load(bt + kk // BS, mask=ok, other=0).to(tl.int64)
+            k_off, v_off = blk * s_kb + (kk % BS) * s_kt, blk * s_vb + (kk % BS) * s_vt
+        else:
+            k_off, v_off = kk.to(tl.int64) * s_kt, kk.to(tl.int64) * s_vt
+        kt = tl.load(k_base + k_off[None, :] + d[:, None], mask=ok[None, :] & (d[:, None] < D), other=0.0)
     s = tl.dot(qt, kt, input_precision=PREC) * scale_log2  # [M, BLOCK_N] fp32
     if MASK == 1:
         j = kk[None, :]
@@ -65,17 +72,21 @@ def _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, klo, khi, win, ve
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet (or never will)
     alpha = tl.exp2(m_i - m_safe)
     pr = tl.exp2(s - m_safe[:, None])
-    vt = tl.load(v_base + v_off[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
+    if TMA:
+        vt = vd.load([h, start, 0]).reshape(BLOCK_N, D_P2)
+    else:
+        vt = tl.load(v_base + v_off[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
     acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt, input_precision=PREC)
     return acc, m_new, l_i * alpha + tl.sum(pr, 1)
 
 
 @triton.jit
 def _rows_attention_kernel(
-    q, k, v, o, pos, bt, sinks, windows, n, scale_log2,
+    q, k, v, kd, vd, o, pos, bt, sinks, windows, n, scale_log2,
     s_qn, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_on, s_oh,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    D: tl.constexpr, D_P2: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
+    D: tl.constexpr, D_P2: tl.constexpr, PAGED: tl.constexpr, BS: tl.constexpr, TMA: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK_M * GROUP_P2)
@@ -105,20 +116,20 @@ def _rows_attention_kernel(
     l_i = tl.zeros([BLOCK_M * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_P2, D_P2], tl.float32)
     for start in range(0, tl.minimum(sink, hi), BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, 0, sink, big, q, q, d, s_kb,
-                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 1, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, kd, vd, h, bt, start, p, hi, 0, sink, big, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, D_P2, BLOCK_N, PAGED, BS, TMA, 1, PREC)
     b0 = (tl.maximum(sink, pmin - win + 1) // BLOCK_N) * BLOCK_N
     u0 = tl.maximum(b0, tl.cdiv(tl.maximum(sink, pmax - win + 1), BLOCK_N) * BLOCK_N)
     u1 = tl.maximum(u0, ((pmin + 1) // BLOCK_N) * BLOCK_N)
     for start in range(b0, u0, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
-                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 1, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, kd, vd, h, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, D_P2, BLOCK_N, PAGED, BS, TMA, 1, PREC)
     for start in range(u0, u1, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
-                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 0, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, kd, vd, h, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, D_P2, BLOCK_N, PAGED, BS, TMA, 0, PREC)
     for start in range(u1, hi, BLOCK_N):
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
-                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 1, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, kd, vd, h, bt, start, p, hi, sink, big, win, q, q, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, D_P2, BLOCK_N, PAGED, BS, TMA, 1, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + row.to(tl.int64)[:, None] * s_on + head[:, None] * s_oh + d[None, :], out.to(o.dtype.element_ty),
              mask=live[:, None] & (d[None, :] < D))
@@ -126,10 +137,10 @@ def _rows_attention_kernel(
 
 @triton.jit
 def _lines_attention_kernel(
-    q, k, v, o, pos, bt, vert, slash, blocks, counts, n, T, NB, scale_log2,
+    q, k, v, kd, vd, o, pos, bt, vert, slash, blocks, counts, n, T, NB, scale_log2,
     s_qn, s_qh, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_on, s_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-    PAGED: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr,
+    PAGED: tl.constexpr, BS: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program: BLOCK_M rows and one query head (its lines are its own), over the key tiles its
     list names (`blocks[tile, head, :counts[tile, head]]`)."""
@@ -153,8 +164,8 @@ def _lines_attention_kernel(
     at = (tile * tl.num_programs(1) + qh).to(tl.int64)
     for i in range(tl.load(counts + at)):
         start = tl.load(blocks + at * NB + i) * BLOCK_N
-        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, bt, start, p, hi, 0, 0, 0, line_v, line_s, d, s_kb,
-                              s_kt, s_vb, s_vt, scale_log2, D, BLOCK_N, PAGED, BS, 2, PREC)
+        acc, m_i, l_i = _step(acc, m_i, l_i, qt, k_base, v_base, kd, vd, h, bt, start, p, hi, 0, 0, 0, line_v, line_s, d, s_kb,
+                              s_kt, s_vb, s_vt, scale_log2, D, D_P2, BLOCK_N, PAGED, BS, TMA, 2, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o + row.to(tl.int64)[:, None] * s_on + qh * s_oh + d[None, :], out.to(o.dtype.element_ty),
              mask=live[:, None] & (d[None, :] < D))
@@ -163,32 +174,35 @@ def _lines_attention_kernel(
 def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    block_table: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                    windows: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                   num_warps: int | None = None, num_stages: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """Rows q `[n, Hq, D]` at positions `pos` `[n]` over keys 0..pos[r] → `[n, Hq, D]` (q's dtype).
 
     Contiguous KV: k, v `[Hkv, T, D]`. Paged: k, v `[num_blocks, Hkv, block_size, D]` and
     `block_table` `[>= ceil(T / block_size)]` int32, the sequence's blocks in order.
     Per KV head h (both `[Hkv]` int, device tensors): a row at p sees key j <= p only if
     j < sinks[h] or p - j < windows[h] (RedKnot's local heads); the key tiles no row of a program
-    sees are not read. Default: no sinks, unbounded windows (plain causal)."""
+    sees are not read. Default: no sinks, unbounded windows (plain causal). `tma`: contiguous KV
+    read through Hopper's tensor descriptors (default: where the GPU and the KV's alignment allow)."""
     n, hq, _ = q.shape
-    kv = _kv_args(q, k, v, block_table, pos)
-    hkv = kv["hkv"]
+    hkv = _kv_heads(k, block_table)
     group = hq // hkv
     g2 = triton.next_power_of_2(group)
-    wide = q.element_size() <= 2  # 16-bit: tensor cores, Hopper's usual 128 x 64 tiles; fp32: IEEE FMAs, smaller
-    # 64-key tiles and 8 warps only for contiguous 16-bit KV; paged 16-bit: 32 keys, 4 warps (the tile sweep's best, #18)
+    wide = q.element_size() <= 2  # 16-bit: tensor cores, Hopper's usual 128-row tiles; fp32: IEEE FMAs, smaller
+    tma = _use_tma(tma, k, v, block_table)
+    # The tile sweeps' best (#18, BENCHMARKS.md), 16-bit: contiguous KV through descriptors 128 keys a tile
+    # (head dim <= 128), through pointers 64, both 8 warps; paged 32 keys, 4 warps. fp32: 32 keys, 4 warps.
     big_tiles = wide and block_table is None
     block_m = block_m or max(1, (128 if wide else 64) // g2)
-    block_n = block_n or (64 if big_tiles else 32)
+    block_n = block_n or ((128 if tma and q.shape[-1] <= 128 else 64) if big_tiles else 32)
     _check(q, k, hkv, block_m, block_n)
+    kv = _kv_args(q, k, v, block_table, pos, block_n, tma)
     out = torch.empty_like(q)
     if n == 0:
         return out
     sinks, windows = _head_limits(sinks, windows, hkv, q.device)
     grid = (triton.cdiv(n, block_m), hkv)
     _rows_attention_kernel[grid](
-        q, k, v, out, pos.contiguous(), kv["bt"], sinks, windows, n, scale * _LOG2E,
+        q, k, v, *kv["descs"], out, pos.contiguous(), kv["bt"], sinks, windows, n, scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=g2, BLOCK_M=block_m, BLOCK_N=block_n, **kv["consts"],
         num_warps=num_warps or (8 if big_tiles else 4), num_stages=num_stages or (3 if wide else 2),
@@ -197,25 +211,47 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def _kv_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None,
-             pos: torch.Tensor) -> dict:
-    """KV heads, the block table and the six K/V strides (block, head, token) the kernels take, and
-    the constants both kernels share (head dim, paging, block size, dot precision)."""
+             pos: torch.Tensor, block_n: int, tma: bool) -> dict:
+    """The block table, the six K/V strides (block, head, token) and the tensor descriptors the
+    kernels take, and the constants both kernels share (head dim, paging, block size, TMA, dot precision)."""
     if block_table is None:
-        if k.dim() != 3:
-            raise ValueError(f"contiguous k, v must be [Hkv, T, D], got {tuple(k.shape)}")
-        hkv, bs, bt = k.shape[0], 1, pos  # bt: unused
+        bs, bt = 1, pos  # bt: unused
         strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
     else:
-        if k.dim() != 4:
-            raise ValueError(f"paged k, v must be [num_blocks, Hkv, block_size, D], got {tuple(k.shape)}")
-        hkv, bs, bt = k.shape[1], k.shape[2], block_table.to(torch.int32).contiguous()
+        bs, bt = k.shape[2], block_table.to(torch.int32).contiguous()
         strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v need contiguous last dims")
     dim = q.shape[-1]
-    consts = {"D": dim, "D_P2": max(16, triton.next_power_of_2(dim)), "PAGED": block_table is not None, "BS": bs,
+    d2 = max(16, triton.next_power_of_2(dim))
+    # [Hkv, T, D] tiles of [1, block_n, D_P2]: zeros past T and past D
+    descs = (TensorDescriptor(k, list(k.shape), list(k.stride()), [1, block_n, d2]),
+             TensorDescriptor(v, list(v.shape), list(v.stride()), [1, block_n, d2])) if tma else (k, v)
+    consts = {"D": dim, "D_P2": d2, "PAGED": block_table is not None, "BS": bs, "TMA": tma,
               "PREC": "ieee" if q.dtype == torch.float32 else "tf32"}
-    return {"hkv": hkv, "bt": bt, "strides": strides, "consts": consts}
+    return {"bt": bt, "strides": strides, "descs": descs, "consts": consts}
+
+
+def _kv_heads(k: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """KV heads of contiguous `[Hkv, T, D]` or paged `[num_blocks, Hkv, block_size, D]` keys."""
+    if block_table is None and k.dim() != 3:
+        raise ValueError(f"contiguous k, v must be [Hkv, T, D], got {tuple(k.shape)}")
+    if block_table is not None and k.dim() != 4:
+        raise ValueError(f"paged k, v must be [num_blocks, Hkv, block_size, D], got {tuple(k.shape)}")
+    return k.shape[0] if block_table is None else k.shape[1]
+
+
+def _use_tma(tma: bool | None, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None) -> bool:
+    """Whether the kernels read K and V through tensor descriptors: asked for, or by default where
+    they can (contiguous KV; Hopper or later, or the interpreter on the CPU; 16-byte aligned base and strides)."""
+    def ok(x: torch.Tensor) -> bool:
+        if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+        return x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
+
+    if tma and block_table is not None:
+        raise ValueError("tma reads contiguous KV only (no block_table)")
+    return (block_table is None and ok(k) and ok(v)) if tma is None else tma
 
 
 def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,15 +309,17 @@ def line_blocks(pos: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, 
 
 def lines_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     vertical: torch.Tensor, slash: torch.Tensor, block_table: torch.Tensor | None = None,
-                    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                    tma: bool | None = None) -> torch.Tensor:
     """LoopServe's vertical + slash pattern: row r at pos[r], query head h, sees key j <= pos[r] iff
     `vertical[h, j]`, `slash[h, pos[r] - j]` or j == pos[r] (`[Hq, T]` bool each: T = the keys).
     Rows sorted by position (not checked: that would read the device); KV as for `rows_attention`.
     Each program reads only the key tiles `line_blocks` lists for it; the pattern's mask is
     evaluated per key inside them."""
     n, hq, _ = q.shape
-    kv = _kv_args(q, k, v, block_table, pos)
-    _check(q, k, kv["hkv"], block_m, block_n)
+    hkv = _kv_heads(k, block_table)
+    _check(q, k, hkv, block_m, block_n)
+    kv = _kv_args(q, k, v, block_table, pos, block_n, _use_tma(tma, k, v, block_table))
     if vertical.shape != slash.shape or vertical.shape[0] != hq:
         raise ValueError(f"vertical and slash must be [Hq, T] = [{hq}, T], got {tuple(vertical.shape)} / {tuple(slash.shape)}")
     out = torch.empty_like(q)
@@ -290,10 +328,10 @@ def lines_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torc
     t = vertical.shape[1]
     blocks, counts = line_blocks(pos, vertical, slash, block_m, block_n)
     _lines_attention_kernel[(blocks.shape[0], hq)](
-        q, k, v, out, pos.contiguous(), kv["bt"], vertical.to(torch.int8).contiguous(), slash.to(torch.int8).contiguous(),
+        q, k, v, *kv["descs"], out, pos.contiguous(), kv["bt"], vertical.to(torch.int8).contiguous(), slash.to(torch.int8).contiguous(),
         blocks, counts, n, t, blocks.shape[2], scale * _LOG2E,
         q.stride(0), q.stride(1), *kv["strides"], out.stride(0), out.stride(1),
-        GROUP=hq // kv["hkv"], BLOCK_M=block_m, BLOCK_N=block_n, **kv["consts"], num_warps=num_warps, num_stages=num_stages,
+        GROUP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, **kv["consts"], num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

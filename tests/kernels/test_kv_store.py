@@ -1,4 +1,5 @@
-"""The KV store kernel (interpreted on CPU) writes exactly the slots asked, like an explicit loop."""
+"""The KV store kernel writes exactly the slots asked, and the gather kernel reads a sequence out of
+its pages, each like an explicit loop (interpreted on CPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from sparsetune.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
+from sparsetune.kernels.kv_store import gather_kv, gather_kv_ref, store_kv, store_kv_ref  # noqa: E402
 
 
 @pytest.mark.parametrize("heads,dim,block_size,dtype", [(3, 64, 16, torch.float32), (8, 32, 4, torch.bfloat16), (1, 16, 1, torch.float16)])
@@ -35,3 +36,23 @@ def test_store_kv_writes_exact_slots(impl, heads, dim, block_size, dtype):
     impl(k.to(dev), v.to(dev), kc_d, vc_d, slots.to(dev))
     assert torch.equal(kc_d.cpu().nan_to_num(-7.0), expect_k.nan_to_num(-7.0))
     assert torch.equal(vc_d.cpu().nan_to_num(-7.0), expect_v.nan_to_num(-7.0))
+
+
+@pytest.mark.parametrize("heads,dim,block_size,length", [(3, 64, 16, 75), (8, 48, 4, 64), (1, 16, 1, 5)])
+@pytest.mark.parametrize("impl", [gather_kv, gather_kv_ref])
+def test_gather_kv_reads_a_sequence_out_of_its_pages_in_order(impl, heads, dim, block_size, length):
+    """Pages in a shuffled order (the last one partly filled, the rest of the pool NaN) come out as
+    `[heads, length, dim]` K and V, token t from page ids[t // block_size] slot t % block_size."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(heads + dim)
+    pages = -(-length // block_size)
+    kc = torch.full((pages + 4, heads, block_size, dim), float("nan"))
+    vc = kc.clone()
+    ids = torch.randperm(pages + 4, generator=g)[:pages]
+    want_k, want_v = torch.randn(heads, length, dim, generator=g), torch.randn(heads, length, dim, generator=g)
+    for t in range(length):  # the definition, one token at a time
+        kc[ids[t // block_size], :, t % block_size] = want_k[:, t]
+        vc[ids[t // block_size], :, t % block_size] = want_v[:, t]
+    k, v = impl(kc.to(dev), vc.to(dev), ids.to(dev), length)
+    assert k.shape == v.shape == (heads, length, dim)
+    assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)

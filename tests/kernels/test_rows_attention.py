@@ -58,11 +58,15 @@ def make(t: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: in
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (9, 3, 64), (8, 2, 48)])  # groups 1, 3 (padded to 4), 4; D 48 padded
-def test_scattered_rows_match_the_float64_truth(hq, hkv, d):
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
+def test_scattered_rows_match_the_float64_truth(hq, hkv, d, tma):
     q, pos, k, v = make(t=300, n=37, hq=hq, hkv=hkv, d=d, dtype=torch.float32)
+    if tma:  # keys as KVCache.gather returns them: a view of a longer buffer (the descriptor ends at T, not the buffer)
+        k = torch.cat([k, torch.full_like(k[:, :11], float("nan"))], 1)[:, :300]
+        v = torch.cat([v, torch.full_like(v[:, :11], float("nan"))], 1)[:, :300]
     scale = d**-0.5
     want = truth(q, pos, k, v, scale)
-    got = rows_attention(q, pos, k, v, scale, block_m=4, block_n=32)  # 37 rows: the last tile holds one
+    got = rows_attention(q, pos, k, v, scale, block_m=4, block_n=32, tma=tma)  # 37 rows: the last tile holds one
     assert (got.double().cpu() - want).abs().max() < 2e-5
     assert (rows_attention_ref(q, pos, k, v, scale).double().cpu() - want).abs().max() < 2e-5
 
@@ -187,8 +191,10 @@ def test_inputs_the_gpu_compiler_would_reject_are_refused_and_unbounded_windows_
 
 
 @pytest.mark.gpu  # the interpreter multiplies bfloat16 as raw bits; the GPU path is what runs them
-@pytest.mark.parametrize("paged", [False, True])
-def test_bfloat16_at_the_default_tiles_on_the_gpu(paged):
+@pytest.mark.parametrize("layout", ["contiguous", "pointers", "paged"])
+def test_bfloat16_at_the_default_tiles_on_the_gpu(layout):
+    paged = layout == "paged"
+    tma = None if layout == "contiguous" else False  # contiguous: tensor descriptors on Hopper
     t, hkv, d = 700, 2, 128
     q, pos, k, v = make(t=t, n=150, hq=8, hkv=hkv, d=d, dtype=torch.bfloat16, seed=13)
     want = truth(q, pos, k, v, d**-0.5)
@@ -200,11 +206,11 @@ def test_bfloat16_at_the_default_tiles_on_the_gpu(paged):
         vp[table.long()] = torch.nn.functional.pad(v, (0, 0, 0, 16 - t % 16)).view(hkv, -1, 16, d).transpose(0, 1)
         got = rows_attention(q, pos, kp, vp, d**-0.5, block_table=table)
     else:
-        got = rows_attention(q, pos, k, v, d**-0.5)
+        got = rows_attention(q, pos, k, v, d**-0.5, tma=tma)
     assert (got.double().cpu() - want).abs().max() < 2e-2
     vertical = torch.rand(8, t, generator=torch.Generator().manual_seed(15)) < 0.05
     slash = torch.rand(8, t, generator=torch.Generator().manual_seed(16)) < 0.05
     want = truth(q, pos, k, v, d**-0.5, sees=lambda h, p, j: bool(vertical[h, j] or slash[h, p - j]) or j == p)
-    kv = dict(k=kp, v=vp, block_table=table) if paged else dict(k=k, v=v)
+    kv = dict(k=kp, v=vp, block_table=table) if paged else dict(k=k, v=v, tma=tma)
     got = lines_attention(q, pos, scale=d**-0.5, vertical=vertical.to(DEV), slash=slash.to(DEV), **kv)
     assert (got.double().cpu() - want).abs().max() < 2e-2

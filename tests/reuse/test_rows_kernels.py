@@ -1,7 +1,7 @@
 """The engine's row attention in the Triton kernels (`kernels/rows_attention`, the CUDA path; on a
 CPU-only machine forced there under the interpreter) against its torch path (gathered keys, SDPA
 with masks), on the real model: scattered recomputed rows (CacheBlend), RedKnot's local heads (sinks and windows) and
-LoopServe's lines, each read straight from the paged pool."""
+LoopServe's lines, each over the keys gathered from the pool once per layer."""
 
 from __future__ import annotations
 
@@ -58,13 +58,12 @@ def test_kernel_path_equals_the_torch_path(smollm_dev, head_file, monkeypatch, f
     layers = llm.model_config.num_hidden_layers
     assert not masked
     # Layers that recompute every row (CacheBlend's layer 0, RedKnot's 2 dense layers) are one
-    # consecutive run: the flash causal call, on keys gathered from the pool. The rest run in the
-    # kernel: CacheBlend's scattered rows (with a long fresh tail's run among them the set is still
-    # mixed), RedKnot's windows, LoopServe's lines, straight from the pool.
+    # consecutive run: the flash causal call. The rest run in the kernel: CacheBlend's scattered rows
+    # (with a long fresh tail's run among them the set is still mixed), RedKnot's windows, LoopServe's
+    # lines. Every layer gathers the keys once, however many of its hooks read them (+ reuse_logits' own).
     full = {"cacheblend": 1, "redknot": 2, "loopserve": 0}[flow]
     assert calls[kernel] == layers - full and calls["attend_causal"] == full
-    if flow == "cacheblend":  # nothing else gathers the keys (+ reuse_logits' own); RedKnot's hooks read them
-        assert calls["gather"] == 1 + full
+    assert calls["gather"] == layers + 1
 
 
 def test_pattern_pairs_count_their_masks():
