@@ -16,19 +16,7 @@ import torch
 
 from sparsetune.flow import Param, Search
 from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import Lines, attention_probs
-
-
-_CHUNK = 1 << 23  # map entries per round of cover_lines (heads are taken whole)
-
-
-def line_masses(probs: torch.Tensor, dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per head, the mass of every vertical line (key j) and slash line (distance d) of a sampled
-    causal map `probs` `[H, n, T]`, its entries' distances `dist` `[n * T]` (`Lines.distances` of
-    the rows' positions, flattened): `[H, T]` each."""
-    vertical = probs.sum(dim=1)
-    slash = torch.zeros_like(vertical).scatter_add_(1, dist.expand(probs.shape[0], -1), probs.flatten(1))
-    return vertical, slash
+from sparsetune.reuse.flow import Lines, attention_probs, cover_histogram, slash_masses
 
 
 def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,19 +27,11 @@ def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[
     entry's two lines (its key's vertical, its distance's slash), so one histogram of the entries'
     mass by that rank, summed up, is the coverage at every k at once."""
     h, n, t = probs.shape
-    dist = Lines.distances(rows, t).flatten()
-    vertical, slash = line_masses(probs, dist)
+    vertical, slash = probs.sum(dim=1), slash_masses(probs, rows)  # every line's mass: key j's, distance d's
     rank = torch.empty(h, 2 * t, dtype=torch.long, device=probs.device)
     order = torch.cat([vertical, slash], dim=1).argsort(dim=1, descending=True, stable=True)
     rank.scatter_(1, order, torch.arange(2 * t, device=probs.device).expand(h, -1))
-    mass = torch.zeros(h, 2 * t + 1, dtype=torch.float64, device=probs.device)
-    step = max(1, _CHUNK // (n * t))  # heads at a time: ~32 bytes of temporaries per map entry
-    for a in range(0, h, step):
-        r = rank[a : a + step]
-        first = r[:, t:].gather(1, dist.expand(r.shape[0], -1)).view(-1, n, t)
-        torch.minimum(first, r[:, None, :t], out=first)  # [h', n, T]: the entry is covered for k > first
-        mass[a : a + step].scatter_add_(1, first.add_(1).flatten(1), probs[a : a + step].flatten(1).double())
-    covered = mass.cumsum(1)  # [:, k]: what the top k lines cover
+    covered = cover_histogram(probs, rows, rank).cumsum(1)  # [:, k]: what the top k lines cover
     target = alpha * probs.sum(dim=(1, 2), dtype=torch.float64)  # summed in float64, no float64 copy of the map
     k = (covered < (target - 1e-6)[:, None]).sum(1)  # the fewest lines reaching the target
     pick = rank < k[:, None]
