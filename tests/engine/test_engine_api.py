@@ -101,3 +101,16 @@ def test_admit_prefilled_continues_like_a_normal_request(smollm, with_logits):
     assert seq.status == Status.RUNNING and seq.events.scheduled is not None
     assert _run(smollm, [seq])[0] == ref
     assert smollm.block_manager.num_free == free
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_queued(smollm):
+    from sparsetune.errors import SparsetuneError
+
+    vocab = smollm.model_config.vocab_size
+    params = SamplingParams(max_tokens=1)
+    for bad in ([1, vocab], [-1, 2]):
+        for add in (smollm.add_request, smollm.reserve):
+            with pytest.raises(SparsetuneError, match=rf"in \[0, {vocab}\)"):
+                add(bad, params)
+    assert not smollm.scheduler.has_work()
+    assert smollm.generate([[1, vocab - 1]], params)[0].token_ids  # the edges of the range are fine
