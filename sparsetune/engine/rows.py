@@ -185,8 +185,8 @@ class Rows:
         # All rows in long consecutive runs (a full recompute, a layer recomputing every row): the flash
         # causal kernels beat the row kernel there; a mixed set runs in the row kernel whole (measured
         # faster than splitting it: BENCHMARKS.md, #18).
-        # The kernels read the gathered KV, not the pool: contiguous 64-key tiles beat the paged gathers
-        # by more than the gather costs (32K, H100: 6.27 ms with it vs 8.26 ms paged; BENCHMARKS.md, #18).
+        # The kernels read the gathered KV, not the pool: contiguous tiles (TMA on Hopper) beat the paged
+        # gathers by far more than the gather costs (32K, H100: 5.94 ms with it vs 8.39 ms paged; BENCHMARKS.md, #18).
         k, v = gathered()
         if use_kernels(q) and (structured or (pattern is None and self.runs.rest is not None)):
             with stage("attention"):

@@ -88,17 +88,19 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor,
     """Pages `ids` (in order) of caches `[num_blocks, Hkv, block_size, D]` → the sequence's first
     `length` tokens as contiguous K and V `[Hkv, length, D]`."""
     _, heads, bs, dim = k_cache.shape
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or ids.numel() * bs < length:
-        raise ValueError(f"gather_kv: {ids.numel()} pages of {bs} for {length} tokens, or K/V caches laid out differently")
+    if (k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(-1) != 1 or bs & (bs - 1) or ids.numel() * bs < length):
+        raise ValueError(f"gather_kv: {ids.numel()} pages of {bs} (a power of two) for {length} tokens, and K and V "
+                         "caches of one shape, dtype and layout, last dim contiguous")
     ko = torch.empty(heads, length, dim, dtype=k_cache.dtype, device=k_cache.device)
     vo = torch.empty_like(ko)
     if length == 0:
         return ko, vo
-    pages = max(1, 8192 // (bs * dim))  # ~16 KB of bf16 per program and tensor
+    pages = triton.next_power_of_2(max(1, 8192 // (bs * dim)))  # ~16 KB of bf16 per program and tensor
     _gather_kv_kernel[(triton.cdiv(ids.numel(), pages), heads)](
         k_cache, v_cache, ids.contiguous(), ko, vo, length, ids.numel(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), ko.stride(0), ko.stride(1),
-        PAGES=triton.next_power_of_2(pages), BLOCK_SIZE=bs, HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim),
+        PAGES=pages, BLOCK_SIZE=bs, HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim),
         num_warps=4,
     )
     return ko, vo

@@ -74,6 +74,8 @@ def _step(acc, m_i, l_i, qt, k_base, v_base, kd, vd, h, bt, start, p, hi, klo, k
     pr = tl.exp2(s - m_safe[:, None])
     if TMA:
         vt = vd.load([h, start, 0]).reshape(BLOCK_N, D_P2)
+        if MASK != 0:  # a tile crossing hi: the values past it (zero probability) must not be NaN or inf either
+            vt = tl.where(ok[:, None], vt, 0.0)
     else:
         vt = tl.load(v_base + v_off[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0)
     acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt, input_precision=PREC)
@@ -195,10 +197,10 @@ def rows_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch
     block_m = block_m or max(1, (128 if wide else 64) // g2)
     block_n = block_n or ((128 if tma and q.shape[-1] <= 128 else 64) if big_tiles else 32)
     _check(q, k, hkv, block_m, block_n)
-    kv = _kv_args(q, k, v, block_table, pos, block_n, tma)
     out = torch.empty_like(q)
     if n == 0:
         return out
+    kv = _kv_args(q, k, v, block_table, pos, block_n, tma)
     sinks, windows = _head_limits(sinks, windows, hkv, q.device)
     grid = (triton.cdiv(n, block_m), hkv)
     _rows_attention_kernel[grid](
@@ -242,16 +244,19 @@ def _kv_heads(k: torch.Tensor, block_table: torch.Tensor | None) -> int:
 
 
 def _use_tma(tma: bool | None, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor | None) -> bool:
-    """Whether the kernels read K and V through tensor descriptors: asked for, or by default where
-    they can (contiguous KV; Hopper or later, or the interpreter on the CPU; 16-byte aligned base and strides)."""
+    """Whether the kernels read K and V through tensor descriptors: asked for (contiguous KV, 16-byte
+    aligned base and strides), or by default where that is also fast (Hopper or datacenter Blackwell,
+    or the interpreter on the CPU)."""
     def ok(x: torch.Tensor) -> bool:
-        if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
-            return False
         return x.data_ptr() % 16 == 0 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
 
-    if tma and block_table is not None:
-        raise ValueError("tma reads contiguous KV only (no block_table)")
-    return (block_table is None and ok(k) and ok(v)) if tma is None else tma
+    # by default Hopper and datacenter Blackwell only: the 128-key tiles are sized for their ~228 KB of shared memory
+    fast = all(not x.is_cuda or (9, 0) <= torch.cuda.get_device_capability(x.device) < (12, 0) for x in (k, v))
+    if tma is None:
+        return block_table is None and fast and ok(k) and ok(v)
+    if tma and (block_table is not None or not (ok(k) and ok(v))):
+        raise ValueError("tma reads contiguous KV with a 16-byte aligned base and strides only (no block_table)")
+    return tma
 
 
 def _head_limits(sinks, windows, hkv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,12 +324,13 @@ def lines_attention(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torc
     n, hq, _ = q.shape
     hkv = _kv_heads(k, block_table)
     _check(q, k, hkv, block_m, block_n)
-    kv = _kv_args(q, k, v, block_table, pos, block_n, _use_tma(tma, k, v, block_table))
+    tma = _use_tma(tma, k, v, block_table)
     if vertical.shape != slash.shape or vertical.shape[0] != hq:
         raise ValueError(f"vertical and slash must be [Hq, T] = [{hq}, T], got {tuple(vertical.shape)} / {tuple(slash.shape)}")
     out = torch.empty_like(q)
     if n == 0:
         return out
+    kv = _kv_args(q, k, v, block_table, pos, block_n, tma)
     t = vertical.shape[1]
     blocks, counts = line_blocks(pos, vertical, slash, block_m, block_n)
     _lines_attention_kernel[(blocks.shape[0], hq)](

@@ -38,21 +38,29 @@ def test_store_kv_writes_exact_slots(impl, heads, dim, block_size, dtype):
     assert torch.equal(vc_d.cpu().nan_to_num(-7.0), expect_v.nan_to_num(-7.0))
 
 
-@pytest.mark.parametrize("heads,dim,block_size,length", [(3, 64, 16, 75), (8, 48, 4, 64), (1, 16, 1, 5)])
+@pytest.mark.parametrize("heads,dim,block_size,length", [(3, 64, 16, 75), (8, 48, 4, 64), (1, 16, 1, 5), (1, 4, 16, 1000)])
 @pytest.mark.parametrize("impl", [gather_kv, gather_kv_ref])
 def test_gather_kv_reads_a_sequence_out_of_its_pages_in_order(impl, heads, dim, block_size, length):
     """Pages in a shuffled order (the last one partly filled, the rest of the pool NaN) come out as
     `[heads, length, dim]` K and V, token t from page ids[t // block_size] slot t % block_size."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(heads + dim)
-    pages = -(-length // block_size)
+    pages = -(-length // block_size)  # (1, 4, 16, 1000): 63 pages, many programs, the last one partial
     kc = torch.full((pages + 4, heads, block_size, dim), float("nan"))
     vc = kc.clone()
-    ids = torch.randperm(pages + 4, generator=g)[:pages]
+    ids = torch.randperm(pages + 4, generator=g)[: pages + 2]  # the table runs past the sequence, as the engine's may
     want_k, want_v = torch.randn(heads, length, dim, generator=g), torch.randn(heads, length, dim, generator=g)
-    for t in range(length):  # the definition, one token at a time
+    for t in range(length):  # the definition, one token at a time (the 2 extra pages stay NaN)
         kc[ids[t // block_size], :, t % block_size] = want_k[:, t]
         vc[ids[t // block_size], :, t % block_size] = want_v[:, t]
     k, v = impl(kc.to(dev), vc.to(dev), ids.to(dev), length)
     assert k.shape == v.shape == (heads, length, dim)
     assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
+
+
+def test_gather_kv_refuses_a_table_too_short_or_k_and_v_that_differ():
+    kc = torch.zeros(4, 2, 16, 8)
+    with pytest.raises(ValueError, match="pages of 16"):
+        gather_kv(kc, kc.clone(), torch.tensor([0, 1]), 33)
+    with pytest.raises(ValueError, match="one shape, dtype"):
+        gather_kv(kc, kc.double(), torch.tensor([0, 1, 2]), 33)

@@ -106,6 +106,21 @@ def test_half_precision_inputs_round_like_half_precision():
     assert (got.double().cpu() - want).abs().max() < 4e-3
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["descriptors", "pointers"])
+def test_values_past_every_row_of_a_tile_are_never_read_into_it(tma):
+    """Keys and values past a tile's last row (below T) hold NaN and inf: masked tiles must not let
+    them in (a zero probability times NaN is NaN). Rows stop at 20; T = 50; 32-key tiles."""
+    q, pos, k, v = make(t=50, n=6, hq=4, hkv=2, d=64, dtype=torch.float32, seed=5)
+    pos = torch.tensor([0, 3, 7, 11, 15, 20]).to(DEV)
+    want = truth(q, pos, k, v, 0.125)
+    k[:, 21:], v[:, 21:30], v[:, 30:] = float("nan"), float("inf"), float("nan")
+    got = rows_attention(q, pos, k, v, 0.125, block_m=4, block_n=32, tma=tma)
+    assert (got.double().cpu() - want).abs().max() < 2e-5
+    everything = torch.ones(4, 50, dtype=torch.bool, device=DEV)  # every line: plain causal attention
+    got = lines_attention(q, pos, k, v, 0.125, everything, everything, block_m=4, block_n=32, tma=tma)
+    assert (got.double().cpu() - want).abs().max() < 2e-5
+
+
 def test_a_row_at_position_zero_sees_only_its_own_key_and_no_rows_is_empty():
     q, _, k, v = make(t=40, n=3, hq=2, hkv=1, d=64, dtype=torch.float32, seed=6)
     pos = torch.tensor([0, 1, 39], device=DEV)
@@ -113,6 +128,7 @@ def test_a_row_at_position_zero_sees_only_its_own_key_and_no_rows_is_empty():
     assert torch.allclose(got[0], v[0, 0].expand(2, 64), atol=1e-6)
     assert (got.double().cpu() - truth(q, pos, k, v, 0.125)).abs().max() < 2e-5
     assert rows_attention(q[:0], pos[:0], k, v, 0.125).shape == (0, 2, 64)
+    assert rows_attention(q[:0], pos[:0], k[:, :0], v[:, :0], 0.125).shape == (0, 2, 64)  # no keys either
 
 
 @pytest.mark.parametrize("paged", [False, True])
