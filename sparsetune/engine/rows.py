@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from sparsetune.engine.attention import causal_sdpa, prefill_backends
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.stages import stage
+from sparsetune.kernels import line_select
 from sparsetune.kernels.rows_attention import lines_attention, rows_attention
 
 MaskFn = Callable[[torch.Tensor], torch.Tensor]  # row positions [n] → allowed keys [Hq, n, T] bool
@@ -78,11 +79,7 @@ class Lines:
     vertical: torch.Tensor
     slash: torch.Tensor
 
-    @staticmethod
-    def distances(pos: torch.Tensor, t: int) -> torch.Tensor:
-        """`[n, T]`: how far each of `t` keys lies behind each row at `pos` (0 on and past the
-        diagonal): the slash line a (row, key) entry is on."""
-        return (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0)
+    distances = staticmethod(line_select.distances)  # `[n, T]`: the slash line each (row, key) entry is on
 
     def __call__(self, pos: torch.Tensor) -> torch.Tensor:
         h, t = self.vertical.shape

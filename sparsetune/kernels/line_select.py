@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["slash_masses", "slash_masses_ref", "cover_histogram", "cover_histogram_ref"]
+__all__ = ["distances", "slash_masses", "slash_masses_ref", "cover_histogram", "cover_histogram_ref"]
 
 _CHUNK = 1 << 23  # map entries per round of the torch twin (heads are taken whole)
 
@@ -52,6 +52,12 @@ def _cover_kernel(probs, pos, rank, mass, T, s_ph, s_pn, BLOCK: tl.constexpr):
     tl.atomic_add(mass + h * (2 * T + 1) + first + 1, x.to(tl.float64), mask=live & (x != 0), sem="relaxed")
 
 
+def distances(pos: torch.Tensor, t: int) -> torch.Tensor:
+    """`[n, T]`: how far each of `t` keys lies behind each row at `pos` (0 on and past the
+    diagonal): the slash line a (row, key) entry is on."""
+    return (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0)
+
+
 def _check(probs: torch.Tensor, pos: torch.Tensor) -> None:
     if probs.dim() != 3 or probs.dtype != torch.float32 or probs.stride(-1) != 1 or pos.shape != probs.shape[1:2]:
         raise ValueError(f"probs must be [H, n, T] float32 (last dim contiguous) with pos [n], got "
@@ -72,7 +78,7 @@ def slash_masses_ref(probs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The torch twin: one scatter_add by each entry's distance (entries past the diagonal, zero in a
     causal map, land on distance 0)."""
     h, _, t = probs.shape
-    dist = (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0).flatten()
+    dist = distances(pos, t).flatten()
     return torch.zeros(h, t, dtype=probs.dtype, device=probs.device).scatter_add_(1, dist.expand(h, -1), probs.flatten(1))
 
 
@@ -90,7 +96,7 @@ def cover_histogram(probs: torch.Tensor, pos: torch.Tensor, rank: torch.Tensor, 
 def cover_histogram_ref(probs: torch.Tensor, pos: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """The torch twin, in rounds of whole heads (~32 bytes of temporaries per map entry)."""
     h, n, t = probs.shape
-    dist = (pos[:, None] - torch.arange(t, device=pos.device)[None, :]).clamp(min=0).flatten()
+    dist = distances(pos, t).flatten()
     mass = torch.zeros(h, 2 * t + 1, dtype=torch.float64, device=probs.device)
     step = max(1, _CHUNK // (n * t))
     for a in range(0, h, step):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sparsetune.engine.rope import inv_frequencies
@@ -118,13 +117,12 @@ class ReuseExecutor:
             return
         # Built on the host, moved in one copy: per segment small device ops and a blocking copy of its
         # block list left the GPU idle for ~2 ms before the first kernel at 9 segments (H100, #18).
-        bs, spans = self.kv.block_size, list(zip(layout.segments, segs))
-        local = np.concatenate([np.arange(len(span)) for span, _ in spans])
-        start = np.concatenate([np.full(len(span), span.start) for span, _ in spans])
-        src = np.concatenate([np.asarray(seg.blocks)[np.arange(len(span)) // bs] for span, seg in spans]) * bs + local % bs
+        spans = [(span, seg, torch.arange(len(span))) for span, seg in zip(layout.segments, segs)]
+        src = torch.cat([self.kv.slots(torch.tensor(seg.blocks), local) for _, seg, local in spans])
+        pos = torch.cat([local + span.start for span, _, local in spans])
         # Segments are stored from position 0, so the delta is the span's start.
-        host = torch.from_numpy(np.stack([src, local + start, start if rotate else np.zeros_like(start)]).astype(np.int64))
-        src, pos, delta = host.to(self.kv.k.device)
+        delta = torch.cat([torch.full((len(span),), span.start if rotate else 0) for span, _, _ in spans])
+        src, pos, delta = torch.stack([src, pos, delta]).to(self.kv.k.device)
         fn = rope_realign.realign_kv if self.kv.k.is_cuda else rope_realign.realign_kv_ref
         with stage("kv_store"):
             fn(self.kv.k, self.kv.v, src, self.kv.slots(block_table, pos), delta, self.inv_freq)
