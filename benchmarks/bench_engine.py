@@ -6,7 +6,8 @@
 Decode cases start from a KV pool filled with random values (as if each sequence
 had been prefilled to the context length) and time `LLM.step()` end to end:
 host-side scheduling, the CUDA-graph replay of all layers, and sampling.
-Prefill cases time `LLM.generate(max_tokens=1)` on random token ids (TTFT).
+Prefill cases time `LLM.generate(max_tokens=1)` on random token ids (TTFT), and the same with the
+last layer run over every row (`ModelRunner.skip_unused_rows = False`) side by side.
 Random bf16 weights: speed only.
 """
 
@@ -35,13 +36,19 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in c.split("x")) for c in text.split(",") if c]  # type: ignore[misc]
 
 
-def prefill_flops(llm: LLM, n: int) -> float:
+def prefill_flops(llm: LLM, n: int, every_row: bool = True) -> float:
+    """FLOPs of an n-token prefill. every_row=False: the work the engine does, whose last layer runs
+    attention, o_proj and the MLP on the last token only (its q/k/v projection on every token)."""
     c = llm.model_config
-    per_token_matmul = 2 * sum(
-        p.numel() for name, p in llm.model.named_parameters() if p.dim() == 2 and "embed" not in name and "lm_head" not in name
-    )
-    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * n * n / 2  # causal QK^T + PV
-    return per_token_matmul * n + attn + 2 * c.hidden_size * c.vocab_size  # lm_head on the last token
+    per_layer = {name: 2 * p.numel() for name, p in llm.model.model.layers[0].named_parameters()
+                 if p.dim() == 2}
+    per_token_matmul = sum(per_layer.values()) * c.num_hidden_layers
+    attn_layer = 4 * c.num_attention_heads * c.head_dim * n * n / 2  # causal QK^T + PV
+    total = per_token_matmul * n + attn_layer * c.num_hidden_layers + 2 * c.hidden_size * c.vocab_size
+    if not every_row:  # lm_head on the last token either way
+        skipped = sum(f for name, f in per_layer.items() if "qkv" not in name) * (n - 1)
+        total -= skipped + attn_layer - 4 * c.num_attention_heads * c.head_dim * n
+    return total
 
 
 def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
@@ -107,6 +114,8 @@ def main() -> None:
     ap.add_argument("--flows", default="dense", help="comma-separated decode flows to compare on the same engine")
     ap.add_argument("--param", action="append", default=[], help="flow parameter key=value for the sparse flows")
     ap.add_argument("--profile-prefill", type=int, default=32768, help="prompt length to break down (0 to skip)")
+    ap.add_argument("--max-batched-tokens", type=int, default=0,
+                    help="prefill chunk (the engine's max_num_batched_tokens); 0: the longest prompt, unchunked")
     ap.add_argument("--json-out")
     args = ap.parse_args()
 
@@ -120,7 +129,7 @@ def main() -> None:
     blocks = max(tokens_needed, max_ctx + 64) // 16 + 2 * max_b + 64
     llm = LLM(
         model=args.model, random_weights=True, dtype=args.dtype, num_kv_blocks=blocks, max_num_seqs=max_b,
-        max_model_len=max_ctx + args.steps + 64, max_num_batched_tokens=max_ctx,
+        max_model_len=max_ctx + args.steps + 64, max_num_batched_tokens=args.max_batched_tokens or max_ctx,
         cuda_graph_batch_sizes=tuple(sorted({b for b, _ in dec})),
     )
     pool_bytes = llm.kv.k.numel() * llm.kv.k.element_size() * 2
@@ -184,14 +193,25 @@ def main() -> None:
         llm.generate(warm, SamplingParams(max_tokens=1), chat=False)
     for b, n in pre:
         prompts = [torch.randint(0, vocab, (n,)).tolist() for _ in range(b)]
-        t = time_call(lambda: llm.generate(prompts, SamplingParams(max_tokens=1), chat=False), llm.device)
+        times = {}
+        for every_row in (True, False, True, False):  # both ways in one process, interleaved; the best of two
+            llm.runner.skip_unused_rows = not every_row
+            t = time_call(lambda: llm.generate(prompts, SamplingParams(max_tokens=1), chat=False), llm.device)
+            times[every_row] = min(t, times.get(every_row, t))
+        llm.runner.skip_unused_rows = True
+        t = times[False]
         fl = prefill_flops(llm, n) * b
         r = {"batch": b, "prompt_tokens": n, "seconds": t, "tokens_per_second": b * n / t,
-             "flops": fl, "floor_seconds": fl / flops, "achieved_tflops": fl / t / 1e12}
+             "flops": fl, "floor_seconds": fl / flops, "achieved_tflops": fl / t / 1e12,
+             "flops_done": prefill_flops(llm, n, every_row=False) * b,
+             "seconds_every_row": times[True], "tokens_per_second_every_row": b * n / times[True]}
         r["fraction_of_floor"] = r["floor_seconds"] / t
+        r["fraction_of_floor_done"] = r["flops_done"] / flops / t
         results["prefill"].append(r)
         print(f"prefill {b}x{n}: {t:.3f} s, {r['tokens_per_second']:.0f} tok/s, {r['achieved_tflops']:.0f} TFLOP/s "
-              f"({100 * r['fraction_of_floor']:.1f}% of the FLOP floor)", flush=True)
+              f"({100 * r['fraction_of_floor']:.1f}% of the FLOP floor; {100 * r['fraction_of_floor_done']:.1f}% of the "
+              f"floor of the FLOPs done); every row through the last layer: {times[True]:.3f} s, "
+              f"{r['tokens_per_second_every_row']:.0f} tok/s", flush=True)
 
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

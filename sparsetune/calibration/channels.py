@@ -33,6 +33,8 @@ def builtin_text() -> str:
 class _Recorder(DenseAttention):
     """Dense attention that also sums |q ⊙ k| per layer, KV head and channel over prefill tokens."""
 
+    attends_last_rows = False  # it records every row of every layer
+
     def __init__(self, scale: float, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
         super().__init__(scale)
         self.sums = torch.zeros(num_layers, num_kv_heads, head_dim, dtype=torch.float64, device=device)

@@ -43,6 +43,8 @@ class _MapRecorder(DenseAttention):
     """Dense attention that compares each layer's attention map of a chunk alone with the same
     chunk behind a prefix, and measures the chunk's attention mass outside sinks + window."""
 
+    attends_last_rows = False  # it records every row of every layer
+
     def __init__(self, scale: float, num_layers: int, num_heads: int, sink: int, window: int) -> None:
         super().__init__(scale)
         self.sink, self.window = sink, window

@@ -44,6 +44,10 @@ class AttentionMetadata:
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def last_rows(self, device: torch.device) -> torch.Tensor:
+        """`[B]` index of each sequence's last new token among the packed rows."""
+        return torch.tensor(self.query_start_loc_cpu[1:], device=device) - 1
+
     def context_len(self, i: int) -> int:
         """Tokens of sequence i already in the cache before this step."""
         return self.seq_lens_cpu[i] - (self.query_start_loc_cpu[i + 1] - self.query_start_loc_cpu[i])
@@ -53,13 +57,20 @@ class AttentionBackend:
     """Base of every attention implementation; see the module docstring."""
 
     name = "base"
+    # Whether a prefill's last layer may attend with each sequence's last token only (`forward`'s
+    # `last`), when nothing reads the other rows' outputs; a backend that records every row says no.
+    attends_last_rows = False
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q `[N, Hq, D]`, k/v `[N, Hkv, D]` for the new tokens → `[N, Hq, D]`."""
+        """q `[N, Hq, D]`, k/v `[N, Hkv, D]` for the new tokens → `[N, Hq, D]`. With `last`
+        (`meta.last_rows`, a prefill): every row's K/V is stored, and only those rows attend → `[B, Hq, D]`."""
         self.write_kv(layer, k, v, kv, meta)
         with stage("attention"):  # a flow's indexer and top-k inside it are ranges of their own
+            if last is not None:
+                return self.attend_last(layer, q[last], kv, meta)
             if meta.is_prefill:
                 return self.prefill(layer, q, k, v, kv, meta)
             return self.decode(layer, q, kv, meta)
@@ -74,6 +85,10 @@ class AttentionBackend:
         raise NotImplementedError
 
     def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend_last(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Each sequence's last token `[B, Hq, D]` over all its keys in the pool, as the prefill would."""
         raise NotImplementedError
 
 
@@ -95,6 +110,10 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: 
     n, total = q.shape[1], k.shape[1]
     if context_len == 0:
         mask, causal = None, True
+    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # A chunk behind cached keys: torch sends bottom-right causal masks to its flash kernel only
+        # (~345 TFLOP/s on an H100 at 32K, against cuDNN's ~600), so cuDNN runs the two halves.
+        return _cudnn_chunk(q, k, v, context_len, scale)
     else:
         # The queries are the last n positions: bottom-right causal alignment is exact here.
         mask, causal = causal_lower_right(n, total), False
@@ -102,6 +121,25 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: 
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
     return out.squeeze(0)
+
+
+def _cudnn_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """`causal_sdpa` with cached keys through cuDNN: the queries over the cached keys (no mask) and over
+    their own keys (causal), merged by their log-sum-exps."""
+    c = context_len
+    o1, l1 = _cudnn_lse(q, k[:, :c], v[:, :c], False, scale)
+    o2, l2 = _cudnn_lse(q, k[:, c:], v[:, c:], True, scale)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_(), (l2 - m).exp_()
+    total = w1 + w2
+    return torch.addcmul(o1 * (w1 / total).unsqueeze(-1), o2, (w2 / total).unsqueeze(-1)).to(q.dtype)
+
+
+def _cudnn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """cuDNN attention `[H, n, D]` → (output `[H, n, D]` float32, log-sum-exp `[H, n]` float32)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, True, 0.0, causal, False, scale=scale)
+    return out[0].squeeze(0).float(), out[1].squeeze(0).view(q.shape[0], q.shape[1]).float()
 
 
 class DenseAttention(AttentionBackend):
@@ -112,6 +150,7 @@ class DenseAttention(AttentionBackend):
     """
 
     name = "dense"
+    attends_last_rows = True
 
     def __init__(self, scale: float, use_triton: bool | None = None) -> None:
         self.scale = scale
@@ -140,6 +179,10 @@ class DenseAttention(AttentionBackend):
     def decode(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         fn = paged_decode.paged_decode_attention if self.triton_path(q) else paged_decode.paged_decode_attention_ref
         return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, self.scale)
+
+    def attend_last(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        # A last token sees every key of its sequence: dense decode's arithmetic, whatever a flow's decode does.
+        return DenseAttention.decode(self, layer, q, kv, meta)
 
 
 @dataclass

@@ -50,10 +50,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, cos_sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, cos_sin: torch.Tensor, ctx: ForwardContext, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q, k, v = self.qkv(hidden, ctx.meta.positions, cos_sin)
-        o = ctx.backends[self.layer_idx].forward(self.layer_idx, q, k, v, ctx.kv, ctx.meta)
-        return self.o_proj(o.reshape(hidden.shape[0], self.q_size))
+        o = ctx.backends[self.layer_idx].forward(self.layer_idx, q, k, v, ctx.kv, ctx.meta, last)
+        return self.o_proj(o.reshape(o.shape[0], self.q_size))
 
     def qkv(self, hidden: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`[N, hidden]` at RoPE positions `pos` → q `[N, Hq, D]`, k and v `[N, Hkv, D]` (q and k post-RoPE)."""
@@ -98,16 +100,19 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, ctx: ForwardContext | None,
-        rows: Rows | None = None,
+        rows: Rows | None = None, last: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm residual block; the residual add is fused into the next norm. With `rows`, its rows
-        store their K/V, narrow to the ones that go on, attend, and run the MLP where it says."""
+        store their K/V, narrow to the ones that go on, attend, and run the MLP where it says. With
+        `last` (row indices), every row stores its K/V and only those rows go on past attention."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         if rows is None:
-            hidden = self.self_attn(hidden, cos_sin, ctx)
+            hidden = self.self_attn(hidden, cos_sin, ctx, last)
+            if last is not None:
+                residual = residual[last]
         else:
             attn = self.self_attn
             q, k, v = attn.qkv(hidden, rows.positions, cos_sin)
@@ -137,13 +142,19 @@ class CausalLM(nn.Module):
         table = cos_sin_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
         self.register_buffer("cos_sin", table, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext | None = None, rows: Rows | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext | None = None, rows: Rows | None = None,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Packed token ids `[N]` → final hidden states `[N, hidden]`, attention through `ctx`'s backends.
+        With `last` (row indices; a prefill whose backends all attend last rows): the last layer runs
+        attention's output and the MLP on those rows only (every row's K/V is still stored) → `[len(last), hidden]`.
         With `rows` (no `ctx`): the ids of `rows.positions` → the hidden states of the rows left after the last layer."""
         h = self.model.embed_tokens(input_ids)
         residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, self.cos_sin, ctx, rows)
+        final = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer(h, residual, self.cos_sin, ctx, rows, last if i == final else None)
         h, _ = self.model.norm(h, residual)
         return h
 

@@ -30,6 +30,9 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = True  # False: decode runs eagerly even with graphs captured (`Engine.eager`)
+        # A prefill's last layer attends and runs its MLP on the rows whose logits are read only (as
+        # llama.cpp does); False runs every row (a benchmark's side-by-side baseline).
+        self.skip_unused_rows = True
         self.graph_logits: dict[int, torch.Tensor] = {}
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -82,11 +85,12 @@ class ModelRunner:
         if not batch.is_prefill and self.graphs and self.use_graphs and not all_logits:
             return self._replay(batch)
         input_ids, meta = self.prepare(batch)
-        hidden = self.model(input_ids, self.context(meta))
-        if not all_logits:
-            last = torch.tensor(meta.query_start_loc_cpu[1:], device=self.device) - 1
-            hidden = hidden[last]
-        return self.model.compute_logits(hidden)
+        if all_logits:
+            return self.model.compute_logits(self.model(input_ids, self.context(meta)))
+        last = meta.last_rows(self.device)
+        if batch.is_prefill and self.skip_unused_rows and all(b.attends_last_rows for b in self.backends):
+            return self.model.compute_logits(self.model(input_ids, self.context(meta), last=last))
+        return self.model.compute_logits(self.model(input_ids, self.context(meta))[last])
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sparsetune.engine.rows import Rows
-from sparsetune.engine.sequence import SamplingParams
+from sparsetune.engine.scheduler import Batch
+from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.llm import LLM
 from helpers import hf_logits, assert_logits_match
 
@@ -36,6 +37,37 @@ def test_shuffled_blocks_and_chunked_prefill_match_hf(smollm_hf):
     # Prefill in 32-token chunks over non-contiguous 8-token blocks; later chunks read the pool.
     assert len(ids) > 64
     assert_logits_match(llm.prompt_logits(ids), hf_logits(smollm_hf, ids))
+
+
+def test_prefill_runs_the_last_layer_on_the_logit_rows_only_like_hf(smollm_hf):
+    """A prefill's last layer attends and runs its MLP on each sequence's last token only, in a batch
+    of mixed lengths prefilled in two chunks (the second reads the first's KV from the pool); the
+    logits equal HF's at those positions, and those of the same step run over every row."""
+    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=256, block_size=8)
+    _shuffle_free_blocks(llm)
+    prompts = [llm.encode_prompt(t) for t in TEXTS]
+    seqs = [Sequence(list(ids), SamplingParams(max_tokens=1)) for ids in prompts]
+    mlp_rows = []
+    hook = llm.model.model.layers[-1].mlp.register_forward_hook(lambda m, a, out: mlp_rows.append(a[0].shape[0]))
+    try:
+        for part in (0, 1):
+            ns = [len(ids) // 2 if part == 0 else len(ids) - len(ids) // 2 for ids in prompts]
+            for seq, n in zip(seqs, ns):
+                llm.block_manager.grow(seq, seq.num_computed + n)
+            llm.runner.skip_unused_rows = False
+            every = llm.runner.run(Batch(True, seqs, ns))  # rewrites the same KV as the next call
+            llm.runner.skip_unused_rows = True
+            mlp_rows.clear()
+            logits = llm.runner.run(Batch(True, seqs, ns))
+            assert mlp_rows == [len(seqs)]
+            for i, (seq, n) in enumerate(zip(seqs, ns)):
+                seq.num_computed += n
+                assert_logits_match(logits[i : i + 1], hf_logits(smollm_hf, prompts[i])[seq.num_computed - 1 : seq.num_computed])
+            torch.testing.assert_close(logits, every, atol=2e-3, rtol=1e-4)
+    finally:
+        hook.remove()
+        for seq in seqs:
+            llm.block_manager.release(seq)
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores

@@ -145,3 +145,25 @@ def test_gpu_search_relayouts_between_evaluations_fit(tmp_path):
         speed, info = ev.speedup(flow, params)
         acc = ev.accuracy(flow, params, samples=4, seed=0, out=Path(tmp_path) / str(i))
         assert speed > 0 and info["kind"] == "measured" and acc.complete
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ctx,n,hq,hkv", [(1000, 3096, 32, 8), (4096, 4096, 32, 8), (77, 1, 9, 3), (8191, 513, 8, 8)])
+def test_gpu_chunk_attention_behind_cached_keys_matches_float64(dtype, ctx, n, hq, hkv):
+    """A prefill chunk after `ctx` cached tokens (cuDNN over the cached keys and over the chunk's own,
+    merged by log-sum-exp) against float64 attention with the bottom-right causal mask."""
+    from sparsetune.engine.attention import causal_sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(ctx + n)
+    d, t = 128 if hq == 32 else 64, ctx + n
+    q = torch.randn(n, hq, d, device="cuda", generator=g).to(dtype).transpose(0, 1)  # the engine's strided views
+    k, v = (torch.randn(hkv, t, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    out = causal_sdpa(q, k, v, ctx, d**-0.5)
+    rep = hq // hkv
+    kr, vr = (x.double().repeat_interleave(rep, 0) for x in (k, v))
+    s = (q.double() @ kr.transpose(1, 2)) * d**-0.5
+    allowed = torch.arange(t, device="cuda")[None, :] <= torch.arange(ctx, t, device="cuda")[:, None]
+    ref = s.masked_fill(~allowed, float("-inf")).softmax(-1) @ vr
+    assert out.dtype == dtype and out.shape == (hq, n, d)
+    err = (out.double() - ref).abs().max().item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 4e-3), err
