@@ -41,7 +41,7 @@ from sparsetune.kernels.select_topk import select_topk  # noqa: E402
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
-def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: int) -> dict:
+def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: int, sweep: bool = True) -> dict:
     flow = build_flow(flow_name, {"budget": str(budget), "dense_layers": ""})
     nb = -(-ctx // BS)
     kv = KVCache(1, batch * (nb + extra) + 1, HKV, BS, D, torch.bfloat16, "cuda")
@@ -79,7 +79,8 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
         "radix_select": bench_us(lambda: select_topk(sc, counts, k_max)),
         "torch_topk": bench_us(lambda: sc.topk(k_max, dim=1)),
     }
-    t.update(topk_sweep(sc, counts, k_max))
+    if sweep:
+        t.update(topk_sweep(sc, counts, k_max))
     field_bytes = batch * HKV * nb * sum(2 * r * c for r, c in dims.values())
     floor_us = 1e6 * field_bytes / bw
     a = inductor().view(batch, HKV, k_max)
@@ -152,6 +153,8 @@ def main() -> None:
     ap.add_argument("--topk-block-sizes", default="", help="only the top-k alone, rows of a 32K context at these "
                     "block sizes, e.g. 2,4,8,16 (16 x 8 rows: batch 16, 8 KV heads)")
     ap.add_argument("--topk-baseline", default="", help="a select_topk module file to time beside it")
+    ap.add_argument("--warps", default="", help="sweep the generated indexer's warps per program, e.g. 4,8")
+    ap.add_argument("--no-topk-sweep", action="store_true", help="skip the radix select's warp/pass sweep")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.topk_block_sizes:
@@ -162,11 +165,13 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
     sweep = [int(x) for x in args.elems.split(",") if x] or [indexer_mod.ELEMS_PER_PROGRAM]
-    for name, elems in [(f, e) for f in args.flows.split(",") for e in sweep]:
-        indexer_mod.ELEMS_PER_PROGRAM = elems
+    warps = [int(x) for x in args.warps.split(",") if x] or [indexer_mod.NUM_WARPS]
+    for name, elems, w in [(f, e, w) for f in args.flows.split(",") for e in sweep for w in warps]:
+        indexer_mod.ELEMS_PER_PROGRAM, indexer_mod.NUM_WARPS = elems, w
+        print(f"-- ELEMS_PER_PROGRAM {elems}, {w} warps", flush=True)
         for c in args.cases.split(","):
             b, n = (int(x) for x in c.split("x"))
-            r = case(name, b, n, args.budget, bw, args.table_extra)
+            r = case(name, b, n, args.budget, bw, args.table_extra, not args.no_topk_sweep)
             rows.append(r)
             t = r["us"]
             print(f"{name:11s} {b:3d}x{n:<6d} inductor {t['inductor']:7.1f} us | generated {t['generated']:6.1f} us "

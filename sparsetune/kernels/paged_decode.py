@@ -433,6 +433,8 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, fn_name):
         )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must share a dtype")
+    if q.is_cuda and k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{fn_name} runs on float16, bfloat16 or float32 caches on a GPU, got {k_cache.dtype}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim")

@@ -406,10 +406,13 @@ def test_sglang_pool_runs_through_the_paged_layout(name, tmp_path):
     assert torch.equal(finite, torch.isfinite(score))
     torch.testing.assert_close(score[finite], want_score[finite], rtol=0, atol=0)
     # the sparse attention over the selected blocks reads the view through the page table alike
+    # (in float32 on a GPU: the kernel compiles for 16- and 32-bit caches; the interpreter takes float64)
     b = q.shape[0]
+    dt = torch.float32 if q.is_cuda else q.dtype
+    k_view, v_view = (t.to(dt).view(-1, block_size, HKV, HEAD_DIM).permute(0, 2, 1, 3) for t in (k_flat, v_flat))
     sel = score.topk(int(counts.max()), dim=1).indices.view(b, HKV, -1).to(torch.int32)
     args = (meta.seq_lens, sel, counts.view(b, HKV), HEAD_DIM**-0.5)
-    want_out = paged_decode.sparse_paged_decode_attention(q, kv.k[0], kv.v[0], bt, *args)
-    got_out = paged_decode.sparse_paged_decode_attention(q, k_view, v_view, pages, *args)
+    want_out = paged_decode.sparse_paged_decode_attention(q.to(dt), kv.k[0].to(dt), kv.v[0].to(dt), bt, *args)
+    got_out = paged_decode.sparse_paged_decode_attention(q.to(dt), k_view, v_view, pages, *args)
     assert want_out.abs().sum() > 0
     torch.testing.assert_close(got_out, want_out, rtol=0, atol=0)

@@ -23,6 +23,7 @@ from sparsetune.flow.compile.paged import PAGED
 from sparsetune.flow.trace import dummy_inputs, field_dims, tracing
 
 ELEMS_PER_PROGRAM = 16384  # the largest intermediate of one program, in fp32 elements (4 warps)
+NUM_WARPS = 4
 _F32_MAX = "3.4028234663852886e38"
 
 
@@ -60,7 +61,7 @@ class IndexerKernel:
             args += self.layout.pool_args(k_pool)
         args += [a for name in self.consts for a in with_strides(consts[name])]
         grid = (rows, -(-width // self.block_s))
-        self.kernel[grid](*args, BLOCK_S=self.block_s, num_warps=4)  # type: ignore[index]
+        self.kernel[grid](*args, BLOCK_S=self.block_s, num_warps=NUM_WARPS)  # type: ignore[index]
         return out, counts
 
 
