@@ -105,15 +105,24 @@ def prefill_backends():
         return sdpa_kernel(_PREFILL_BACKENDS)
 
 
+_cudnn_chunks = True  # False once cuDNN refuses a chunk (an older GPU or torch): the masked call then
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
     """Causal attention of `[H, n, D]` queries over `[Hkv, context_len + n, D]` keys."""
+    global _cudnn_chunks
     n, total = q.shape[1], k.shape[1]
-    if context_len == 0:
-        mask, causal = None, True
-    elif q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if context_len and _cudnn_chunks and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         # A chunk behind cached keys: torch sends bottom-right causal masks to its flash kernel only
         # (~345 TFLOP/s on an H100 at 32K, against cuDNN's ~600), so cuDNN runs the two halves.
-        return _cudnn_chunk(q, k, v, context_len, scale)
+        try:
+            return _cudnn_chunk(q, k, v, context_len, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # no cuDNN attention for these inputs here
+            _cudnn_chunks = False
+    if context_len == 0:
+        mask, causal = None, True
     else:
         # The queries are the last n positions: bottom-right causal alignment is exact here.
         mask, causal = causal_lower_right(n, total), False
