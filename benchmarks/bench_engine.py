@@ -27,7 +27,7 @@ from common import measure_copy_bandwidth, measure_matmul_flops  # noqa: E402
 
 from sparsetune.llm import LLM  # noqa: E402
 from sparsetune.engine.sequence import SamplingParams  # noqa: E402
-from sparsetune.perf.cost import decode_step_bytes  # noqa: E402
+from sparsetune.perf.cost import decode_step_bytes, full_prefill_flops  # noqa: E402
 from sparsetune.perf.step_profile import profile_call, profile_decode  # noqa: E402
 from sparsetune.perf.timing import time_call, time_calls  # noqa: E402
 
@@ -37,18 +37,16 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def prefill_flops(llm: LLM, n: int, every_row: bool = True) -> float:
-    """FLOPs of an n-token prefill. every_row=False: the work the engine does, whose last layer runs
-    attention, o_proj and the MLP on the last token only (its q/k/v projection on every token)."""
+    """FLOPs of an n-token prefill (`perf.cost.full_prefill_flops` plus the LM head on the last token).
+    every_row=False: the work the engine does, whose last layer runs attention, o_proj and the MLP on
+    the last token only (its q/k/v projection on every token)."""
     c = llm.model_config
-    per_layer = {name: 2 * p.numel() for name, p in llm.model.model.layers[0].named_parameters()
-                 if p.dim() == 2}
-    per_token_matmul = sum(per_layer.values()) * c.num_hidden_layers
-    attn_layer = 4 * c.num_attention_heads * c.head_dim * n * n / 2  # causal QK^T + PV
-    total = per_token_matmul * n + attn_layer * c.num_hidden_layers + 2 * c.hidden_size * c.vocab_size
-    if not every_row:  # lm_head on the last token either way
-        skipped = sum(f for name, f in per_layer.items() if "qkv" not in name) * (n - 1)
-        total -= skipped + attn_layer - 4 * c.num_attention_heads * c.head_dim * n
-    return total
+    total = full_prefill_flops(c, n) + 2 * c.hidden_size * c.vocab_size
+    if every_row:
+        return total
+    hq, hd, d = c.num_attention_heads, c.head_dim, c.hidden_size
+    skipped_rows = n - 1  # of the last layer: o_proj, the MLP, and the attention of every row but the last
+    return total - 2 * (hq * hd * d + 3 * d * c.intermediate_size) * skipped_rows - 4 * hd * hq * (n * (n + 1) / 2 - n)
 
 
 def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:

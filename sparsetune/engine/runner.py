@@ -85,12 +85,11 @@ class ModelRunner:
         if not batch.is_prefill and self.graphs and self.use_graphs and not all_logits:
             return self._replay(batch)
         input_ids, meta = self.prepare(batch)
-        if all_logits:
-            return self.model.compute_logits(self.model(input_ids, self.context(meta)))
-        last = meta.last_rows(self.device)
-        if batch.is_prefill and self.skip_unused_rows and all(b.attends_last_rows for b in self.backends):
-            return self.model.compute_logits(self.model(input_ids, self.context(meta), last=last))
-        return self.model.compute_logits(self.model(input_ids, self.context(meta))[last])
+        last = None if all_logits else meta.last_rows(self.device)
+        skip = (last is not None and batch.is_prefill and self.skip_unused_rows
+                and all(b.attends_last_rows for b in self.backends))
+        hidden = self.model(input_ids, self.context(meta), last=last if skip else None)
+        return self.model.compute_logits(hidden if last is None or skip else hidden[last])
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
 
