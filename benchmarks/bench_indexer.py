@@ -88,7 +88,7 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     same = sum(
         len(set(a[i, h].tolist()) & set(b[i, h].tolist())) for i in range(batch) for h in range(HKV)
     ) / (batch * HKV * k_max)
-    return {"flow": flow_name, "batch": batch, "context": ctx, "block_s": ker.block_s, "us": t,
+    return {"flow": flow_name, "batch": batch, "context": ctx, "block_s": ker.block_s_dot if indexer_mod.DOT_PRODUCTS and ker.block_s_dot else ker.block_s, "us": t,
             "field_bytes": field_bytes, "floor_us": floor_us, "same_blocks": same}
 
 
@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--topk-baseline", default="", help="a select_topk module file to time beside it")
     ap.add_argument("--warps", default="", help="sweep the generated indexer's warps per program, e.g. 4,8")
     ap.add_argument("--no-topk-sweep", action="store_true", help="skip the radix select's warp/pass sweep")
+    ap.add_argument("--dot", default="on", choices=("on", "off", "both"),
+                    help="the tensor-core form of centroid-times-query products (indexer.DOT_PRODUCTS)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.topk_block_sizes:
@@ -166,12 +168,14 @@ def main() -> None:
     rows = []
     sweep = [int(x) for x in args.elems.split(",") if x] or [indexer_mod.ELEMS_PER_PROGRAM]
     warps = [int(x) for x in args.warps.split(",") if x] or [indexer_mod.NUM_WARPS]
-    for name, elems, w in [(f, e, w) for f in args.flows.split(",") for e in sweep for w in warps]:
-        indexer_mod.ELEMS_PER_PROGRAM, indexer_mod.NUM_WARPS = elems, w
-        print(f"-- ELEMS_PER_PROGRAM {elems}, {w} warps", flush=True)
+    dots = {"on": [True], "off": [False], "both": [True, False]}[args.dot]
+    for name, elems, w, dot in [(f, e, w, d) for f in args.flows.split(",") for e in sweep for w in warps for d in dots]:
+        indexer_mod.ELEMS_PER_PROGRAM, indexer_mod.NUM_WARPS, indexer_mod.DOT_PRODUCTS = elems, w, dot
+        print(f"-- ELEMS_PER_PROGRAM {elems}, {w} warps, tensor-core products {'on' if dot else 'off'}", flush=True)
         for c in args.cases.split(","):
             b, n = (int(x) for x in c.split("x"))
             r = case(name, b, n, args.budget, bw, args.table_extra, not args.no_topk_sweep)
+            r["dot_products"] = dot
             rows.append(r)
             t = r["us"]
             print(f"{name:11s} {b:3d}x{n:<6d} inductor {t['inductor']:7.1f} us | generated {t['generated']:6.1f} us "

@@ -179,15 +179,20 @@ def _gemm_flops(x: FT, y: FT) -> int:
 def _emit_gemm(e, out, x, y) -> str:
     k = x.b
     kmask = f"(tl.arange(0, {e.p2(k)}) < {k})"
-    if out.s:  # the product tile, [S, max(m, n), k]
-        e.grow(e.p2(builtins.max(x.a, y.a)) * e.p2(k))
     if x.a == 1 or y.a == 1:
         # A matrix-vector product (e.g. one centroid against the query group): stay 3-D,
-        # [S, m or n, k] -> sum over k; 4-D tiles cost Triton layout conversions.
+        # [S, m or n, k] -> sum over k; 4-D tiles cost Triton layout conversions. Over stage
+        # inputs, a tensor-core form beside it (`dot_matvec`, which sizes its own tiles).
         prod = f"({x.name} * {y.name})"
         if e.p2(k) != k:
             prod = f"tl.where({kmask}[None, None, :], {prod}, 0.0)"
-        return f"tl.expand_dims(tl.sum({prod}, axis=2), {1 if x.a == 1 else 2})"
+        code = f"tl.expand_dims(tl.sum({prod}, axis=2), {1 if x.a == 1 else 2})"
+        dot = e.dot_matvec(out, x, y, code) if out.s else None
+        if out.s and dot is None:  # the product tile, [S, m or n, k]
+            e.grow(e.p2(builtins.max(x.a, y.a)) * e.p2(k))
+        return dot or code
+    if out.s:  # the product tile, [S, max(m, n), k]
+        e.grow(e.p2(builtins.max(x.a, y.a)) * e.p2(k))
     # A matrix product: a static loop over the rows of the operand with fewer of them, each a 3-D
     # multiply-reduce placed into its output column (or row). 4-D tiles [S, m, n, k] would be
     # simpler and spill registers.

@@ -78,6 +78,7 @@ def test_select_topk_runs_rows_of_a_32k_context_at_block_2_in_the_kernel(pass_bi
 # ---- the generated indexer and cache stage ------------------------------------------------------
 
 from sparsetune.flow.compile import PagedBlocks, PagedLayout, build_cache, build_indexer, why_not  # noqa: E402
+from sparsetune.flow.compile import indexer as indexer_mod  # noqa: E402
 from sparsetune.flow.compile.emit import p2  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.registry import build_flow  # noqa: E402
@@ -169,6 +170,36 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     assert torch.equal(counts, want_counts)
     assert torch.equal(torch.isinf(score), torch.isinf(want_score))
     torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,block_size", [("block_topk", 2), ("block_topk", 16), ("quest", 4)])
+def test_generated_indexer_tensor_core_products(name, dtype, block_size, tmp_path, monkeypatch):
+    """Over 16-bit stores, a field-times-query product (block_topk's centroid; quest's max and min
+    against relu(q) and min(q, 0)) runs as one `tl.dot` a program (`Emitter.dot_matvec`; exact fp32
+    under the interpreter, tensor cores on a GPU): the same scores as the reference's fp32 math and
+    as the kernel's own broadcast form, the same counts (group 3: a padded query row; a table wider
+    than the sequences, its garbage entries never read)."""
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = _case(block_size, lens, seed=block_size + 7)
+    kv.k, kv.v, q = kv.k.to(dtype), kv.v.to(dtype), q.to(dtype)
+    flow = _flow(name, block_size, tmp_path)
+    ref = _attn(flow)
+    prefill_cache(ref, kv, bt, lens)
+    rule = flow.budget_rule.tensor(q.device)
+    args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv), rule)
+    want_score, want_counts, _, _ = ref.stages.score_tensors(*args)
+    indexer = _attn(flow, "compiled", use_triton=True).stages.indexer_kernel(GROUP, HEAD_DIM)
+    assert all(f.dtype == dtype for f in ref.fields[0].values()) and indexer.block_s_dot >= 16
+    assert indexer.dot_dtype(q, list(ref.fields[0].values())) is not None
+    call = (q, PagedBlocks(bt, kv.null_block), meta.seq_lens, ref.fields[0], None, ref.constants(0, kv), HKV, rule)
+    score, counts = indexer(*call)
+    monkeypatch.setattr(indexer_mod, "DOT_PRODUCTS", False)
+    plain, _ = indexer(*call)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(torch.isinf(score), torch.isinf(want_score))
+    torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(score, plain, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["block_topk", "quest", "h2o", "tidal", "streaming", "double_sparse"])

@@ -42,9 +42,22 @@ class Tile:
     a: int
     b: int
     is_bool: bool = False
+    # Its values are those of the query or the fields, or chosen among them (relu, min, max, where,
+    # abs of them): a 16-bit dtype holding those inputs holds these exactly (`Emitter.dot_matvec`).
+    exact16: bool = False
 
     def shape(self) -> str:
         return f"[{'BLOCK_S' if self.s else 1}, {p2(self.a)}, {p2(self.b)}]"
+
+
+# Ops whose every output value is one of their operands' values, or its negation or zero.
+_SELECTING_OPS = frozenset({"relu", "abs", "maximum", "minimum", "where"})
+
+
+def _exact16(x: object) -> bool:
+    """A number both 16-bit float dtypes hold exactly (an operand of a `_SELECTING_OPS` op)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and all(
+        float(torch.tensor(float(x), dtype=t)) == float(x) for t in (torch.bfloat16, torch.float16))
 
 
 def tile_load(var: str, ptr: str, base: str, r: int, c: int, s2: str, s3: str, over_s: bool, extra: str = "") -> str:
@@ -83,6 +96,9 @@ class Emitter:
     body: list[str] = field(default_factory=list)
     used: set[str] = field(default_factory=set)
     biggest: int = 1  # the largest per-block intermediate over blocks, in elements (sets BLOCK_S)
+    biggest_dot: int = 1  # the same where the products emitted by `dot_matvec` run (DOT on)
+    dots: bool = False  # some product has a tensor-core form (`dot_matvec`)
+    allow_dot: bool = False  # the kernel has the constexprs DOT and DOT_T (the indexer)
 
     p2 = staticmethod(p2)
 
@@ -93,7 +109,7 @@ class Emitter:
                 raise NotBlockLocal("a tensor comes from outside the flow op set")
             var, over_s = self.inputs[id(x)]
             self.used.add(var)
-            self.tiles[id(x)] = Tile(var, over_s, x.shape[1], x.shape[2])
+            self.tiles[id(x)] = Tile(var, over_s, x.shape[1], x.shape[2], exact16=var == "q_in" or var.startswith("f_"))
         return self.tiles[id(x)]
 
     def ref(self, x: Tile | float) -> str:
@@ -120,9 +136,39 @@ class Emitter:
         """A statement placed before the op's own assignment."""
         self.body.append(line)
 
-    def grow(self, elems: int) -> None:
-        """An intermediate of `elems` elements per block (BLOCK_S shrinks to fit)."""
+    def grow(self, elems: int, with_dot: int | None = None) -> None:
+        """An intermediate of `elems` elements per block (BLOCK_S shrinks to fit); `with_dot`: its
+        size in the kernel's DOT form, where that differs."""
         self.biggest = max(self.biggest, elems)
+        self.biggest_dot = max(self.biggest_dot, elems if with_dot is None else with_dot)
+
+    def dot_matvec(self, out: Tile, x: Tile, y: Tile, fallback: str) -> str | None:
+        """A block-varying row `[S, 1, k]` times a block-constant matrix `[1, n, k]` (either order:
+        a centroid against the query group) as one tensor-core `tl.dot` over the program's blocks,
+        under the kernel's constexpr `DOT` (else `fallback`). Only for tiles of the query's and the
+        fields' values (`Tile.exact16`), which the 16-bit `DOT_T` holds exactly when the launch turns
+        DOT on (all stored in it), so the products are exact and the sum fp32, as in `fallback`. The group axis
+        is repeated to the 16 columns `tl.dot` needs (and the copies folded back by a max, exact).
+        None where the form does not apply."""
+        row, mat = (x, y) if x.s else (y, x)
+        k = x.b
+        if not (self.allow_dot and row.s and not mat.s and row.a == 1 and k == p2(k) >= 16 and p2(mat.a) <= 16
+                and row.exact16 and mat.exact16):
+            return None
+        n = p2(mat.a)
+        rep = 16 // n
+        matt = f"tl.reshape(tl.trans(tl.reshape({mat.name}, ({n}, {k}))), ({k}, 1, {n}))"
+        cols = f"tl.reshape(tl.broadcast_to({matt}, ({k}, {rep}, {n})), ({k}, {rep * n}))"
+        prod = (f"tl.dot(tl.reshape({row.name}, (BLOCK_S, {k})).to(DOT_T), {cols}.to(DOT_T), "
+                f"input_precision='ieee')")
+        dot = f"tl.expand_dims(tl.max(tl.reshape({prod}, (BLOCK_S, {rep}, {n})), axis=1), {1 if x is row else 2})"
+        self.dots = True
+        self.grow(n * k, with_dot=rep * n)  # the fallback's product tile [S, n, k]; the dot's [S, 16]
+        self.stmt("if DOT:")
+        self.stmt(f"    {out.name} = {dot}")
+        self.stmt("else:")
+        self.stmt(f"    {out.name} = {fallback}")
+        return out.name
 
     @staticmethod
     def refuse(why: str) -> NoReturn:
@@ -138,6 +184,9 @@ class Emitter:
             args = {k: self.tensor(v) if isinstance(v, FT) else v for k, v in bound.arguments.items()}
             s = any(isinstance(v, Tile) and v.s for v in args.values())
             out = Tile(f"v{len(self.body)}", s, *node.out.shape[1:], node.out.data.dtype == torch.bool)
+            values = [v for k, v in args.items() if k != "cond"]
+            out.exact16 = op.name in _SELECTING_OPS and all(
+                v.exact16 if isinstance(v, Tile) else _exact16(v) for v in values)
             code = op.emit(self, out, **args)
             if out.s:  # block-constant values (the query's own math) do not grow with BLOCK_S
                 self.grow(p2(out.a) * p2(out.b))

@@ -18,9 +18,9 @@ class KVLayout(Protocol):
     (hashable, equal when it generates the same code): kernels are shared by equal layouts.
 
     Names the kernels set before the layout's statements: indexer `b` (request), `h` (KV head),
-    `j` (`[BLOCK_S]` logical blocks), `seq_len`, `nb` (blocks of b), `live` (`j < nb`); cache
-    stage `i` (the program's block, or its request in decode), `h`, and the constexpr
-    `FROM_POSITIONS` (decode). Names the layout's statements must set: indexer `blk` (`[BLOCK_S]`
+    `j` (`[BLOCK_S]` logical blocks), `seq_len`, `nb` (blocks of b), `live` (`j < nb`), `W` (the
+    block map's width); cache stage `i` (the program's block, or its request in decode), `h`, and
+    the constexpr `FROM_POSITIONS` (decode). Names the layout's statements must set: indexer `blk` (`[BLOCK_S]`
     int64 rows of blocks j; for lanes not `live`, a row safe to read); cache stage `blk` (the row
     whose K/V are read) and `dst_blk` (the row written: the null row when nothing completes).
     A layout may set further names of its own for `token_tile`.

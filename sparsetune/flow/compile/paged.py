@@ -35,7 +35,10 @@ class PagedLayout:
         return ["bt", "stride_bt", "NULL"]
 
     def index_rows(self, block_size: int) -> list[str]:
-        return ["blk = tl.load(bt + b * stride_bt + j, mask=live, other=NULL).to(tl.int64)"]
+        # The table is read over its whole width, not waiting for seq_len: entries past the sequence
+        # are loaded (never dereferenced), then replaced by the null block.
+        return ["blk = tl.load(bt + b * stride_bt + j, mask=j < W, other=NULL)",
+                "blk = tl.where(live, blk, NULL).to(tl.int64)"]
 
     def index_args(self, blocks: PagedBlocks) -> list[object]:
         return [blocks.table, blocks.table.stride(0), blocks.null]
