@@ -78,6 +78,13 @@ _TARGET_PROGRAMS_PER_SM = 16
 # Below this many tokens per split the fixed per-program cost (q load, pipeline
 # prologue, partial store) stops being amortised.
 _MIN_TOKENS_PER_SPLIT = 512
+# Block-sparse rows are short (the budget, e.g. 2,048 tokens), so every program of a launch runs in
+# one or two waves and its prologue (selection -> block table -> K/V, three dependent loads) is not
+# hidden behind other programs. Measured on an H200 (BENCHMARKS.md, #17, `bench_decode_overhead.py`):
+# about 4 programs per SM is fastest at batch 8 and 16 x 2,048 selected tokens (8 splits at batch 8:
+# 24.9 us against 27.8 with the dense rule's 4; 1,024 programs were slower at both batches).
+_SPARSE_PROGRAMS_PER_SM = 4
+_SPARSE_MIN_TOKENS_PER_SPLIT = 128
 # Bounds the merge kernel's per-program tile and the partial buffers.
 _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
@@ -93,18 +100,24 @@ def choose_num_splits(
     max_blocks: int,
     block_size: int,
     num_sms: int = DEFAULT_NUM_SMS,
+    sparse: bool = False,
 ) -> int:
     """Number of KV splits per (sequence, kv head); a pure function of shapes.
 
-    Aims for about `_TARGET_PROGRAMS_PER_SM * num_sms` stage-1 programs, but never
-    splits the widest possible context (max_blocks * block_size) into pieces
-    shorter than `_MIN_TOKENS_PER_SPLIT` tokens. It must not depend on seq_lens
+    Aims for about `_TARGET_PROGRAMS_PER_SM * num_sms` stage-1 programs (`sparse`: rows of
+    selected blocks, `_SPARSE_PROGRAMS_PER_SM`, rounded down), but never splits the widest
+    possible row (max_blocks * block_size tokens) into pieces shorter than
+    `_MIN_TOKENS_PER_SPLIT` (`_SPARSE_MIN_TOKENS_PER_SPLIT`). It must not depend on seq_lens
     (tensor values) so that a captured CUDA graph stays valid for any lengths.
     """
     pairs = max(1, batch * num_kv_heads)
     max_tokens = max(1, max_blocks * block_size)
-    want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, pairs)
-    cap = max(1, max_tokens // _MIN_TOKENS_PER_SPLIT)
+    if sparse:
+        want = _SPARSE_PROGRAMS_PER_SM * num_sms // pairs
+        cap = max_tokens // _SPARSE_MIN_TOKENS_PER_SPLIT
+    else:
+        want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, pairs)
+        cap = max_tokens // _MIN_TOKENS_PER_SPLIT
     return int(max(1, min(want, cap, _MAX_SPLITS)))
 
 
@@ -643,8 +656,8 @@ def sparse_paged_decode_attention(
             [0, ceil(seq_len / bs)), unique within a row, any order. Entries at
             positions >= sel_counts[b, h] are never read.
         sel_counts: int32 [B, Hkv] in [0, K]; 0 (or seq_len 0) gives zeros.
-        num_splits: default `choose_num_splits(B, Hkv, K, block_size, sms)`: K
-            selected blocks are the widest a row can be.
+        num_splits: default `choose_num_splits(B, Hkv, K, block_size, sms, sparse=True)`:
+            K selected blocks are the widest a row can be.
 
     The selection order only changes the summation order. A selected index out
     of range is ignored (masked), never dereferenced. Host decisions depend on
@@ -665,7 +678,7 @@ def sparse_paged_decode_attention(
     out = _prepare_out(q, out)
     max_sel = sel_blocks.shape[2]
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_sel, block_size, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_sel, block_size, _num_sms(q.device), sparse=True)
     block_n = _resolve_block_n(block_n, q.shape[2], k_cache.element_size())
     if batch == 0:
         return out

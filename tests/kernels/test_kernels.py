@@ -267,6 +267,11 @@ def test_choose_num_splits_properties():
         prev = s
     # Only the block count * block size matters, not how it is divided.
     assert choose(8, 8, 2048, 16) == choose(8, 8, 512, 64)
+    # Rows of selected blocks (a 2,048-token budget): about 4 programs per SM, rounded down (the
+    # measured best at batch 8 and 16), none shorter than 128 tokens.
+    assert [choose(b, 8, 128, 16, sparse=True) for b in (1, 4, 8, 16, 32, 64, 128)] == [16, 16, 8, 4, 2, 1, 1]
+    for batch in (4, 8, 16, 32, 64):
+        assert batch * 8 * choose(batch, 8, 128, 16, sparse=True) <= 4 * 132
 
 
 # --------------------------------------------------------------------------- #
