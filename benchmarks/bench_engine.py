@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import measure_copy_bandwidth, measure_matmul_flops  # noqa: E402
 
+from sparsetune.flow.compile import indexer as indexer_mod  # noqa: E402
+from sparsetune.kernels import paged_decode  # noqa: E402
 from sparsetune.llm import LLM  # noqa: E402
 from sparsetune.engine.sequence import SamplingParams  # noqa: E402
 from sparsetune.perf.cost import decode_step_bytes, full_prefill_flops  # noqa: E402
@@ -101,6 +103,24 @@ def _prefill_fields(llm: LLM, dec: list[tuple[int, int]]) -> None:
     torch.cuda.synchronize()
 
 
+# Kernel settings `--variants` switches between: module attributes and their values.
+VARIANTS = {
+    "now": {(indexer_mod, "DOT_PRODUCTS"): True, (paged_decode, "_SPARSE_PROGRAMS_PER_SM"): 4,
+            (paged_decode, "_SPARSE_MIN_TOKENS_PER_SPLIT"): 128},
+    "before": {(indexer_mod, "DOT_PRODUCTS"): False, (paged_decode, "_SPARSE_PROGRAMS_PER_SM"): 16,
+               (paged_decode, "_SPARSE_MIN_TOKENS_PER_SPLIT"): 512},
+}
+
+
+def set_variant(name: str) -> bool:
+    """Apply a `VARIANTS` entry; whether anything changed (captured graphs then hold the old kernels)."""
+    changed = False
+    for (mod, attr), value in VARIANTS[name].items():
+        changed |= getattr(mod, attr) != value
+        setattr(mod, attr, value)
+    return changed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -114,8 +134,15 @@ def main() -> None:
     ap.add_argument("--profile-prefill", type=int, default=32768, help="prompt length to break down (0 to skip)")
     ap.add_argument("--max-batched-tokens", type=int, default=0,
                     help="prefill chunk (the engine's max_num_batched_tokens); 0: the longest prompt, unchunked")
+    ap.add_argument("--variants", default="now",
+                    help="kernel settings to time each flow under, comma-separated, in one process (the graphs "
+                         "recaptured in between): now, or before (the indexer's products without tensor cores, "
+                         "sparse attention split as dense rows: #17's state before 2026-11-26d)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants {args.variants!r}: each one of {', '.join(VARIANTS)}")
 
     dec, pre = parse_cases(args.decode), parse_cases(args.prefill)
     bw, flops = measure_copy_bandwidth(), measure_matmul_flops()
@@ -156,28 +183,33 @@ def main() -> None:
             llm.set_flow(flow, params)
         if llm.flow is not None:
             _prefill_fields(llm, dec)
-        for b, c in dec:
-            r = decode_case(llm, b, c, args.steps)
-            r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
-            r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
-            r["params"] = llm.flow.params() if llm.flow else {}
-            results["decode"].append(r)
-            print(f"decode {flow} {b}x{c}: {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} ms), "
-                  f"floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
+        for variant in variants:
+            if set_variant(variant):
+                llm.capture_graphs()
+            for b, c in dec:
+                r = decode_case(llm, b, c, args.steps)
+                r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
+                r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
+                r["params"] = llm.flow.params() if llm.flow else {}
+                r["variant"] = variant
+                results["decode"].append(r)
+                print(f"decode {flow} {b}x{c} ({variant}): {r['step_ms']:.2f} ms/step (graph {r['graph_replay_ms']:.2f} "
+                      f"ms), floor {r['floor_ms']:.2f} ms -> {100 * r['fraction_of_floor']:.1f}% of floor speed", flush=True)
         if args.profile:
+            set_variant(variants[0])  # the eager step runs under the first
             # Real prefill of random prompts, then one eager decode step (sparsetune.perf.step_profile).
             b, c = parse_cases(args.profile)[0]
             full = profile_decode(llm, b, c)
             prof = {"case": args.profile, "flow": flow, "ms_by_category": by_category(full), "profile": full}
             results.setdefault("decode_profiles", []).append(prof)
             print(f"eager decode step ({flow}, {args.profile}) kernel time (ms):", prof["ms_by_category"], flush=True)
-    dense_rows = {(r["batch"], r["context"]): r for r in results["decode"] if r["flow"] == "dense"}
+    dense_rows = {(r["batch"], r["context"], r["variant"]): r for r in results["decode"] if r["flow"] == "dense"}
     for r in results["decode"]:
-        d = dense_rows.get((r["batch"], r["context"]))
+        d = dense_rows.get((r["batch"], r["context"], r["variant"]))
         if d and r["flow"] != "dense":
             r["speedup_vs_dense"] = d["step_ms"] / r["step_ms"]
             r["floor_speedup"] = d["floor_ms"] / r["floor_ms"]
-            print(f"{r['flow']} {r['batch']}x{r['context']}: {r['speedup_vs_dense']:.2f}x over dense "
+            print(f"{r['flow']} {r['batch']}x{r['context']} ({r['variant']}): {r['speedup_vs_dense']:.2f}x over dense "
                   f"(floor ratio {r['floor_speedup']:.2f}x -> {100 * r['speedup_vs_dense'] / r['floor_speedup']:.0f}% of it)")
 
     if args.profile_prefill:
