@@ -36,6 +36,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     cuda_graph: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Greedy decode steps launch the next step before reading this one's tokens (the host's work
+    # overlaps the GPU's; `Engine.step`). None: on where decode replays CUDA graphs.
+    overlap: bool | None = None
     flow: str | None = None  # decode flow name or path to a flow file; None = dense
     flow_params: dict[str, str] = field(default_factory=dict)  # raw `--param key=value` strings
     flow_executor: str | None = None  # "reference" | "compiled"; None: compiled on CUDA, reference on CPU

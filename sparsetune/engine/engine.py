@@ -8,6 +8,9 @@ The request API, for servers, benchmarks and search workers:
 time, `admit_prefilled` for a prompt whose KV was written outside the step loop (reuse, or a
 benchmark's synthetic context), `eager` to bypass captured CUDA graphs, and on every `Sequence` its
 `events` (arrival, scheduled, first token, each token, finish) on the `time.perf_counter` clock.
+Greedy decode steps overlap (`EngineConfig.overlap`, on where graphs replay): `step` launches the
+next step on the device's tokens before it reads the last one's, so the host's work hides behind
+the GPU's; a step's tokens then come with the call after the one that launched it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ class Completion:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class _InFlight:
+    """A greedy decode step launched and not yet read (`Engine.step` with overlap)."""
+
+    batch: Batch
+    toks: torch.Tensor  # its tokens on the device: the next step's input ids
+    host: torch.Tensor  # their copy on the host, valid once `ready` completes
+    ready: torch.cuda.Event | None
+    t0: float
 
 
 @dataclass
@@ -105,6 +119,10 @@ class Engine:
         self._build_pool(num_blocks)
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.stats = EngineStats()
+        self._inflight: _InFlight | None = None
+        self._last_read = 0.0
+        pinned = self.device.type == "cuda"
+        self._tok_bufs = [torch.empty(cfg.max_num_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         if capture:
             self.capture_graphs()
 
@@ -318,8 +336,23 @@ class Engine:
         self._token_events([seq], time.perf_counter())
         return done
 
+    @property
+    def overlap(self) -> bool:
+        """Greedy decode steps overlap the host's work with the GPU's (`EngineConfig.overlap`)."""
+        on = self.config.overlap
+        return self.uses_graphs if on is None else on
+
     def step(self) -> list[Sequence]:
-        """Run one scheduled batch (a prefill chunk, or a decode token for every running request)."""
+        """Run one scheduled batch (a prefill chunk, or a decode token for every running request).
+
+        With `overlap`, a decode batch of greedy requests is launched and its tokens are read at the
+        next call, after that call has launched the following step on them (their ids stay on the
+        device): the same batch again, the usual steady state, where no request is waiting and none
+        ends by length. The host then schedules, stages and postprocesses while the GPU computes.
+        A request that stops on a token still has that following step computed; it is dropped
+        unread. Returns the requests that finished (with overlap: in the step read by this call)."""
+        if self._inflight is not None:
+            return self._advance()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -327,6 +360,9 @@ class Engine:
         for s in batch.seqs:
             if s.events.scheduled is None:
                 s.events.scheduled = t0
+        if not batch.is_prefill and self.overlap and self._greedy_only(batch.seqs):
+            self._inflight = self._launch(batch, t0)
+            return []
         logits = self.runner.run(batch)
         sampling = [i for i in range(len(batch.seqs)) if not batch.is_prefill or batch.completes_prefill(i)]
         sampled: dict[int, int] = {}
@@ -334,12 +370,69 @@ class Engine:
             seqs = [batch.seqs[i] for i in sampling]
             toks = self._sample(seqs, logits if not batch.is_prefill else logits[sampling])
             sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
-        t1 = time.perf_counter()
+        t1 = self._last_read = time.perf_counter()
         self._account(batch, t1 - t0)
         finished = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, self.max_model_len)
         self._token_events([s for s in batch.seqs if s.seq_id in sampled], t1)
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
+
+    @staticmethod
+    def _greedy_only(seqs: list[Sequence]) -> bool:
+        """Tokens the device picks alone: greedy, not teacher-forced, no logits kept on the host."""
+        return all(s.params.temperature == 0 and not s.params.forced_tokens and not s.params.keep_logits for s in seqs)
+
+    def _launch(self, batch: Batch, t0: float, ids_ahead: torch.Tensor | None = None) -> _InFlight:
+        """Queue a greedy decode step (`ids_ahead`: one step ahead, `ModelRunner.prepare`) and the
+        copy of its tokens to the host; nothing waits for the GPU."""
+        toks = self.runner.run(batch, ids_ahead=ids_ahead).argmax(dim=-1)
+        prev = self._inflight  # still unread: the other buffer
+        buf = self._tok_bufs[0]
+        if prev is not None and prev.host.data_ptr() == buf.data_ptr():
+            buf = self._tok_bufs[1]
+        host = buf[: len(batch.seqs)]
+        host.copy_(toks, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return _InFlight(batch, toks, host, ready, t0)
+
+    def _advance(self) -> list[Sequence]:
+        """Launch the step after the one in flight where it is the same batch again, then read the
+        one in flight and advance its requests."""
+        cur = self._inflight
+        assert cur is not None
+        nxt = self._batch_after(cur.batch)
+        self._inflight = None if nxt is None else self._launch(nxt, time.perf_counter(), ids_ahead=cur.toks)
+        if cur.ready is not None:
+            cur.ready.synchronize()
+        toks = cur.host.tolist()
+        t1 = time.perf_counter()
+        live = [i for i, s in enumerate(cur.batch.seqs) if s.status == Status.RUNNING]  # not stopped or aborted since
+        batch = Batch(False, [cur.batch.seqs[i] for i in live], [1] * len(live))
+        self._account(batch, t1 - max(cur.t0, self._last_read))
+        self._last_read = t1
+        finished = self.scheduler.postprocess(batch, {cur.batch.seqs[i].seq_id: toks[i] for i in live},
+                                              self.eos_token_ids, self.max_model_len)
+        self._token_events(batch.seqs, t1)
+        return finished
+
+    def _batch_after(self, batch: Batch) -> Batch | None:
+        """The decode batch after `batch` (whose tokens are not appended yet), when it is `batch`
+        again: the running requests, all of them in it, nothing waiting, none ending by length at
+        its token, each with a block for the next position (taken here). Else None."""
+        sched = self.scheduler
+        if sched.waiting or len(sched.running) != len(batch.seqs) or any(a is not b for a, b in zip(sched.running, batch.seqs)):
+            return None
+        for s in batch.seqs:
+            if s.num_completion_tokens + 1 >= s.params.max_tokens or s.num_tokens + 1 >= self.max_model_len:
+                return None
+        for s in batch.seqs:
+            if not self.block_manager.can_grow(s, s.num_tokens + 1):
+                return None
+            self.block_manager.grow(s, s.num_tokens + 1)
+        return Batch(False, list(batch.seqs), [1] * len(batch.seqs))
 
     @staticmethod
     def _token_events(seqs: list[Sequence], now: float) -> None:

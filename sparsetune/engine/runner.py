@@ -44,14 +44,17 @@ class ModelRunner:
     def _block_tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: Batch, ids_ahead: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Input ids and metadata of `batch`. `ids_ahead` (a decode batch): one step ahead of the
+        sequences, whose last sampled tokens are not appended yet but are these (on the device)."""
         bs = self.block_size
+        ahead = 0 if ids_ahead is None else 1
         ids: list[int] = []
         positions, slots = [], []
         seq_lens: list[int] = []
         qsl = [0]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed
+            start = seq.num_computed + ahead
             ids.extend(seq.token_ids[start : start + n])
             # Vectorised: a 32K-token prefill chunk would cost ~20 ms as Python loops.
             pos = torch.arange(start, start + n)
@@ -72,7 +75,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_ids=[s.seq_id for s in batch.seqs],
         )
-        return self._tensor(ids, torch.int64), meta
+        return (self._tensor(ids, torch.int64) if ids_ahead is None else ids_ahead), meta
 
     def context(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(meta, self.kv, self.backends)
@@ -80,11 +83,12 @@ class ModelRunner:
     # ---- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits `[B, V]` at each sequence's last new token (or `[N, V]` for every token)."""
+    def run(self, batch: Batch, all_logits: bool = False, ids_ahead: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[B, V]` at each sequence's last new token (or `[N, V]` for every token);
+        `ids_ahead`: a decode step one ahead of the sequences (`prepare`)."""
         if not batch.is_prefill and self.graphs and self.use_graphs and not all_logits:
-            return self._replay(batch)
-        input_ids, meta = self.prepare(batch)
+            return self._replay(batch, ids_ahead)
+        input_ids, meta = self.prepare(batch, ids_ahead)
         last = None if all_logits else meta.last_rows(self.device)
         skip = (last is not None and batch.is_prefill and self.skip_unused_rows
                 and all(b.attends_last_rows for b in self.backends))
@@ -131,17 +135,18 @@ class ModelRunner:
         self._g_lens.fill_(0)
         torch.cuda.synchronize()
 
-    def _replay(self, batch: Batch) -> torch.Tensor:
+    def _replay(self, batch: Batch, ids_ahead: torch.Tensor | None = None) -> torch.Tensor:
         b = len(batch.seqs)
         size = next((s for s in sorted(self.graphs) if s >= b), None)
         if size is None:  # larger than any captured graph: run eagerly
-            input_ids, meta = self.prepare(batch)
+            input_ids, meta = self.prepare(batch, ids_ahead)
             return self.model.compute_logits(self.model(input_ids, self.context(meta)))
         bs = self.block_size
+        ahead = 0 if ids_ahead is None else 1
         ids, pos, slots, lens = [], [], [], []
         for i, seq in enumerate(batch.seqs):
-            p = seq.num_tokens - 1
-            ids.append(seq.token_ids[p])
+            p = seq.num_tokens - 1 + ahead
+            ids.append(0 if ahead else seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
@@ -151,6 +156,8 @@ class ModelRunner:
             [ids + [0] * pad, pos + [0] * pad, slots + [self.kv.null_slot] * pad, lens + [0] * pad]
         )
         self._g_in[:, :size].copy_(self._g_stage[:, :size], non_blocking=True)
+        if ids_ahead is not None:  # the tokens the step before sampled, still on the device
+            self._g_in[0, :b].copy_(ids_ahead)
         self._g_lens[:size].copy_(self._g_in[3, :size])
         self.graphs[size].replay()
         return self.graph_logits[size][:b]

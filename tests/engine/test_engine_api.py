@@ -114,3 +114,67 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_queued(smol
                 add(bad, params)
     assert not smollm.scheduler.has_work()
     assert smollm.generate([[1, vocab - 1]], params)[0].token_ids  # the edges of the range are fine
+
+
+@pytest.fixture
+def overlapped(smollm, monkeypatch):
+    """A switch that turns overlapped decode steps on for the embedded engine (on CPU too: the same
+    code, run in order; off by default there), and the list of launches, True for one ahead."""
+    from dataclasses import replace
+
+    def on():
+        monkeypatch.setattr(smollm, "config", replace(smollm.config, overlap=True))
+
+    assert not smollm.overlap
+    launch, ahead = smollm._launch, []
+
+    def counted(batch, t0, ids_ahead=None):
+        ahead.append(ids_ahead is not None)
+        return launch(batch, t0, ids_ahead)
+
+    monkeypatch.setattr(smollm, "_launch", counted)
+    yield on, ahead
+    while smollm.step() or smollm.scheduler.has_work():  # nothing left in flight for the next test
+        pass
+    smollm.step()
+
+
+def test_overlapped_steps_keep_tokens_and_finish_reasons(smollm, overlapped):
+    """Each greedy decode step launched before the last one's tokens are read, on their device ids:
+    the same tokens and finish reasons as step by step, with requests that stop on a token mid-batch
+    (their one extra step dropped) and requests of other lengths; the pool ends as it began."""
+    free = smollm.block_manager.num_free
+    long = [o.token_ids for o in smollm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))]
+    params = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=16, stop_token_ids=(long[1][5],)),
+              SamplingParams(max_tokens=16, stop_token_ids=(long[2][10],))]
+    ref = smollm.generate(PROMPTS, params)
+    assert [o.finish_reason for o in ref] == ["length", "stop", "stop"]
+    on, ahead = overlapped
+    on()
+    engine = smollm
+    got = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in ref]
+    assert sum(ahead) >= 8  # most decode steps ran one ahead
+    engine.step()  # a step still in flight after the last stop is dropped
+    assert engine._inflight is None and engine.block_manager.num_free == free
+
+
+def test_overlapped_steps_with_an_abort_and_a_late_request(smollm, overlapped):
+    """A request aborted while a step is in flight ends with what was read; one added then waits
+    for the step to be read and prefills; the others come out as `generate` makes them."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = _reference(smollm, PROMPTS, params)
+    on, ahead = overlapped
+    on()
+    engine = smollm
+    ids = [engine.encode_prompt(p) for p in PROMPTS]
+    seqs = [engine.add_request(i[:], params) for i in ids[:2]]
+    for _ in range(5):
+        engine.step()
+    assert engine._inflight is not None and any(ahead)
+    engine.abort(seqs[1])
+    late = engine.add_request(ids[2], params)
+    out = _run(engine, seqs + [late])
+    assert out[0] == ref[0] and out[2] == ref[2]
+    assert seqs[1].finish_reason == "abort" and out[1] == ref[1][: len(out[1])]

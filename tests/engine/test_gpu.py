@@ -44,6 +44,27 @@ def test_gpu_preemption_under_graphs_keeps_outputs(tmp_path):
     assert [o.token_ids for o in outs] == reference
 
 
+def test_gpu_overlapped_steps_keep_outputs(tmp_path):
+    """Decode steps launched one ahead on the device's tokens (the default where graphs replay) give
+    what steps one at a time give: the same tokens and stops, with requests that stop on a token
+    mid-batch and others of other lengths (replays of the size-4 graph with padded rows)."""
+    tiny_hf("qwen3", tmp_path, head_dim=64)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (70, 33, 120)]
+    opts = dict(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
+                cuda_graph_batch_sizes=(1, 2, 4))
+    one = LLM(overlap=False, **opts)
+    long = [o.token_ids for o in one.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
+    params = [SamplingParams(max_tokens=30, stop_token_ids=(long[0][12],)), SamplingParams(max_tokens=17),
+              SamplingParams(max_tokens=30, stop_token_ids=(long[2][20],))]
+    ref = one.generate(prompts, params)
+    overlapped = LLM(**opts)
+    assert overlapped.overlap and not one.overlap
+    got = overlapped.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in ref] == ["stop", "length", "stop"]
+
+
 def _flow_case(tmp_path, seed: int):
     """A tiny qwen3 on disk, engine options with graphs for batches 1, 2 and 4, three prompts."""
     tiny_hf("qwen3", tmp_path, head_dim=64)
