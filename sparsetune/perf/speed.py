@@ -33,13 +33,13 @@ def _run(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int) -> dict
     prefill_s = 0.0
     t0 = time.perf_counter()
     while llm.scheduler.has_work():
-        before = llm.stats.decode_tokens
+        before, before_prefill = llm.stats.decode_tokens, llm.stats.prefill_tokens
         dt = time_call(llm.step, llm.device)
-        if llm.stats.decode_tokens > before:
+        if llm.stats.prefill_tokens > before_prefill:
+            prefill_s += dt
+        else:  # a decode step (with overlap, the first only launches: its tokens come with the next)
             decode_steps.append(dt)
             decode_tokens += llm.stats.decode_tokens - before
-        else:
-            prefill_s += dt
     total = time.perf_counter() - t0
     ttft = sorted(s.events.first_token - t0 for s in seqs)  # from the submitted batch's start
     decode_s = sum(decode_steps)
