@@ -403,7 +403,7 @@ class Engine:
         one in flight and advance its requests."""
         cur = self._inflight
         assert cur is not None
-        nxt = self._batch_after(cur.batch)
+        nxt = self._batch_after(cur.batch) if self.overlap else None  # overlap off since (eager mode): read only
         self._inflight = None if nxt is None else self._launch(nxt, time.perf_counter(), ids_ahead=cur.toks)
         if cur.ready is not None:
             cur.ready.synchronize()

@@ -178,3 +178,23 @@ def test_overlapped_steps_with_an_abort_and_a_late_request(smollm, overlapped):
     out = _run(engine, seqs + [late])
     assert out[0] == ref[0] and out[2] == ref[2]
     assert seqs[1].finish_reason == "abort" and out[1] == ref[1][: len(out[1])]
+
+
+def test_overlap_turned_off_mid_flight_reads_the_step_and_launches_no_other(smollm, overlapped, monkeypatch):
+    """Overlap switched off while a step is in flight (eager mode does this where graphs replay):
+    the next call reads it and launches nothing ahead; the tokens are those of `generate`."""
+    from dataclasses import replace
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = _reference(smollm, PROMPTS[:2], params)
+    on, ahead = overlapped
+    on()
+    seqs = [smollm.add_request(smollm.encode_prompt(p), params) for p in PROMPTS[:2]]
+    for _ in range(4):
+        smollm.step()
+    assert smollm._inflight is not None
+    monkeypatch.setattr(smollm, "config", replace(smollm.config, overlap=False))
+    launched = len(ahead)
+    smollm.step()
+    assert smollm._inflight is None and len(ahead) == launched
+    assert _run(smollm, seqs) == [r for r in ref]
