@@ -411,8 +411,9 @@ class Engine:
         t1 = time.perf_counter()
         live = [i for i, s in enumerate(cur.batch.seqs) if s.status == Status.RUNNING]  # not stopped or aborted since
         batch = Batch(False, [cur.batch.seqs[i] for i in live], [1] * len(live))
-        self._account(batch, t1 - max(cur.t0, self._last_read))
-        self._last_read = t1
+        if live:  # a step left in flight after its last request stopped counts no time, however late it is read
+            self._account(batch, t1 - max(cur.t0, self._last_read))
+            self._last_read = t1
         finished = self.scheduler.postprocess(batch, {cur.batch.seqs[i].seq_id: toks[i] for i in live},
                                               self.eos_token_ids, self.max_model_len)
         self._token_events(batch.seqs, t1)

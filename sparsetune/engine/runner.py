@@ -106,7 +106,10 @@ class ModelRunner:
         # per step from a pinned staging buffer) and the block tables (updated incrementally).
         self._g_in = torch.zeros(4, n, dtype=torch.int64, device=dev)
         self._g_in[2].fill_(self.kv.null_slot)
-        self._g_stage = torch.zeros(4, n, dtype=torch.int64, pin_memory=True)
+        # Two staging buffers, alternating: with overlapped steps the host stages a step before the
+        # copy of the one before it has run (Engine.step waits for a step only after the next is queued).
+        self._g_stages = [torch.zeros(4, n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._g_turn = 0
         self._g_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self._g_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
         # Which (sequence, incarnation) each table row holds and how many of its blocks are on the GPU.
@@ -152,10 +155,12 @@ class ModelRunner:
             lens.append(p + 1)
             self._sync_table_row(i, seq)
         pad = size - b
-        self._g_stage[:, :size] = torch.tensor(
+        stage = self._g_stages[self._g_turn]
+        self._g_turn ^= 1
+        stage[:, :size] = torch.tensor(
             [ids + [0] * pad, pos + [0] * pad, slots + [self.kv.null_slot] * pad, lens + [0] * pad]
         )
-        self._g_in[:, :size].copy_(self._g_stage[:, :size], non_blocking=True)
+        self._g_in[:, :size].copy_(stage[:, :size], non_blocking=True)
         if ids_ahead is not None:  # the tokens the step before sampled, still on the device
             self._g_in[0, :b].copy_(ids_ahead)
         self._g_lens[:size].copy_(self._g_in[3, :size])
