@@ -88,7 +88,7 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     same = sum(
         len(set(a[i, h].tolist()) & set(b[i, h].tolist())) for i in range(batch) for h in range(HKV)
     ) / (batch * HKV * k_max)
-    return {"flow": flow_name, "batch": batch, "context": ctx, "block_s": ker.block_s_dot if indexer_mod.DOT_PRODUCTS and ker.block_s_dot else ker.block_s, "us": t,
+    return {"flow": flow_name, "batch": batch, "context": ctx, "block_s": ker.tile(q, stores)[0], "us": t,
             "field_bytes": field_bytes, "floor_us": floor_us, "same_blocks": same}
 
 

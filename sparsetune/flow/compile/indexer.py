@@ -66,12 +66,17 @@ class IndexerKernel:
             assert k_pool is not None
             args += self.layout.pool_args(k_pool)
         args += [a for name in self.consts for a in with_strides(consts[name])]
-        dot_t = self.dot_dtype(q, [stores[n] for n in self.fields])
-        block_s = self.block_s_dot if dot_t is not None else self.block_s
+        block_s, dot_t = self.tile(q, stores)
         grid = (rows, -(-width // block_s))
         self.kernel[grid](*args, BLOCK_S=block_s, DOT=dot_t is not None, DOT_T=dot_t or tl.float32,  # type: ignore[index]
                           num_warps=NUM_WARPS)
         return out, counts
+
+    def tile(self, q: torch.Tensor, stores: dict[str, torch.Tensor]) -> tuple[int, object | None]:
+        """BLOCK_S of a launch on these tensors, and the dtype of its tensor-core products (None: the
+        broadcast form)."""
+        dot_t = self.dot_dtype(q, [stores[n] for n in self.fields])
+        return (self.block_s if dot_t is None else self.block_s_dot), dot_t
 
     def dot_dtype(self, q: torch.Tensor, fields: list[torch.Tensor]) -> object | None:
         """The dtype of the tensor-core products, where they run: the query and every field stored in
