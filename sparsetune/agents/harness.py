@@ -3,16 +3,19 @@
 1. **static**: the file parses and keeps to the flow-file rules (`flow.source_check`: module level
    holds the flow class and flow-API imports only; stages use only the op set; no other names,
    attributes, builtins, I/O, dunders). Read as a syntax tree here: nothing of it runs.
-2. **check**: `flows check` semantics in a subprocess with a wall-clock, memory and CPU limit and a
-   hard kill (`agents.sandbox`): shapes, field bytes per block, indexer work, the compiled paths,
-   equality with dense attention at full budget.
+2. **check**: `flows check` semantics in an isolated child (`sparsetune.sandbox`: its own namespaces,
+   no network, read-only but for its scratch folder) with a wall-clock, memory and CPU limit and a
+   hard kill: shapes, field bytes per block, indexer work, the compiled paths, equality with dense
+   attention at full budget.
 3. **gate** and 4. **study** run in the search (`agents.loop`): a quick accuracy check on prompts
    drawn for this candidate with a fresh seed, then a short Optuna study of its params.
 
 A candidate that fails a stage is recorded with the stage and the reason, never dropped. Its
 record lives in `runs/<study>/candidates/<id>/`: `<name>.py` (the source), `candidate.json` (the
-proposer, parents, prompt hash, rationale, tokens and cost, each stage's verdict and timing) and
-the sandbox's logs.
+proposer, parents, prompt hash, rationale, tokens and cost, each stage's verdict and timing),
+`check.log` (the check child's output) and `check/` (the check child's scratch folder, the only
+one it can write: its check.json). Every reason and detail is scrubbed of credentials
+(`sandbox.scrub`) before it is recorded.
 """
 
 from __future__ import annotations
@@ -27,17 +30,25 @@ from pathlib import Path
 from typing import Any
 
 from sparsetune.agents.sandbox import Limits, python_cmd, run_limited
+from sparsetune.sandbox import scrub
 
 CHECK_LIMITS = Limits(wall_s=120.0, memory_mb=3072, cpu_s=240)
 
 
 @dataclass
 class Stage:
+    """One harness stage's verdict. Its reason and detail (text a sandboxed child produced, among
+    others) are scrubbed of credentials when it is made (`sandbox.scrub`), so neither the record
+    nor a prompt built from it ever holds one; a record read back is scrubbed again."""
+
     name: str
     ok: bool
     reason: str | None
     seconds: float
     detail: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.reason, self.detail = scrub(self.reason), scrub(self.detail)
 
 
 @dataclass
@@ -70,7 +81,9 @@ class Candidate:
         return hashlib.sha256(self.source.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "verdict": self.verdict, "reason": self.reason, "source_sha256": self.source_hash()}
+        """The record (candidate.json): everything but the source scrubbed of credentials."""
+        record = scrub({**asdict(self), "verdict": self.verdict, "reason": self.reason})
+        return {**record, "source": self.source, "source_sha256": self.source_hash()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Candidate:
@@ -130,9 +143,13 @@ def static_stage(path: Path) -> Stage:
 
 
 def check_stage(path: Path, folder: Path, limits: Limits = CHECK_LIMITS) -> Stage:
-    """Harness step 2, in a sandboxed subprocess (`agents.sandbox`)."""
-    out = run_limited(python_cmd("check", str(path.resolve()), str((folder / "check.json").resolve())), limits,
-                      folder / "check.log", folder / "check.json")
+    """Harness step 2, in a sandboxed subprocess (`agents.sandbox`) whose one writable folder is
+    `<folder>/check/` (where it writes check.json): never the candidate's folder, whose record and
+    source this process writes. Its log is `<folder>/check.log`."""
+    scratch = folder / "check"
+    result = scratch / "check.json"
+    out = run_limited(python_cmd("check", str(path.resolve()), str(result.resolve())), limits,
+                      folder / "check.log", result, scratch=scratch)
     detail = {"seconds": out.seconds, "peak_mb": out.peak_mb, "log": out.log}
     why = out.reason()
     if why is not None:

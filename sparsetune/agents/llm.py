@@ -16,7 +16,9 @@ defines no flow) and the search records it, like any other rejection.
   through `httpx2`, the tool forced as a named function.
 
 Every proposal carries `prompt_hash` (sha256 of the request body as canonical JSON), the token
-usage in one set of keys (`USAGE_KEYS`) and its cost (`cost_usd`, from `PRICES`).
+usage in one set of keys (`USAGE_KEYS`) and its cost (`cost_usd`, from `PRICES`). What the round
+message shows of earlier candidates (their reasons quote sandboxed children's output) is scrubbed
+of credentials (`sparsetune.sandbox.scrub`) before it is sent.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 from sparsetune.agents.proposer import Context, Proposal
 from sparsetune.errors import SparsetuneError
+from sparsetune.sandbox import scrub
 
 # ---- prices ---------------------------------------------------------------------------------------
 
@@ -336,11 +339,13 @@ def _params(params: Any) -> str:
 
 
 def _candidate_lines(c: Any, frontier: list[dict[str, Any]]) -> list[str]:
+    """A candidate as the round message shows it; every line scrubbed of credentials (`sandbox.scrub`:
+    a reason quotes what a sandboxed child printed), the long ones before they are cut."""
     lines = [f"### {c.id} `{c.name}` (by {c.proposer}): {c.verdict}"]
     if c.rationale:
-        lines.append(f"rationale: {_cut(c.rationale, REASON_CHARS)}")
+        lines.append(f"rationale: {_cut(scrub(c.rationale), REASON_CHARS)}")
     if c.reason:
-        lines.append(f"reason: {_cut(c.reason, REASON_CHARS)}")
+        lines.append(f"reason: {_cut(scrub(c.reason), REASON_CHARS)}")
     for s in c.stages:
         if s.name == "check" and s.ok:
             r = s.detail.get("report") or {}
@@ -360,8 +365,8 @@ def _candidate_lines(c: Any, frontier: list[dict[str, Any]]) -> list[str]:
             f"{_params(r.get('params'))}: rel. acc. {_num(r.get('relative_accuracy'))}, speedup "
             f"{_num(r.get('speedup'))}" for r in mine) if mine else "not on the frontier (yet)")
     if c.source:
-        lines += ["```python", _cut(c.source, SOURCE_CHARS), "```"]
-    return lines
+        lines += ["```python", _cut(scrub(c.source), SOURCE_CHARS), "```"]
+    return [scrub(line) for line in lines]
 
 
 def round_message(ctx: Context) -> str:

@@ -1,189 +1,52 @@
-"""Run code an agent wrote in a subprocess with limits, never in this process.
+"""Code an agent wrote runs only here: in an isolated child process (`sparsetune.sandbox`), never in this one.
 
-`run_limited` starts a command in its own session (process group) with a clean environment (no
-API keys or tokens), OS limits set in the child before it runs anything (CPU seconds, file size, no
-core files), an address-space cap a CPU-only child sets on itself once its imports are done and
-before any candidate code runs (`cap_address_space`), and a watchdog in this process that kills the
-whole group (SIGKILL) when the wall clock or the group's resident memory passes its limit. What
-the child printed goes to a log file; what it returns is one JSON file it writes.
+The mechanism (the jail, limits, the watchdog, the clean environment, `scrub`) is
+`sparsetune.sandbox`; its guarantees hold on Linux with user namespaces, and anywhere else (or where
+user namespaces are disabled) nothing runs: `IsolationRefused` says why. This module has the
+agent's children and the evaluator that talks to one:
 
 `python -m sparsetune.agents.sandbox check FILE OUT` is the child of harness step 2: it loads a
 candidate flow file (the static source check runs again, in the child, before any of it executes)
 and runs `flows check` semantics on it (`flow.check.check_flow`: shapes, field bytes, indexer
 work, the compiled paths, equality with dense at full budget), then writes the report and the
-flow's params (`search.space.spec_dicts`: what the search needs of it) or the reason it failed to OUT.
+flow's params (`search.space.spec_dicts`: what the search needs of it) or the reason it failed to
+OUT (in its scratch folder, `candidates/<id>/check/`).
 
-This is a fence against honest mistakes and runaway programs (hangs, unbounded allocation), not
-against a determined attacker: there is no network or file-system isolation beyond what the
-static check refuses (no imports but the flow API, no I/O names, no dunders).
+`SandboxEvaluator` is the search's evaluator in a long-lived child (`... serve CONFIG`): its
+engines, and every trial and accuracy run of any flow, live there. Its scratch folder is
+`<folder>/scratch` (`runs/<study>/sandbox/scratch`): each request's outputs are written under it
+(`scratch/out/<n>`) and copied here, after the answer, to the request's `out` (`collect`: folders
+and regular files only, nothing followed), with the paths in the answer and in the copied JSON
+rewritten to their new place. Its config and logs are in `<folder>`, which it cannot write.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-# Environment variables a child never sees: credentials of any kind.
-_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
-POLL_S = 0.05
-_AS_ENV = "SPARSETUNE_SANDBOX_AS_MB"  # set for a CPU-only child: the address space it may add after its imports
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a sandboxed child may use. `memory_mb`: resident memory of its process group (the
-    watchdog), and on a CPU-only child also the address space it may add after its imports
-    (`cap_address_space`; CUDA cannot run under `RLIMIT_AS`). `cpu_s`: CPU seconds (`RLIMIT_CPU`); None: only the wall clock bounds it."""
-
-    wall_s: float = 120.0
-    memory_mb: int = 4096
-    cpu_s: int | None = None
-    file_mb: int = 256
-    cpu_only: bool = True
-
-
-@dataclass
-class Outcome:
-    """How a sandboxed child ended: its exit code, why the watchdog killed it (None: it was not),
-    its wall time and peak resident memory, and the JSON it returned (None: it wrote none)."""
-
-    returncode: int | None
-    killed: str | None
-    seconds: float
-    peak_mb: float
-    result: dict[str, Any] | None
-    log: str
-
-    def reason(self) -> str | None:
-        """One line on why the child gave no result: killed, crashed, or silent; None if it returned."""
-        if self.killed:
-            return f"killed by the harness: {self.killed}"
-        if self.result is not None:
-            return None
-        tail = [line for line in _tail(self.log).splitlines() if line.strip()]
-        return f"the sandbox exited with code {self.returncode}" + (f": {tail[-1][:300]}" if tail else "")
-
-
-def clean_env(limits: Limits) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not _SECRET.search(k)}
-    env["PYTHONUNBUFFERED"] = "1"
-    if limits.cpu_only:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        env[_AS_ENV] = str(limits.memory_mb)
-        # glibc reserves 64 MB of address space per malloc arena, up to 8 per core: on a many-core host
-        # the threads of torch alone would pass RLIMIT_AS ("cannot allocate memory for thread-local data")
-        env["MALLOC_ARENA_MAX"] = "2"
-    return env
-
-
-def cap_address_space() -> None:
-    """In a CPU-only child, once its imports are done: cap its address space (`RLIMIT_AS`, soft and
-    hard, so it cannot be raised again) at what it maps now plus its `memory_mb`. Set before the
-    imports instead, the cap would have to guess what torch maps: a CUDA build of torch maps
-    several GB of libraries even with no GPU visible, and a fixed cap set from a CPU build failed
-    one check in 38 on a GPU host ("cannot allocate memory for thread-local data")."""
-    extra_mb = os.environ.get(_AS_ENV)
-    if not extra_mb:
-        return
-    import resource
-
-    with open("/proc/self/status") as f:
-        mapped_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
-    cap = (mapped_kb << 10) + (int(extra_mb) << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-
-def _set_limits(limits: Limits):
-    def apply() -> None:  # in the child, between fork and exec
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb << 20,) * 2)
-        if limits.cpu_s is not None:
-            resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5))
-
-    return apply
-
-
-def group_rss_mb(pgid: int) -> float:
-    """Resident memory of every process in a process group (from /proc), MB."""
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:  # field 5: process group
-                continue
-            with open(f"/proc/{entry.name}/statm") as f:
-                total += int(f.read().split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def memory_breach(pgid: int, limit_mb: float) -> tuple[float, str | None]:
-    """A process group's resident memory, and why it is over `limit_mb` (None: it is not)."""
-    rss = group_rss_mb(pgid)
-    return rss, f"over its memory limit of {limit_mb} MB ({rss:.0f} MB resident)" if rss > limit_mb else None
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def run_limited(cmd: list[str], limits: Limits, log: Path, result: Path, cwd: Path | None = None) -> Outcome:
-    """Run `cmd` under `limits` (module docstring); it returns by writing JSON to `result`."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    result.unlink(missing_ok=True)
-    t0 = time.monotonic()
-    killed, peak = None, 0.0
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                env=clean_env(limits), start_new_session=True,
-                                preexec_fn=_set_limits(limits))
-        try:
-            while proc.poll() is None:
-                elapsed = time.monotonic() - t0
-                rss, over = memory_breach(proc.pid, limits.memory_mb)
-                peak = max(peak, rss)
-                killed = f"over its wall-clock limit of {limits.wall_s:g} s" if elapsed > limits.wall_s else over
-                if killed:
-                    break
-                time.sleep(POLL_S)
-        finally:  # killed, or this process interrupted: nothing of the group outlives it
-            if proc.poll() is None or killed:
-                _kill_group(proc)
-            proc.wait()
-    data = None
-    if not killed and result.is_file():
-        try:
-            data = json.loads(result.read_text())
-        except (OSError, ValueError):
-            data = None
-    return Outcome(proc.returncode, killed, round(time.monotonic() - t0, 3), round(peak, 1), data, str(log))
-
-
-def _tail(path: str, size: int = 4000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - size))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+from sparsetune.sandbox import (  # noqa: F401 - the names this module has always had
+    IsolationRefused,
+    Jailed,
+    Limits,
+    Outcome,
+    SandboxError,
+    cap_address_space,
+    check_isolation,
+    clean_env,
+    collect,
+    launch,
+    relocate,
+    run_limited,
+    scrub,
+    scrub_file,
+)
 
 
 def python_cmd(*args: str) -> list[str]:
@@ -193,28 +56,59 @@ def python_cmd(*args: str) -> list[str]:
 
 # ---- a long-lived sandboxed evaluator ---------------------------------------------------------------
 
-class SandboxError(RuntimeError):
-    """The sandboxed evaluator was killed (a limit) or died; the request it was serving failed."""
+def model_env() -> dict[str, str]:
+    """Where the child reads models from: this process's models folder and Hugging Face cache (the
+    child's HOME is in its scratch folder, so the defaults under ~ would point there)."""
+    from sparsetune.models.registry import hf_cache_dirs, models_dir
+
+    env = {"SPARSETUNE_MODELS": str(models_dir().absolute())}
+    if "HF_HUB_CACHE" not in os.environ:
+        hub = next((d for d in hf_cache_dirs() if d.is_dir()), None)
+        if hub is not None:
+            env["HF_HUB_CACHE"] = str(hub.absolute())
+    return env
+
+
+def prepare_models(cfg) -> None:
+    """The search's models as the child loads them, converted here if they are not yet (the embedded
+    model's GGUF → its HF-format copy, once): the child cannot write the models folder."""
+    from sparsetune.errors import SparsetuneError
+    from sparsetune.models.resolve import resolve_model
+
+    wanted = [(cfg.model, False)] + ([(cfg.speed_model, True)] if cfg.speed_model and cfg.speed_model != cfg.model else [])
+    for model, random_weights in wanted:
+        try:
+            resolve_model(model, random_weights)
+        except SparsetuneError:
+            pass  # the child says so, with the request that needed it
 
 
 class SandboxEvaluator:
-    """The search's evaluator in a sandboxed child (`python -m sparsetune.agents.sandbox serve`):
-    its engines, and every trial and accuracy run of any flow, live there, so a candidate's stages
-    never run in this process. Requests go over the child's stdin, answers come back on a pipe of
-    their own (one JSON line each). A request past its time limit (`limits.wall_s` for the first,
-    which loads the engines; then `REQUEST_FACTOR` times the slowest so far, at least
-    `MIN_REQUEST_S`), or a child past its memory limit, is killed with its whole process group;
-    the request raises `SandboxError` and the next one starts a fresh child."""
+    """The search's evaluator in a sandboxed child (`python -m sparsetune.agents.sandbox serve`, in the
+    jail; module docstring): its engines, and every trial and accuracy run of any flow, live there,
+    so a candidate's stages never run in this process. Requests go over the child's stdin, answers
+    come back on a pipe of their own (one JSON line each, scrubbed here). A request past its time
+    limit (`limits.wall_s` for the first, which loads the engines; then `REQUEST_FACTOR` times the
+    slowest so far, at least `MIN_REQUEST_S`), or a child past its memory limit, is killed with
+    every process of its namespace; the request raises `SandboxError` and the next one starts a
+    fresh child."""
 
     REQUEST_FACTOR, MIN_REQUEST_S = 5.0, 300.0
 
     def __init__(self, cfg, folder: Path, limits: Limits) -> None:
         self.cfg, self.folder, self.limits = cfg, Path(folder), limits
-        self._proc: subprocess.Popen | None = None
+        self.scratch = self.folder / "scratch"
+        self._box: Jailed | None = None
+        self._log: Path | None = None
         self._answers = None
         self._killed: str | None = None
         self.slowest: float | None = None
         self.starts = 0
+        self.requests = 0
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        return self._box.proc if self._box is not None else None
 
     # the search's evaluator interface (`search.trial.EngineEvaluator`), through the child
     def run_trial(self, cfg, _evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
@@ -228,15 +122,30 @@ class SandboxEvaluator:
         return accuracy_from_dict(ans["accuracy"])
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send `msg` to the child; its `out` (a folder here) becomes one in the child's scratch folder,
+        whose contents are copied to `out` once the request ends (answered or not)."""
+        if self._box is None or self._box.proc.poll() is not None:
+            self._start()
+        self.requests += 1
+        out = msg.get("out")
+        inside = (self.scratch / "out" / str(self.requests)).absolute()
+        if out is not None:
+            msg = {**msg, "out": str(inside.absolute())}
+        try:
+            ans = self._ask(msg)
+        finally:
+            moved = collect(inside, Path(out)) if out is not None else {}
+        return scrub(relocate(ans, moved))
+
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
         import queue
 
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
         limit = self.limits.wall_s if self.slowest is None else max(self.MIN_REQUEST_S, self.REQUEST_FACTOR * self.slowest)
         t0 = time.monotonic()
+        proc = self._box.proc
         try:
-            self._proc.stdin.write((json.dumps(msg) + "\n").encode())
-            self._proc.stdin.flush()
+            proc.stdin.write((json.dumps(msg) + "\n").encode())
+            proc.stdin.flush()
             ans = self._answers.get(timeout=limit)
         except queue.Empty:
             self.close(f"over its time limit of {limit:.0f} s for one request")
@@ -244,35 +153,43 @@ class SandboxEvaluator:
         except (BrokenPipeError, OSError):
             ans = None
         if ans is None:  # the child is gone: killed by the watchdog, or died
-            why = self._killed or f"the sandbox exited with code {self._proc.wait()}"
+            killed = self._killed
+            why = killed or f"the sandbox exited with code {proc.wait()}"
             self.close()
-            raise SandboxError(f"killed by the harness: {why}" if self._killed else why)
+            raise SandboxError(f"killed by the harness: {why}" if killed else why)
         self.slowest = max(self.slowest or 0.0, time.monotonic() - t0)
         if not ans.get("ok"):
-            raise SandboxError(ans.get("error", "the sandbox failed"))
+            raise SandboxError(str(ans.get("error", "the sandbox failed")))
         return ans
 
     def _start(self) -> None:
         import queue
         import threading
 
+        self.close()
         self.folder.mkdir(parents=True, exist_ok=True)
+        prepare_models(self.cfg)
+        # what the child needs of the search: not where its storage is (a password) nor the agent's endpoint
+        child_cfg = self.cfg.model_copy(update={"storage": None, "agent_endpoint": None})
         config = self.folder / "sandbox-config.json"
-        config.write_text(self.cfg.model_dump_json())
+        config.write_text(child_cfg.model_dump_json())
         read_fd, write_fd = os.pipe()
         serving = replace(self.limits, cpu_s=None)  # CPU seconds add up over a child's requests: time them one by one
-        env = {**clean_env(serving), "SPARSETUNE_SANDBOX_FD": str(write_fd)}
+        env = clean_env(serving, {**model_env(), "SPARSETUNE_SANDBOX_FD": str(write_fd)})
         self.starts += 1
-        log = open(self.folder / f"sandbox-{self.starts}.log", "wb")
-        self._proc = subprocess.Popen(python_cmd("serve", str(config)), stdin=subprocess.PIPE, stdout=log,
-                                      stderr=subprocess.STDOUT, env=env, pass_fds=(write_fd,), start_new_session=True,
-                                      preexec_fn=_set_limits(serving))
-        log.close()
-        os.close(write_fd)
-        self._killed = None
+        self._log = self.folder / f"sandbox-{self.starts}.log"
+        try:
+            with open(self._log, "wb") as log:
+                box = launch(python_cmd("serve", str(config.absolute())), serving, self.scratch, log,
+                             stdin=subprocess.PIPE, env=env, pass_fds=(write_fd,), log=self._log)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self._box, self._killed = box, None
         answers: queue.Queue = queue.Queue()
         self._answers = answers
-        proc = self._proc
 
         def read() -> None:
             with os.fdopen(read_fd, "rb") as f:
@@ -284,11 +201,11 @@ class SandboxEvaluator:
             answers.put(None)  # the child closed its end: gone
 
         def watch() -> None:
-            while proc.poll() is None:
-                _rss, over = memory_breach(proc.pid, self.limits.memory_mb)
+            while box.proc.poll() is None:
+                _rss, over = box.memory_breach(self.limits.memory_mb)
                 if over:
                     self._killed = over
-                    _kill_group(proc)
+                    box.kill()
                     return
                 time.sleep(0.2)
 
@@ -296,11 +213,13 @@ class SandboxEvaluator:
         threading.Thread(target=watch, daemon=True).start()
 
     def close(self, why: str | None = None) -> None:
-        if self._proc is not None:
+        """Kill the child and every process of its namespace (if it runs); its log is scrubbed."""
+        if self._box is not None:
             self._killed = self._killed or why
-            _kill_group(self._proc)
-            self._proc.wait()
-            self._proc = None
+            self._box.kill()
+            self._box = None
+        if self._log is not None:
+            scrub_file(self._log)
 
 
 # ---- the child --------------------------------------------------------------------------------------

@@ -4,6 +4,9 @@ starts a fresh child."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator
@@ -30,6 +33,11 @@ def test_a_sandboxed_trial_matches_the_same_trial_in_process(tmp_path):
     assert there["accuracy"]["fidelity"] == here["accuracy"]["fidelity"] == acc.fidelity
     assert there["speed"]["speedup"] == here["speed"]["speedup"]
     assert box.starts == 1  # one child served both
+    # the child wrote in its scratch folder; its outputs were copied to the `out` asked for, paths rewritten
+    run_dir = Path(there["accuracy"]["run_dir"])
+    assert run_dir.parent == tmp_path / "t1" and json.loads((run_dir / "results.json").read_text())["run_dir"] == str(run_dir)
+    assert Path(acc.run_dir).parent == tmp_path / "a1" and (Path(acc.run_dir) / "results.json").is_file()
+    assert not any((tmp_path / "sandbox" / "scratch" / "out").iterdir())
 
 
 def test_a_request_past_its_limit_is_killed_and_the_next_starts_afresh(tmp_path):
