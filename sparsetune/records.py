@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import stat
 import time
 from importlib import metadata
 from pathlib import Path
@@ -36,7 +37,9 @@ def new_run_dir(out: Path | str | None, *parts: str) -> Path:
             return path
         except FileExistsError:
             continue
-    raise RuntimeError(f"cannot create a run directory under {root}")
+        except OSError as e:
+            raise SparsetuneError(f"cannot create a run folder under {root}: {e.strerror}; pick a writable --out") from None
+    raise SparsetuneError(f"cannot create a run folder under {root}: 1000 of this second's names are taken")
 
 
 def new_file(path: Path) -> Path:
@@ -48,6 +51,29 @@ def new_file(path: Path) -> Path:
         raise SparsetuneError(f"--out {path}: the directory {path.parent} does not exist; create it first "
                               f"(mkdir -p {path.parent}) or pick another --out")
     return path
+
+
+def private_dir(path: Path) -> Path:
+    """A folder only this user can use (caches of generated code and traced flows): created 0700
+    with its parents; refused when it is a link, not a folder, or another user's; others' access
+    bits on it are cleared."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError as e:
+        raise SparsetuneError(f"cannot create the cache folder {path}: {e.strerror}; set XDG_CACHE_HOME to a "
+                              "writable folder") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise SparsetuneError(f"the cache folder {path} is a link, not a folder, or another user's; remove it "
+                              "(or set XDG_CACHE_HOME elsewhere)")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/sparsetune` (default ~/.cache/sparsetune)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparsetune"
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -3,8 +3,12 @@
 `Agent` plugs into `search.study.run_search` (its `agent` hooks). Every trial and confirmation,
 of built-in and proposed flows alike, runs in one sandboxed evaluator (`sandbox.SandboxEvaluator`),
 so the figures of every flow come from the same engine and no candidate code runs in this
-process. Before each trial, `step` decides whether a proposal is due and, if so, takes one
-candidate through the harness:
+process: it runs isolated (`sparsetune.sandbox`: its own PID, user, mount and network namespaces,
+read-only but for its scratch folder, no network), and on a host where that cannot be set up
+(not Linux, user namespaces disabled) the search is refused before it starts (`Agent` checks).
+Everything recorded of a candidate, and every prompt, is scrubbed of credentials (`scrub`).
+Before each trial, `step` decides whether a proposal is due and, if so, takes one candidate
+through the harness:
 
 1. **static** and 2. **check** (`harness.validate`: the syntax tree, then `flows check` in a
    sandboxed subprocess, which also reports the flow's params: `search.space.spec_dicts`);
@@ -31,6 +35,7 @@ reads them back and finishes a candidate it left half-way.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,7 @@ from typing import Any
 from sparsetune.agents.diversity import diversity
 from sparsetune.agents.harness import CHECK_LIMITS, Candidate, Stage, declared_name, load_candidates, validate
 from sparsetune.agents.proposer import PROPOSERS, Context, NoMoreProposals, Proposer
-from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator
+from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator, check_isolation, scrub
 from sparsetune.errors import SparsetuneError
 from sparsetune.records import new_file
 from sparsetune.search.config import SearchConfig, flow_key
@@ -102,6 +107,7 @@ class Agent:
     def __init__(self, cfg: SearchConfig, proposer: Proposer, limits: Limits | None = None,
                  check_limits: Limits = CHECK_LIMITS, propose_every: int = PROPOSE_EVERY,
                  rejects_in_a_row: int = REJECTS_IN_A_ROW) -> None:
+        check_isolation()  # a host where candidates cannot run isolated refuses the search before it starts
         self.cfg, self.proposer, self.check_limits = cfg, proposer, check_limits
         self.propose_every, self.rejects_in_a_row = propose_every, rejects_in_a_row
         self.root = cfg.run_dir / "candidates"
@@ -135,15 +141,15 @@ class Agent:
             try:
                 cand = self._next()
             except NoMoreProposals as e:  # out of ideas, or may not spend more: the search goes on
-                self._stop(str(e))
+                self._stop(scrub(str(e)))
                 return
             except SparsetuneError as e:  # the proposer failed (an API error): ask again after a round of trials
                 self.failures += 1
                 self._last = trial_count(self.flows.studies)
                 if self.failures >= FAILURES_IN_A_ROW:
-                    self._stop(f"{e} ({self.failures} failures in a row)")
+                    self._stop(scrub(f"{e} ({self.failures} failures in a row)"))
                 else:
-                    self.emit("proposer", {"error": str(e), "retry_after_trials": self.propose_every})
+                    self.emit("proposer", {"error": scrub(str(e)), "retry_after_trials": self.propose_every})
                 return
             self.failures = 0
             self.emit("candidate", {"id": cand.id, "name": cand.name, "proposer": cand.proposer,
@@ -329,9 +335,18 @@ def promote(candidate_dir: str | Path, out: str | Path | None = None) -> dict[st
     record = folder / "candidate.json"
     if not record.is_file():
         raise SparsetuneError(f"{folder}: not a candidate folder (no candidate.json); pass runs/<study>/candidates/<id>")
-    cand = Candidate.from_dict(json.loads(record.read_text()))
+    data = json.loads(record.read_text())
+    cand = Candidate.from_dict(data)
     if cand.verdict != "accepted":
         raise SparsetuneError(f"candidate {cand.id} ({cand.name}) was {cand.verdict}: {cand.reason}; promote one that passed")
+    from sparsetune.flow.values import check_name
+
+    check_name(cand.name)
+    # The file the harness validated, byte for byte, and only if it is still what was recorded.
+    source = (folder / f"{cand.name}.py").read_bytes() if (folder / f"{cand.name}.py").is_file() else b""
+    if hashlib.sha256(source).hexdigest()[:16] != data.get("source_sha256") or source != cand.source.encode():
+        raise SparsetuneError(f"{folder}: {cand.name}.py is not the source the harness validated (its sha256 differs "
+                              "from candidate.json's); promote an untouched candidate folder")
     path = new_file(Path(out) if out is not None else Path(f"{cand.name}.py"))
     run_dir = folder.parent.parent
     trials, front = run_dir / "trials.jsonl", run_dir / "frontier.json"
@@ -356,6 +371,12 @@ def promote(candidate_dir: str | Path, out: str | Path | None = None) -> dict[st
             lo, hi = r.get("interval") or (None, None)
             lines.append(f"confirmed frontier: {r['trial']} {r['params']}: {100 * r['confirmed_accuracy']:.1f}% of dense "
                          f"on fresh prompts [{lo}, {hi}], speedup {r['speedup']:.2f}x ({r.get('speed_kind')})")
-    header = "".join(f"# {line}\n" for line in lines)
-    path.write_text(header + "\n" + cand.source)
+    lines = [comment_text(line) for line in lines]
+    path.write_bytes("".join(f"# {line}\n" for line in lines).encode() + b"\n" + source)
     return {"file": str(path), "candidate": cand.id, "flow": cand.name, "header": lines}
+
+
+def comment_text(text: str) -> str:
+    """Text that stays inside one `#` comment line: every line break Python knows (\\r, \\n, \\f,
+    \\v, \\x1c-\\x1e, \\x85, \\u2028, \\u2029) and other control characters become spaces."""
+    return "".join(" " if (c.isspace() and c != " ") or not c.isprintable() else c for c in " ".join(text.splitlines()))

@@ -43,6 +43,10 @@ def export(
             emit_json(result)
         for p in result["problems"]:
             err.print(f"[red]problem:[/] {escape(p)}")
+        if result["edited_since_measured"]:
+            changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in result["edited_since_measured"].items())
+            err.print(f"[yellow]note:[/] params edited since the search measured this bundle ({escape(changes)}): "
+                      "its recorded accuracy and speedup no longer apply; measure it again (sparsetune eval)")
         if result["sglang_problem"]:
             err.print(f"[{'red' if require_sglang else 'yellow'}]sglang:[/] {escape(result['sglang_problem'])}")
         if result["ok"]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import sys
 from pathlib import Path
 
@@ -75,7 +74,7 @@ def show(name: str, json_out: bool = typer.Option(False, "--json")) -> None:
 
     cls = get_flow_class(name, Flow)
     params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
-    source = Path(inspect.getsourcefile(cls) or "").read_text()
+    source = Path(cls.path).read_text(errors="replace")  # the file as it is; an untrusted one was only traced
     if json_out:
         emit_json({"name": cls.name, "kind": flow_kind(cls), "source": cls.source, "params": params, "code": source})
         return
@@ -142,7 +141,10 @@ def new(
         raise SparsetuneError(f"flow name {name!r} must be a Python identifier (letters, digits, _)")
     path = new_file(out or Path(f"{name}.py"))
     cls = "".join(p.capitalize() for p in name.split("_")) or "MyFlow"
-    path.write_text(TEMPLATE.format(title=name.replace("_", " ").capitalize(), name=name, cls=cls, file=path))
+    try:
+        path.write_text(TEMPLATE.format(title=name.replace("_", " ").capitalize(), name=name, cls=cls, file=path))
+    except OSError as e:
+        raise SparsetuneError(f"cannot write {path}: {e.strerror}; pass --out in a writable folder") from None
     err.print(f"wrote {path}; next: sparsetune flows check {path}")
     sys.stdout.write(str(path) + "\n")
 

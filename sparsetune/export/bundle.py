@@ -1,7 +1,10 @@
 """A bundle: one tuned decode flow packed for serving (issue #16).
 
     DIR/
-      <flow>.py          the flow's source, byte for byte (its sha256 is in the manifest)
+      <flow>.py          the flow's source, byte for byte (its sha256 is in the manifest): to read
+      flow.graph.json    the flow as data (`flow.graph.describe`: its params' declarations and both
+                         stages traced into op graphs at the bundle's params): what serves it (its
+                         sha256 is in the manifest, and checked when SGLang loads the bundle)
       bundle.json        the manifest: the flow, its resolved parameters, the model and what was
                          measured where (the search's figures with their confidence interval)
       sglang.json        how SGLang serves it: the attention backend, page size = block size, the
@@ -12,8 +15,11 @@
 
 A bundle is made from a search's run folder (a confirmed point, by `--trial` or a `--pick` rule)
 or from a flow and `--param`s alone; `check_bundle` re-reads one and names every problem (a
-changed source, parameters the flow does not declare or accept). What serves a bundle (the SGLang
-backend) reads it through `read_bundle`, so a bundle that does not check does not load.
+changed source or graph, parameters the flow does not declare or accept, or that change what the
+graphs compute). What serves a bundle (the SGLang backend) reads it through `read_bundle`, so a
+bundle that does not check does not load, and builds the flow from the graph (`flow_of`): no
+Python of the bundle runs, trusted or not. The file names a bundle writes are fixed or the flow's
+`name`, an identifier (`flow.values.check_name`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ SCHEMA = "sparsetune.bundle/1"
 MANIFEST = "bundle.json"
 SGLANG_CONFIG = "sglang.json"
 LAUNCH = "launch_sglang.sh"
+GRAPH = "flow.graph.json"
 # Serving in SGLang (`export/sglang/`): the backend's name, the variable that gives it the bundle,
 # and the SGLang versions it is written for (0.5.16; 0.5.13 is the first with the out-of-graph /
 # in-graph metadata hooks and the pools on the backend rather than the batch).
@@ -114,50 +121,89 @@ def point_of_run(run_dir: Path, trial: str | None = None, pick: str | None = Non
 
 # ---- writing, reading, checking -------------------------------------------------------------------
 
-def _resolve(flow_file: Path, raw: dict[str, str]) -> tuple[type, dict[str, str]]:
+def _resolve(flow_file: Path, raw: dict[str, str], trust: bool | None = None) -> tuple[type, dict[str, str]]:
     """The flow class and every declared parameter that has a value, as text (the given ones validated)."""
     from sparsetune.flow.base import DecodeFlow
     from sparsetune.registry import load_file
 
-    cls = load_file(flow_file)
+    cls = load_file(flow_file, trust=trust)
     if not issubclass(cls, DecodeFlow):
         raise SparsetuneError(f"{flow_file} is a reuse flow; only decode flows export (reuse flows do not run in SGLang yet)")
     flow = cls.from_strings(raw)
-    return cls, {k: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
-                 for k, v in flow.params().items() if v is not None}
+    return cls, as_text(flow.params())
+
+
+def as_text(params: dict[str, Any]) -> dict[str, str]:
+    """Typed param values as the manifest keeps them (tuples comma-joined; None left out)."""
+    return {k: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v) for k, v in params.items() if v is not None}
+
+
+# The files a bundle writes besides its flow's source (what `--force` replaces; nothing else is touched).
+_WRITES = (MANIFEST, SGLANG_CONFIG, LAUNCH, GRAPH)
 
 
 def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: str | None = None,
                  measured: dict[str, Any] | None = None, origin: dict[str, Any] | None = None,
-                 overwrite: bool = False) -> dict[str, Any]:
-    """Write a bundle to `out` (a new folder, or an existing bundle with `overwrite`); returns the manifest."""
-    cls, resolved = _resolve(flow_file, params)
+                 overwrite: bool = False, trust: bool | None = None) -> dict[str, Any]:
+    """Write a bundle to `out` (a new folder, or an existing bundle with `overwrite`: only the files a
+    bundle writes are replaced); returns the manifest. `trust`: as `registry.load_file`."""
+    from sparsetune.flow.graph import BUNDLE_HEAD_DIMS, describe
+
+    cls, resolved = _resolve(flow_file, params, trust)
     is_bundle = (out / MANIFEST).is_file()
     if out.exists() and not (overwrite and is_bundle):
         raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if is_bundle else ""))
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    source = out / f"{cls.name}.py"
-    shutil.copyfile(flow_file, source)
-    manifest = {
-        "schema": SCHEMA,
-        "flow": cls.name,
-        "source": source.name,
-        "source_sha256": file_sha256(source),
-        "params": resolved,
-        "block_size": int(resolved["block_size"]),
-        "model": model,
-        "origin": origin or {"from": "params"},
-        "measured": measured,
-        "sparsetune": package_version("sparsetune"),
-    }
-    served = sglang_config(manifest)
-    write_json(out / MANIFEST, manifest)
-    write_json(out / SGLANG_CONFIG, served)
-    (out / LAUNCH).write_text(launch_script(manifest["flow"], served["server_args"]))
-    (out / LAUNCH).chmod(0o755)
+    graph = json.dumps(describe(cls, cls.from_strings(resolved).params(), BUNDLE_HEAD_DIMS, block_sizes=False),
+                       sort_keys=True)
+    try:
+        if out.exists():
+            old = _old_source(out)
+            for name in _WRITES + ((old,) if old else ()):
+                (out / name).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        source = out / f"{cls.name}.py"
+        source.write_bytes(flow_file.read_bytes())
+        (out / GRAPH).write_text(graph)
+        manifest = {
+            "schema": SCHEMA,
+            "flow": cls.name,
+            "source": source.name,
+            "source_sha256": file_sha256(source),
+            "graph": GRAPH,
+            "graph_sha256": file_sha256(out / GRAPH),
+            "params": resolved,
+            "block_size": int(resolved["block_size"]),
+            "model": model,
+            "origin": origin or {"from": "params"},
+            "measured": measured,
+            "measured_params": resolved if measured else None,
+            "sparsetune": package_version("sparsetune"),
+        }
+        served = sglang_config(manifest)
+        write_json(out / MANIFEST, manifest)
+        write_json(out / SGLANG_CONFIG, served)
+        (out / LAUNCH).write_text(launch_script(manifest["flow"], served["server_args"]))
+        (out / LAUNCH).chmod(0o755)
+    except OSError as e:
+        raise SparsetuneError(f"cannot write the bundle to {out}: {e.strerror}; pick a writable --out folder") from None
     return manifest
+
+
+def _old_source(out: Path) -> str | None:
+    """The flow source file an existing bundle's manifest names, if it is a plain file name."""
+    try:
+        name = json.loads((out / MANIFEST).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and Path(name).name == name and name.endswith(".py") else None
+
+
+def flow_of(path: Path, manifest: dict[str, Any]):
+    """The decode flow a checked bundle serves, built from its graph (no Python of the bundle runs)."""
+    from sparsetune.flow.graph import flow_class
+
+    desc = json.loads((path / manifest["graph"]).read_text())
+    return flow_class(desc, origin=f"bundle {path}").from_strings(manifest["params"])
 
 
 def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -212,8 +258,10 @@ def export_run(run_dir: Path, out: Path, *, trial: str | None = None, pick: str 
         "kv_share": row.get("share"),
     }
     origin = {"from": "search", "run_dir": str(run_dir), "study": summary.get("study"), "trial": row["trial"]}
+    # A proposed flow (the run's candidates/) is never trusted: it is traced in the sandbox (built-ins
+    # are recognised by their hash either way).
     return write_bundle(out, flow_file, row["params"], model=summary.get("model"), measured=measured,
-                        origin=origin, overwrite=overwrite)
+                        origin=origin, overwrite=overwrite, trust=False)
 
 
 def read_bundle(path: Path) -> dict[str, Any]:
@@ -225,36 +273,58 @@ def read_bundle(path: Path) -> dict[str, Any]:
 
 
 def check_bundle(path: Path) -> list[str]:
-    """Every problem of a bundle: missing or unreadable files, a source that changed since export,
-    parameters the flow does not declare or accept, or that differ from the resolved ones."""
+    """Every problem of a bundle: missing or unreadable files, a source or graph that changed since
+    export, parameters the flow does not declare or accept, or that differ from the resolved ones or
+    change what the graphs compute. Params edited since the search measured the bundle's figures are
+    reported as such (the figures no longer apply)."""
+    from sparsetune.flow.graph import flow_class, graph_key
+
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return [f"no {MANIFEST} in {path} (is it a bundle? `sparsetune export ... --out DIR` writes one)"]
     try:
         m = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
-        return [f"{MANIFEST} is not JSON ({e.msg}, line {e.lineno})"]
+    except (ValueError, OSError) as e:
+        return [f"{MANIFEST} is not readable JSON ({e}); export again"]
     if not isinstance(m, dict) or m.get("schema") != SCHEMA:
         return [f"{MANIFEST}: schema {m.get('schema') if isinstance(m, dict) else None!r}, expected {SCHEMA!r}"]
-    missing = [k for k in ("flow", "source", "source_sha256", "params") if k not in m]
+    missing = [k for k in ("flow", "source", "source_sha256", "params", "graph", "graph_sha256") if k not in m]
     if missing:
-        return [f"{MANIFEST} lacks {', '.join(missing)}"]
-    source = path / m["source"]
-    if Path(m["source"]).name != m["source"] or not source.is_file():
-        return [f"the flow source {m['source']!r} is not in the bundle"]
+        return [f"{MANIFEST} lacks {', '.join(missing)} (written by an older sparsetune?); export again"]
+    bad = [k for k in ("flow", "source", "source_sha256", "graph", "graph_sha256") if not isinstance(m[k], str)]
+    if bad or not isinstance(m["params"], dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                            for k, v in m["params"].items()):
+        return [f"{MANIFEST}: {', '.join(bad) or 'params'} must be " + ("text" if bad else "an object of text values")
+                + "; export again"]
     problems = []
-    digest = file_sha256(source)
-    if digest != m["source_sha256"]:
-        problems.append(f"{m['source']} changed since export (sha256 {digest[:12]}…, manifest {m['source_sha256'][:12]}…); export again")
+    for key, digest_key in (("source", "source_sha256"), ("graph", "graph_sha256")):
+        f = path / m[key]
+        if Path(m[key]).name != m[key] or not f.is_file():
+            return [f"the flow {key} {m[key]!r} is not in the bundle"]
+        digest = file_sha256(f)
+        if digest != m[digest_key]:
+            problems.append(f"{m[key]} changed since export (sha256 {digest[:12]}…, manifest {m[digest_key][:12]}…); export again")
+    if problems:
+        return problems
     try:
-        cls, resolved = _resolve(source, m["params"])
+        desc = json.loads((path / m["graph"]).read_text())
+        cls = flow_class(desc, origin=f"bundle {path}")
+        flow = cls.from_strings(m["params"])
+    except ValueError as e:
+        return [f"{m['graph']} is not JSON ({e}); export again"]
     except SparsetuneError as e:
-        return problems + [str(e)]
+        return [str(e)]
+    resolved = as_text(flow.params())
     if cls.name != m["flow"]:
-        problems.append(f"{m['source']} defines flow {cls.name!r}, the manifest says {m['flow']!r}")
+        problems.append(f"{m['graph']} holds flow {cls.name!r}, the manifest says {m['flow']!r}")
     changed = {k: (v, m["params"].get(k)) for k, v in resolved.items() if m["params"].get(k) != v}
     if changed:
         problems.append("params not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items()))
+    if graph_key(flow) not in cls.graphs:
+        traced, now = json.loads(next(iter(cls.graphs))), json.loads(graph_key(flow))
+        diff = ", ".join(f"{k}={m['params'].get(k)}" for k in now if now[k] != traced.get(k))
+        problems.append(f"params {diff} change what the flow computes, and its graphs were traced at other values; "
+                        "export again with them")
     if str(m.get("block_size")) != resolved.get("block_size"):
         problems.append(f"block_size {m.get('block_size')!r} differs from the flow's {resolved.get('block_size')!r}")
     try:
@@ -265,6 +335,15 @@ def check_bundle(path: Path) -> list[str]:
         problems.append(f"{SGLANG_CONFIG}: page_size {served.get('page_size')!r} is not the flow's block size "
                         f"{resolved.get('block_size')!r} (SGLang's pages are the flow's blocks)")
     return problems
+
+
+def edited_since_measured(manifest: dict[str, Any]) -> dict[str, tuple[str | None, str | None]]:
+    """Params that differ from those the bundle's figures were measured at: name → (measured, now)."""
+    at = manifest.get("measured_params")
+    if not isinstance(at, dict):
+        return {}
+    now = manifest.get("params") or {}
+    return {k: (at.get(k), now.get(k)) for k in sorted(set(at) | set(now)) if at.get(k) != now.get(k)}
 
 
 def check_model(model: str | Path, params: dict[str, str]) -> list[str]:

@@ -451,11 +451,22 @@ def format_problem(path: Path | str, p: Problem) -> str:
     return f"{path}:{p.line}: {p.message}"
 
 
+MAX_BYTES = 1 << 20  # a flow is a short file; past this, no check (nor the interpreter) should chew on it
+
+
 def file_problems(path: Path, source: str | bytes | None = None) -> list[str]:
     """Every problem of a flow file (`path:line: what is wrong; how to fix`), without importing it."""
-    parsed, problems = FlowSource.parse(path, source)
-    if parsed is not None:
-        problems = parsed.problems()
+    try:
+        size = len(source) if source is not None else path.stat().st_size
+        if size > MAX_BYTES:
+            return [format_problem(path, Problem(1, f"the file is {size} bytes; a flow file is at most {MAX_BYTES}"))]
+        parsed, problems = FlowSource.parse(path, source)
+        if parsed is not None:
+            problems = parsed.problems()
+    except (RecursionError, MemoryError):
+        problems = [Problem(1, "expressions nest too deeply to check; split them into named steps")]
+    except OSError as e:
+        problems = [Problem(1, f"cannot read the flow file ({e.strerror}); pass a readable Python source file")]
     return [format_problem(path, p) for p in problems]
 
 

@@ -137,8 +137,10 @@ def dummy_inputs(flow: DecodeFlow, head_dim: int, rows: int = 1,
 
 def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
     """The inner shape `(r, c)` of each field the cache stage writes (from one dummy block)."""
+    from sparsetune.flow.values import check_name
+
     x = dummy_inputs(flow, head_dim, const_dims=const_dims)
-    return {n: tuple(t.shape[1:]) for n, t in flow.run_cache(x.k, x.v, x.const).items()}  # type: ignore[misc]
+    return {check_name(n, "field name"): tuple(t.shape[1:]) for n, t in flow.run_cache(x.k, x.v, x.const).items()}  # type: ignore[misc]
 
 
 class IndexTraits(NamedTuple):

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import keyword
 from dataclasses import dataclass
 
 import torch
+
+from sparsetune.errors import SparsetuneError
 
 
 class FlowError(Exception):
@@ -49,3 +52,11 @@ class Selection:
     """What an indexer returns: block scores to rank (None: only the always-kept blocks)."""
 
     score: FT | None
+
+
+def check_name(name: object, what: str = "flow name") -> str:
+    """A flow `name` is an identifier (it names files, kernels and log lines): else one error."""
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or len(name) > 64:
+        raise SparsetuneError(f"{what} {str(name)[:80]!r} is not a Python identifier of at most 64 characters "
+                              "(letters, digits, underscores); rename the flow")
+    return name

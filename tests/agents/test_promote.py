@@ -56,3 +56,36 @@ def test_a_rejected_candidate_is_refused(tmp_path):
     assert proc.returncode == 2
     assert_clean_error(proc, "candidate 0003 (cand_p) was rejected at check: F.topk needs a score")
     assert not (tmp_path / "x.py").exists()
+
+
+def test_a_hostile_rationale_stays_in_its_comment_and_the_source_is_the_validated_bytes(tmp_path):
+    """Every line of a rationale after the first became code in the promoted file (issue #40)."""
+    import ast
+
+    folder = run_dir(tmp_path, PASSED)
+    data = json.loads((folder / "candidate.json").read_text())
+    marker = tmp_path / "MARKER"
+    data["rationale"] = (f"fine\nimport os; os.system('touch {marker}')\rX = 1\u2028Y = 2\x0bZ = 3\x0c"
+                         f"W = 4\x1cV = 5\x85U = 6\u2029T = 7")
+    (folder / "candidate.json").write_text(json.dumps(data))
+    out = tmp_path / "mine.py"
+    api.promote_flow(folder, out)
+    text = out.read_bytes()
+    source = (folder / "cand_p.py").read_bytes()
+    assert text.endswith(b"\n" + source)
+    header = text[: len(text) - len(source)].decode()
+    assert all(line.startswith("# ") for line in header.splitlines()[:-1]) and header.splitlines()[-1] == ""
+    assert ast.dump(ast.parse(text)) == ast.dump(ast.parse(source))  # the header adds no code at all
+    assert not marker.exists()
+
+
+def test_a_candidate_whose_file_changed_after_the_harness_is_refused(tmp_path):
+    folder = run_dir(tmp_path, PASSED)
+    (folder / "cand_p.py").write_text((folder / "cand_p.py").read_text() + "\nX = 1\n")
+    with pytest.raises(SparsetuneError, match="is not the source the harness validated"):
+        api.promote_flow(folder, tmp_path / "mine.py")
+    data = json.loads((folder / "candidate.json").read_text())
+    data["name"] = "../../evil"
+    (folder / "candidate.json").write_text(json.dumps(data))
+    with pytest.raises(SparsetuneError, match="not a Python identifier"):
+        api.promote_flow(folder, tmp_path / "mine2.py")

@@ -11,6 +11,7 @@ import pytest
 from helpers import SyntheticEvaluator
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import MANIFEST, check_bundle, export_run, pick_point, read_bundle, write_bundle
+from sparsetune.records import file_sha256
 from sparsetune.registry import build_flow, flow_path
 from sparsetune.search.config import SearchConfig
 from sparsetune.search.study import run_search
@@ -131,10 +132,51 @@ def test_check_names_each_problem_of_a_bad_bundle(tmp_path):
     b = fresh("escape")
     _edit(b, source="../block_topk.py")
     assert check_bundle(b) == ["the flow source '../block_topk.py' is not in the bundle"]
+    for key, value, needle in (("params", ["budget=8"], "params must be an object of text values"),
+                               ("source", None, "source must be text"), ("graph", 3, "graph must be text")):
+        b = fresh(f"type_{key}")
+        _edit(b, **{key: value})
+        assert len(check_bundle(b)) == 1 and needle in check_bundle(b)[0]
+    b = fresh("graph")
+    (b / "flow.graph.json").write_text((b / "flow.graph.json").read_text().replace('"max"', '"min"', 1))
+    assert [p for p in check_bundle(b) if "flow.graph.json changed since export" in p]
+    b = fresh("graph_op")  # a graph edited together with its hash: still only flow ops run
+    g = json.loads((b / "flow.graph.json").read_text())
+    g["graphs"][g["key"]]["64"]["index"]["nodes"][0]["op"] = "system"
+    (b / "flow.graph.json").write_text(json.dumps(g))
+    _edit(b, graph_sha256=file_sha256(b / "flow.graph.json"))
+    assert "is not a flow op" in check_bundle(b)[0]
+    b = fresh("kernel_param")  # block size and page size edited together: the graphs were traced at 8
+    _edit(b, params=lambda m: {**m["params"], "block_size": "16"}, block_size=16)
+    (b / "sglang.json").write_text(json.dumps({"server_args": {"page_size": 16}}))
+    assert any("block_size=16 change what the flow computes" in p for p in check_bundle(b))
     (tmp_path / "empty").mkdir()
     assert "no bundle.json" in check_bundle(tmp_path / "empty")[0]
     with pytest.raises(SparsetuneError, match="does not check"):
         read_bundle(tmp_path / "empty")
+
+
+def test_force_replaces_only_what_a_bundle_writes_and_an_unwritable_out_is_one_line(tmp_path):
+    b = tmp_path / "b"
+    write_bundle(b, flow_path("quest"), {"block_size": "8"})
+    (b / "notes.txt").write_text("mine")
+    write_bundle(b, flow_path("block_topk"), {"block_size": "4"}, overwrite=True)
+    assert (b / "notes.txt").read_text() == "mine" and not (b / "quest.py").exists()
+    assert json.loads((b / MANIFEST).read_text())["flow"] == "block_topk" and check_bundle(b) == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SparsetuneError, match="cannot write the bundle to .*pick a writable --out folder"):
+        write_bundle(tmp_path / "file" / "b", flow_path("quest"), {})
+
+
+def test_params_edited_after_the_search_measured_them_are_named(search_run, tmp_path):
+    from sparsetune.export.bundle import edited_since_measured
+
+    m = export_run(search_run, tmp_path / "b")
+    assert edited_since_measured(m) == {}
+    _edit(tmp_path / "b", params=lambda m: {**m["params"], "sink_blocks": "3"})
+    assert check_bundle(tmp_path / "b") == []  # the same graphs serve it: it loads
+    edited = edited_since_measured(json.loads((tmp_path / "b" / MANIFEST).read_text()))
+    assert edited == {"sink_blocks": (m["params"]["sink_blocks"], "3")}
 
 
 def test_the_cli_exports_checks_and_refuses_a_bundle_that_changed(search_run, tmp_path):

@@ -257,7 +257,8 @@ def test_decode_helper_called_by_a_stage_uses_ops_only(tmp_path):
     assert static_problems(load_file(good)) == []  # the public per-class form of the same rule
 
 
-def test_reuse_flow_methods_are_plain_torch(tmp_path):
+def test_reuse_flow_methods_are_plain_torch(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSETUNE_TRUST_FLOW_CODE", "1")  # a reuse flow file runs only opted in (issue #40)
     path = write(tmp_path / "myreuse.py", '''
         """A reuse flow: its hooks compute on the executor's tensors with torch."""
         import math
@@ -365,7 +366,7 @@ def test_a_flow_file_is_loaded_once_per_content(tmp_path, monkeypatch):
                 return {"kmax": F.max(k, dim=1)}
 
             def index(self, q, fields):
-                return F.topk(F.sum(F.gemm(q, F.transpose(fields["kmax"])), dim=1))
+                return F.topk(F.max(F.gemm(fields["kmax"], q), dim=2))
     '''
     path = write(tmp_path / "mine.py", body)
     first = load_file(path)

@@ -41,10 +41,9 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sparsetune.engine.attention import AttentionMetadata
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import BACKEND as NAME
-from sparsetune.export.bundle import BUNDLE_ENV, read_bundle
+from sparsetune.export.bundle import BUNDLE_ENV, flow_of, read_bundle
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.registry import build_flow
 
 DENSE_ENV = "SPARSETUNE_DENSE_BACKEND"
 # The server-argument way to name the bundle: `--json-model-override-args '{"sparsetune_bundle": "DIR"}'`
@@ -66,8 +65,8 @@ def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any]]:
                               f"--json-model-override-args '{{\"{CONFIG_KEY}\": \"DIR\"}}' (`sparsetune export ... --out DIR` "
                               "writes one; its launch_sglang.sh sets the variable)")
     path = Path(bundle)
-    manifest = read_bundle(path)
-    flow = build_flow(str(path / manifest["source"]), manifest["params"])
+    manifest = read_bundle(path)  # checks the graph's sha256 against the manifest
+    flow = flow_of(path, manifest)  # from the graph: no Python of the bundle runs
     if flow.calibrated:
         raise SparsetuneError(f"bundle {path}: flow {flow.name!r} is calibrated; the SGLang backend serves flows without "
                               "per-model calibration only")

@@ -6,9 +6,9 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import TypeVar
+
+from sparsetune.records import cache_root, private_dir
 
 T = TypeVar("T")
 
@@ -17,16 +17,16 @@ _SHARED: dict[object, object] = {}  # generated kernel -> its one instance
 
 
 def load_kernel(src: str, fn_name: str) -> object:
-    """Triton reads a kernel's source from its file: write it once per content hash, import it."""
+    """Triton reads a kernel's source from its file: write it (this process's bytes, every time it
+    loads one: no check-then-import of a file that could be swapped) into a per-user 0700 folder
+    (`records.private_dir`), and import it."""
     key = hashlib.sha256(src.encode()).hexdigest()[:16]
     if key not in _LOADED:
-        d = Path(tempfile.gettempdir()) / f"sparsetune-kernels-{os.getuid()}"
-        d.mkdir(parents=True, exist_ok=True)
+        d = private_dir(cache_root() / "kernels")
         path = d / f"{fn_name}_{key}.py"
-        if not path.exists() or path.read_text() != src:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(src)
-            tmp.replace(path)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(src)
+        tmp.replace(path)
         name = f"sparsetune_generated_{fn_name}_{key}"
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None

@@ -81,8 +81,9 @@ def with_strides(t: torch.Tensor) -> list[object]:
 
 
 def kernel_source(name: str, signature: list[str], lines: list[str], doc: str) -> str:
-    """A module holding one kernel."""
-    return "\n".join([f'"""{doc}"""', "import triton", "import triton.language as tl", "", "", "@triton.jit",
+    """A module holding one kernel; its docstring written as a literal (`repr`), so no text of a
+    flow's can end it early."""
+    return "\n".join([repr(doc), "import triton", "import triton.language as tl", "", "", "@triton.jit",
                       f"def {name}({', '.join(signature)}):", *(f"    {line}" for line in lines), ""])
 
 
