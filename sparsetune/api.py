@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from sparsetune.engine.config import EngineConfig
 from sparsetune.errors import SparsetuneError
 from sparsetune.models.registry import REGISTRY, find_local_weights
-from sparsetune.reuse.parts import parse_parts_any
+from sparsetune.reuse.parts import encode_parts, parse_parts_any
 
 if TYPE_CHECKING:
     from sparsetune.llm import LLM
@@ -79,11 +79,15 @@ def generate(
     from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
     from sparsetune.perf.cost import attended_tokens
+    from sparsetune.perf.fit import GENERATE, check_fits
 
     t0 = time.perf_counter()
     if llm is None:
         llm = LLM(config)
     load_s = time.perf_counter() - t0
+    ids = (encode_parts(llm.tokenizer, parse_parts_any(list(prompt)), chat).token_ids
+           if isinstance(prompt, (list, tuple)) else llm.encode_prompt(prompt, chat))
+    check_fits(llm, 1, len(ids), 1, GENERATE)  # the prompt and one new token: refused with the limit's own fix
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     t1 = time.perf_counter()
     [out] = llm.generate([prompt], params, chat=chat, on_token=on_token)
@@ -191,7 +195,9 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
 
     url = cfg.storage_url()
     if resume and ((not is_rdb(url) and not Path(url).is_file()) or stored_config(open_storage(url), study) is None):
-        raise SparsetuneError(f"--resume: no search {study!r} in {url}; drop --resume to start it")
+        from sparsetune.search.config import masked_url
+
+        raise SparsetuneError(f"--resume: no search {study!r} in {masked_url(url)}; drop --resume to start it")
     agent = None
     if cfg.agent is not None:
         if workers > 1:
@@ -281,13 +287,15 @@ def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str
     """A bundle's problems (`export.bundle.check_bundle`; with `model`, the model folder's for serving
     it, `check_model`) and whether this environment's SGLang can serve it; `ok` is False when the
     bundle or the model has a problem, or, with `require_sglang`, SGLang does."""
-    from sparsetune.export.bundle import MANIFEST, check_bundle, check_model, sglang_problem, sglang_version
+    from sparsetune.export.bundle import (MANIFEST, check_bundle, check_model, edited_since_measured, sglang_problem,
+                                          sglang_version)
 
     problems, sglang = check_bundle(Path(bundle)), sglang_problem()
     if model is not None and not problems:  # the manifest reads: it just checked
         problems = check_model(model, json.loads((Path(bundle) / MANIFEST).read_text())["params"])
+    edited = {} if problems else edited_since_measured(json.loads((Path(bundle) / MANIFEST).read_text()))
     return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
-            "ok": not problems and not (require_sglang and sglang)}
+            "edited_since_measured": edited, "ok": not problems and not (require_sglang and sglang)}
 
 
 def bench_serve(config: Any = None, *, out: str | Path | None = None, resume: str | Path | None = None,

@@ -17,6 +17,7 @@ from sparsetune.engine.config import EngineConfig
 from sparsetune.engine.engine import Completion, Engine
 from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.errors import SparsetuneError
+from sparsetune.flow.base import DecodeFlow
 from sparsetune.models.artifacts import resolve_calibration
 from sparsetune.flow.defaults import tuned_config
 from sparsetune.registry import build_flow, resolve_decode_flow
@@ -33,15 +34,8 @@ class LLM(Engine):
         unknown = [k for k in overrides if k not in known]
         if unknown:
             raise TypeError(f"unknown engine option {unknown[0]!r}")
-        cfg = replace(cfg, **overrides)
-        _name, mcfg = cfg.check()
-        flow_name, flow_params = resolve_decode_flow(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
-        if cfg.flow is not None:  # the user's flow (not a reuse flow's own): the model's tuned defaults under its params
-            flow_params, cfg = tuned_config(cfg, cfg.flow, flow_params, users_block_size=True)
-        self.flow = _build_flow(cfg, flow_name, flow_params)
-        # The pool's block size is the flow's granularity.
-        cfg = replace(cfg, flow=flow_name, flow_params=dict(flow_params),
-                      block_size=self.flow.block_size if self.flow is not None else cfg.block_size)
+        cfg, self.flow = _flows(replace(cfg, **overrides))  # checked before the model loads
+        mcfg = cfg.check()[1]
         super().__init__(cfg, extra_elems_per_block=_flow_elems_per_block(self.flow, mcfg), capture=False)
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
@@ -72,7 +66,7 @@ class LLM(Engine):
                                   "(its per-block state would be shared between requests); drop one of them")
         route, attn, sparse = None, None, []
         if flow is not None:
-            sparse = self._sparse_layers(flow)
+            sparse = _sparse_layers(flow, self.model_config.num_hidden_layers)
             attn = self._flow_backend
             if attn is not None and attn.flow.kernel_key() == flow.kernel_key():
                 attn.retune(flow)
@@ -132,20 +126,6 @@ class LLM(Engine):
         finally:  # a new pool either way (the old layout again when the new one did not fit)
             if self.has_pool:
                 self._attach_segments()
-
-    def _sparse_layers(self, flow) -> list[int]:
-        """The layers `flow` runs on (all but its dense layers), its layer params checked."""
-        n = self.model_config.num_hidden_layers
-        bad = [i for i in flow.dense_layers if not 0 <= i < n]
-        if bad:
-            raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {n}-layer model")
-        sparse = [i for i in range(n) if i not in flow.dense_layers]
-        if flow.select_layers and sparse and sparse[0] not in flow.select_layers:
-            raise SparsetuneError(
-                f"--param select_layers: the first sparse layer ({sparse[0]}) must select, "
-                f"since later layers reuse its choice; got {list(flow.select_layers)}"
-            )
-        return sparse
 
     def _new_flow_backend(self, flow):
         from sparsetune.flow.attention import EXECUTORS, FlowAttention
@@ -292,6 +272,48 @@ class LLM(Engine):
                 encoded.append(self.encode_prompt(prompt, chat))
                 seqs.append(self.add_request(encoded[-1], p, t0))
         return self.run_to_completion(encoded, seqs, on_token, reuse)
+
+
+def check_flows(cfg: EngineConfig) -> None:
+    """Refuse what `LLM(cfg)` would refuse of its flows, without the model (no weights read, nothing
+    converted): the decode and reuse flows' names and kinds, their `--param` values, and the decode
+    flow's layers against the model's. `LLM` checks them before it loads the model; a caller that
+    does work with the model first (eval sizes its KV pool from it, bench serve switches flows in
+    after its dense cells) calls this before."""
+    _flows(cfg)
+
+
+def _flows(cfg: EngineConfig) -> tuple[EngineConfig, DecodeFlow | None]:
+    """`cfg`'s decode flow (its `--flow`, else its reuse flow's own; the model's tuned defaults under
+    the user's params), built and checked against the model's layers, and `cfg` with its name, params
+    and block size (the pool's block size is the flow's granularity). The reuse flow is built to check
+    it; `LLM` builds it again with the model (`_build_reuse`: its calibration)."""
+    mcfg = cfg.check()[1]
+    if cfg.reuse is not None:
+        build_flow(cfg.reuse, cfg.reuse_params, ReuseFlow)
+    flow_name, flow_params = resolve_decode_flow(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
+    if cfg.flow is not None:  # the user's flow (not a reuse flow's own): the model's tuned defaults under its params
+        flow_params, cfg = tuned_config(cfg, cfg.flow, flow_params, users_block_size=True)
+    flow = _build_flow(cfg, flow_name, flow_params)
+    if flow is not None:
+        _sparse_layers(flow, mcfg.num_hidden_layers)
+    return replace(cfg, flow=flow_name, flow_params=dict(flow_params),
+                   block_size=flow.block_size if flow is not None else cfg.block_size), flow
+
+
+def _sparse_layers(flow, num_layers: int) -> list[int]:
+    """The layers `flow` runs on in a model of `num_layers` (all but its dense layers), its layer
+    params checked."""
+    bad = [i for i in flow.dense_layers if not 0 <= i < num_layers]
+    if bad:
+        raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {num_layers}-layer model")
+    sparse = [i for i in range(num_layers) if i not in flow.dense_layers]
+    if flow.select_layers and sparse and sparse[0] not in flow.select_layers:
+        raise SparsetuneError(
+            f"--param select_layers: the first sparse layer ({sparse[0]}) must select, "
+            f"since later layers reuse its choice; got {list(flow.select_layers)}"
+        )
+    return sparse
 
 
 def _build_flow(cfg: EngineConfig, name: str | None, params: dict[str, str]):

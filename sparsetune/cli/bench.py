@@ -90,6 +90,7 @@ def serve(
                           params=tuple(param or ()), rates=_floats(rate, "--rate"), requests=requests,
                           input_len=input_len, output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup,
                           seed=seed).with_dense()
+    opt.check_writable(resume or out, "--resume" if resume is not None else "--out")  # where the run is written
     check_serve(cfg)  # before torch loads
     apply_threads(threads)
     from sparsetune.perf.serve import serve_benchmark

@@ -59,6 +59,7 @@ def eval_command(
         cfg = EvalConfig(engine=engine, tasks=task, context=context, samples=samples, batch=batch,
                          max_new_tokens=max_new_tokens, mode=mode, fidelity=not no_fidelity, limit=limit)
     check_config(cfg)  # before torch loads (evaluate checks it again, for Python callers)
+    opt.check_writable(resume or out, "--resume" if resume is not None else "--out")  # where the run is written
     apply_threads(threads)
     from sparsetune.evaluation.runner import evaluate
 

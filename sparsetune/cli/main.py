@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -33,9 +34,15 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+TRUST_FLAG = "--trust-flow-code"
+
+
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    trust: bool = typer.Option(False, TRUST_FLAG, help="Run flow files' Python in this process (reuse flows, decode flows "
+                               "that do not trace); without it a user's decode flow is traced in a sandbox. Any command, "
+                               "anywhere on the line; or SPARSETUNE_TRUST_FLOW_CODE=1. Never applies to agent candidates."),
 ) -> None:
     """Try, tune and ship sparse-attention and KV-reuse flows for LLM serving."""
 
@@ -60,12 +67,28 @@ def _register() -> None:
 _register()
 
 
+def one_line(text: str) -> str:
+    """An error message as the one line the rule promises (a wrapped library message can hold line breaks)."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _lift_trust(argv: list[str]) -> list[str]:
+    """`--trust-flow-code` anywhere on the line: the opt-in of `registry` (its variable, so worker and
+    evaluator processes this one starts inherit it), taken out of the command's own arguments."""
+    if TRUST_FLAG in argv:
+        from sparsetune.registry import TRUST_ENV
+
+        os.environ[TRUST_ENV] = "1"
+    return [a for a in argv if a != TRUST_FLAG]
+
+
 def main() -> None:
     command = typer.main.get_command(app)
+    sys.argv[1:] = _lift_trust(sys.argv[1:])
     try:
         code = command.main(prog_name="sparsetune", standalone_mode=False)
     except SparsetuneError as e:
-        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(one_line(str(e)))}", soft_wrap=True)
         sys.exit(e.exit_code)
     except cx.UsageError as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # a command group on its own: its help
@@ -73,10 +96,10 @@ def main() -> None:
             sys.exit(2)
         # Bad or missing options: one line, and where to read about them.
         path = e.ctx.command_path if e.ctx is not None else "sparsetune"
-        err.print(f"[bold red]error:[/] {escape(e.format_message())} (see {path} --help)", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(one_line(e.format_message()))} (see {path} --help)", soft_wrap=True)
         sys.exit(2)
     except cx.ClickException as e:
-        err.print(f"[bold red]error:[/] {escape(e.format_message())}", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(one_line(e.format_message()))}", soft_wrap=True)
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         err.print("interrupted")

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import typer
@@ -107,6 +108,26 @@ def json_option(help: str):
 
 def out_option(help: str, *aliases: str):
     return typer.Option(DEFAULT_RUNS_DIR, "--out", *aliases, help=help)
+
+
+def check_writable(path: Path, flag: str, *, folder: bool = True) -> None:
+    """Refuse a `flag` path where nothing can be written, before any work: the folder a run folder is
+    made in (`folder`; it and its parents are made when missing) or a file (made or overwritten).
+    A file in the way, or a folder that takes no new entries (read-only, no permission), would
+    otherwise fail only after the model ran."""
+    target = Path(path).expanduser().absolute()
+    if target.exists():
+        if target.is_dir() != folder:
+            raise SparsetuneError(f"{flag} {path}: {'a file' if folder else 'a folder'} is there; pick another {flag}")
+        where, mode = target, os.W_OK | (os.X_OK if folder else 0)
+    else:
+        where, mode = target.parent, os.W_OK | os.X_OK
+        while not where.exists():
+            where = where.parent
+        if not where.is_dir():
+            raise SparsetuneError(f"{flag} {path}: {where} is a file, not a folder; pick another {flag}")
+    if not os.access(where, mode):  # access(2) also answers for read-only file systems and immutable files
+        raise SparsetuneError(f"{flag} {path}: {where} is not writable; pick another {flag}")
 
 
 def threads_option():

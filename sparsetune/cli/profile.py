@@ -36,6 +36,9 @@ def profile(
     engine = opt.engine_config(model, flow=flow, param=param, device=device, dtype=dtype, random_weights=random_weights,
                                kv_memory=kv_memory, flow_executor=flow_executor, defaults=defaults, seed=seed)
     engine.check()  # before torch loads
+    opt.check_writable(out, "--out")
+    if trace is not None:
+        opt.check_writable(trace, "--trace", folder=False)
     apply_threads(threads)
     from sparsetune import records
     from sparsetune.perf.step_profile import plot, profile as run

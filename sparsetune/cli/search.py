@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from sparsetune.cli import options as opt
 from sparsetune.cli.options import apply_threads
@@ -47,10 +48,12 @@ def _short(params: dict[str, Any]) -> str:
 
 
 class _Live:
-    """What a running search shows on stderr: one line per trial, the frontier as it moves."""
+    """What a running search shows on stderr: one line per trial, counted from the trials its study
+    already had (a resumed one), the frontier as it moves; on Ctrl-C, how to continue it."""
 
     def __init__(self, trials: int | None, hours: float | None) -> None:
         self.trials, self.hours, self.t0, self.done = trials, hours, time.time(), 0
+        self.before, self.begun = 0, None  # the study's trials when this process began; the "begin" event
 
     def _clock(self) -> str:
         el = time.time() - self.t0
@@ -58,11 +61,20 @@ class _Live:
         if self.hours is not None:
             left = f", {max(0.0, self.hours * 3600 - el) / 60:.0f} min left"
         elif self.trials and self.done:
-            left = f", ETA {(self.trials - self.done) * el / self.done / 60:.1f} min"
+            left = f", ETA {(self.trials - self.before - self.done) * el / self.done / 60:.1f} min"
         return f"{el / 60:.1f} min{left}"
 
+    def interrupted(self) -> None:
+        """Ctrl-C: the study stays (the running trial enqueued again); the command that continues it."""
+        if self.begun is not None:
+            b = self.begun
+            err.print(f"[yellow]interrupted: study {escape(b['study'])} is kept ({escape(b['run_dir'])}/, the running "
+                      f"trial enqueued again); continue it with: {escape(b['resume'])}[/]")
+
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
-        if kind == "start":
+        if kind == "begin":
+            self.begun, self.before = data, data["done"]
+        elif kind == "start":
             role = " (defaults)" if data["role"] == "defaults" else ""
             err.print(f"[dim]trial {data['flow']}#{data['number']}{role}: {_short(data['params'])}[/]")
         elif kind == "done":
@@ -73,7 +85,7 @@ class _Live:
             what = f"accuracy {100 * acc:.0f}% of dense, " if acc is not None else ""
             stop = f" [yellow]stopped: {rec['reason']}[/]" if rec.get("reason") else ""
             err.print(f"  {what}speedup {speed['speedup']:.2f}× ({speed['kind']}), {rec['seconds']:.0f} s{stop}"
-                      f"  [{self.done}{'/' + str(self.trials) if self.trials else ''} trials, {self._clock()}]")
+                      f"  [{self.before + self.done}{'/' + str(self.trials) if self.trials else ''} trials, {self._clock()}]")
         elif kind == "failed":
             self.done += 1
             err.print(f"  [red]failed:[/] {data['reason']}")
@@ -125,7 +137,8 @@ def search(
     hours: float = typer.Option(None, "--hours", help="Time budget; no trial starts that cannot finish in it."),
     trials: int = typer.Option(None, "--trials", help="Trial budget across every flow and worker (default: 6 without --hours)."),
     study: str = typer.Option(None, "--study", help="Study name: runs/<study>/ (rerun with the same name to continue it)."),
-    storage: str = typer.Option(None, "--storage", help="postgresql://... for workers on several hosts (default: a journal file in the run folder)."),
+    storage: str = typer.Option(None, "--storage", help="postgresql://user:password@host/db for workers on several hosts, "
+                                "sqlite:///file.db, or a journal file (default: study.journal in the run folder)."),
     resume: bool = typer.Option(False, "--resume", help="Continue --study (refused if it does not exist or its settings differ)."),
     save_defaults: bool = typer.Option(False, "--save-defaults", help="Make each flow's fastest confirmed point at "
                                        "--min-accuracy the model's default for it (eval and generate use it)."),
@@ -170,7 +183,12 @@ def search(
                    agent=agent, agent_budget_usd=agent_budget_usd, agent_model=agent_model, agent_endpoint=agent_endpoint,
                    device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype)
     apply_threads(threads)
-    result = api.search(flow, reuse=reuse, resume=resume, workers=workers, on_event=_Live(trials, hours), **options)
+    live = _Live(trials, hours)
+    try:
+        result = api.search(flow, reuse=reuse, resume=resume, workers=workers, on_event=live, **options)
+    except KeyboardInterrupt:
+        live.interrupted()
+        raise
     _report(result, json_out)
 
 
@@ -186,7 +204,12 @@ def worker(
     from sparsetune import api
 
     apply_threads(threads)
-    result = api.search_worker(study, storage, out=str(out), on_event=_Live(None, None))
+    live = _Live(None, None)
+    try:
+        result = api.search_worker(study, storage, out=str(out), on_event=live)
+    except KeyboardInterrupt:
+        live.interrupted()
+        raise
     _report(result, json_out)
 
 
@@ -194,7 +217,8 @@ def worker(
 def show(
     run_dir: Path = typer.Argument(None, help="A search folder (runs/<study>)."),
     study: str = typer.Option(None, "--study", help="Or: the search's name ..."),
-    storage: str = typer.Option(None, "--storage", help="... and its storage."),
+    storage: str = typer.Option(None, "--storage", help="... and its storage (also with a run folder whose search.json "
+                                "keeps its postgresql:// URL without the password)."),
     json_out: bool = opt.json_option("Print frontier.json's object with every trial's record."),
 ) -> None:
     """A search's frontier and trials, as its studies hold them now (also while it runs)."""

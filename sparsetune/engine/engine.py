@@ -295,12 +295,19 @@ class Engine:
         if len(token_ids) + 1 > self.max_model_len:
             raise SparsetuneError(
                 f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
-                f"(prompt plus at least one new token); shorten the prompt"
-                + ("" if self.max_model_len >= self.model_config.max_position_embeddings else " or raise --kv-memory")
+                f"(prompt plus at least one new token); shorten the prompt" + self._context_fix()
             )
         vocab = self.model_config.vocab_size
         if len(token_ids) and (min(token_ids) < 0 or max(token_ids) >= vocab):  # builtins: half a generator's time at 32K ids
             raise SparsetuneError(f"prompt token ids must be in [0, {vocab})")
+
+    def _context_fix(self) -> str:
+        """What else lengthens the context: the pool (--kv-memory) or the cap the user set (--max-model-len)."""
+        if self.max_model_len < self._max_len:
+            return " or raise --kv-memory"
+        if self._max_len < self.model_config.max_position_embeddings:
+            return " or raise --max-model-len"
+        return ""
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is (waiting, mid-prefill, decoding); its blocks are freed and it

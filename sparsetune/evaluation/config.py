@@ -91,16 +91,64 @@ def check_config(cfg: EvalConfig) -> None:
                 f"lower --context (or --max-new-tokens)")
 
 
+# What a resumed run's saved config must hold, with the JSON types each takes: every field of the eval
+# and the engine options an eval sets. A field left out would be filled in by today's default, and a
+# different evaluation would run into the folder.
+RESUME_ENGINE_FIELDS: dict[str, tuple[type, ...]] = {
+    "model": (str,), "device": (str, type(None)), "dtype": (str, type(None)), "random_weights": (bool,),
+    "flow": (str, type(None)), "flow_params": (dict,), "reuse": (str, type(None)), "reuse_params": (dict,),
+    "kv_memory": (int, type(None)), "flow_executor": (str, type(None)), "cuda_graph": (bool,), "seed": (int,),
+}
+
+
 def load_resume_config(run_dir: Path) -> EvalConfig:
-    """The config of an interrupted run (its `config.json`)."""
+    """The config of an interrupted run (its `config.json`), complete and valid, or one error naming
+    what is wrong with it."""
+    from pydantic import ValidationError
+
+    what = "pass a run directory made by sparsetune eval"
     if not run_dir.is_dir():
-        raise SparsetuneError(f"--resume {run_dir}: no such directory; pass a run directory made by sparsetune eval")
+        raise SparsetuneError(f"--resume {run_dir}: no such directory; {what}")
     cfg_file = run_dir / "config.json"
     if not cfg_file.is_file():
-        raise SparsetuneError(f"--resume {run_dir}: no config.json there; pass a run directory made by sparsetune eval")
+        raise SparsetuneError(f"--resume {run_dir}: no config.json there; {what}")
     try:
-        raw = json.loads(cfg_file.read_text())
-        block = raw.get("eval", {})
-        return EvalConfig.model_validate(block) if "engine" in block else EvalConfig.of(**block)
-    except (OSError, ValueError, TypeError) as e:  # JSON, the schema (a pydantic ValidationError), unknown keys
-        raise SparsetuneError(f"--resume {run_dir}: config.json is unreadable ({e})") from None
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SparsetuneError(f"--resume {run_dir}: cannot read config.json ({e.strerror}); {what}") from None
+    except ValueError as e:  # not UTF-8, not JSON
+        raise SparsetuneError(f"--resume {run_dir}: config.json is not JSON ({e}); {what}") from None
+    block = raw.get("eval") if isinstance(raw, dict) else None
+    if not isinstance(block, dict):
+        raise SparsetuneError(f"--resume {run_dir}: config.json is not an eval run's config (it has no \"eval\" "
+                              f"object); {what}")
+    problem = _resume_problem(block)
+    if problem is None:
+        try:
+            return EvalConfig.model_validate(block) if "engine" in block else EvalConfig.of(**block)
+        except ValidationError as e:  # pydantic's report spans lines: one line of "field: problem"
+            problem = "is invalid (" + "; ".join(f"{'.'.join(map(str, x['loc'])) or 'eval'}: {x['msg']}"
+                                                 for x in e.errors()) + ")"
+        except (SparsetuneError, TypeError, ValueError) as e:  # a value the config refuses, an unknown key
+            problem = f"is invalid ({e})"
+    raise SparsetuneError(f"--resume {run_dir}: config.json {problem}: not a resumable eval run; {what}")
+
+
+def _resume_problem(block: dict[str, Any]) -> str | None:
+    """What makes a saved eval block incomplete (the first missing field) or ill-typed; None: neither.
+    Schema /1 had the engine options inline, the flow's params as `params`."""
+    engine, names = (block.get("engine"), {}) if "engine" in block else (block, {"flow_params": "params"})
+    if not isinstance(engine, dict):
+        return f"has {engine!r} for 'engine', not an object"
+    missing = [k for k in EvalConfig.model_fields if k != "engine" and k not in block]
+    missing += [names.get(k, k) for k in RESUME_ENGINE_FIELDS if names.get(k, k) not in engine]
+    if missing:
+        return f"lacks {missing[0]!r}" + (f" (and {len(missing) - 1} more fields)" if len(missing) > 1 else "")
+    for key, types in RESUME_ENGINE_FIELDS.items():
+        value = engine[names.get(key, key)]
+        if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+            return f"has {value!r} for {names.get(key, key)!r}, not {' or '.join(_JSON_TYPES[t] for t in types)}"
+    return None
+
+
+_JSON_TYPES = {str: "a string", type(None): "null", bool: "true or false", dict: "an object", int: "an integer"}

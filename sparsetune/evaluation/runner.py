@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from sparsetune.llm import LLM
+from sparsetune.llm import LLM, check_flows
 from sparsetune.engine.config import EngineConfig
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
@@ -33,7 +33,7 @@ from sparsetune.evaluation.results import SCHEMA, EvalResult
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import score_turns
 from sparsetune.perf.cost import attended_tokens, forced_only
-from sparsetune.perf.fit import check_fits
+from sparsetune.perf.fit import EVAL, SAMPLE, check_fits
 from sparsetune.perf.speed import measure_speed
 from sparsetune.flow.defaults import tuned_config
 from sparsetune.registry import resolve_decode_flow
@@ -340,10 +340,11 @@ def _check_samples_fit(llm: LLM, samples: list[Sample], cfg: EvalConfig) -> None
     before a run directory exists."""
     for s in samples:
         ids = prompt_layout(llm.tokenizer, s).token_ids if s.segments else prompt_ids(llm.tokenizer, s, 0, [])
+        from_file = "line" in s.meta  # a task file's sample: its prompt, not --context, is the fix
         try:
-            check_fits(llm, 1, len(ids), cfg.max_new_tokens or s.max_new_tokens)
+            check_fits(llm, 1, len(ids), cfg.max_new_tokens or s.max_new_tokens, SAMPLE if from_file else EVAL)
         except SparsetuneError as e:
-            where = f"{s.task} sample {s.index}" + (f" (line {s.meta['line']})" if "line" in s.meta else "")
+            where = f"{s.task} sample {s.index}" + (f" (line {s.meta['line']})" if from_file else "")
             raise SparsetuneError(f"{where}: {e}") from None
 
 
@@ -391,6 +392,7 @@ def evaluate(
     task_names = list(cfg.tasks or DEFAULT_SUITE)
     e = cfg.engine
     if llm is None:
+        check_flows(cfg.engine)  # before run_engine_config resolves the model to size the pool
         llm = LLM(run_engine_config(cfg))
     else:
         if llm.resolved.name != e.model and e.model != llm.config.model:

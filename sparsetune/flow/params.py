@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -93,11 +94,17 @@ class Param:
             if self.default is not None:
                 raise SparsetuneError(f"--param {name}: a value is required")
             return
+        if isinstance(value, float) and not math.isfinite(value):  # nan passes every range test
+            raise SparsetuneError(f"--param {name}={value!r}: must be a finite number" + self._space())
         if self.choices is not None and value not in self.choices:
             raise SparsetuneError(f"--param {name}={value!r}: must be one of {list(self.choices)}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if self.low is not None and value < self.low or self.high is not None and value > self.high:
                 raise SparsetuneError(f"--param {name}={value!r}: must be in [{self.low}, {self.high}]")
+
+    def _space(self) -> str:
+        """" in [low, high]" where the param declares a range (the values a fix may take)."""
+        return f" in [{self.low}, {self.high}]" if self.low is not None or self.high is not None else ""
 
     def describe(self) -> str:
         if self.choices is not None:

@@ -63,19 +63,22 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF `config.json` dict (or an object's `to_dict()`)."""
+    def from_hf(cls, hf: dict[str, Any], where: str = "the model config") -> "ModelConfig":
+        """Build from a HF `config.json` dict (or an object's `to_dict()`); `where` names it in errors."""
         model_type = str(hf.get("model_type", "")).lower()
         if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = hf.get("architectures") or [model_type or "unknown"]
+            archs = hf.get("architectures")
+            arch = archs[0] if isinstance(archs, list) and archs else model_type or "unknown"
             raise SparsetuneError(
-                f"unsupported architecture {archs[0]!r} (model_type {model_type!r}); "
+                f"unsupported architecture {arch!r} (model_type {model_type!r}); "
                 f"supported: {', '.join(ARCHITECTURES.values())}"
             )
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
+        heads = _count(hf, "num_attention_heads", where)
+        hidden = _count(hf, "hidden_size", where)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        if any(isinstance(e, bool) or not isinstance(e, int) for e in eos_ids):
+            raise SparsetuneError(f"{where}: eos_token_id must be a token id or a list of them (got {eos!r}); {_FIX}")
         rope_scaling = hf.get("rope_scaling")
         rope_theta = hf.get("rope_theta")
         # transformers 5 moves rope settings into `rope_parameters`.
@@ -84,6 +87,8 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") not in ("default", None):
                 rope_scaling = rope_params
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise SparsetuneError(f"{where}: rope_scaling must be a JSON object or null (got {rope_scaling!r}); {_FIX}")
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if rope_type in (None, "default"):
@@ -92,18 +97,22 @@ class ModelConfig:
                 raise SparsetuneError(
                     f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3"
                 )
+        kv_heads = _count(hf, "num_key_value_heads", where, heads)
+        if heads % kv_heads:
+            raise SparsetuneError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                                  f"({kv_heads}); {_FIX}")
         return cls(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=_count(hf, "vocab_size", where),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=_count(hf, "intermediate_size", where),
+            num_hidden_layers=_count(hf, "num_hidden_layers", where),
             num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            num_key_value_heads=kv_heads,
+            head_dim=_count(hf, "head_dim", where, hidden // heads),
+            max_position_embeddings=_count(hf, "max_position_embeddings", where, 4096),
+            rms_norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
+            rope_theta=_number({"rope_theta": rope_theta}, "rope_theta", where, 10000.0),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama may declare it.
             attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
@@ -115,8 +124,40 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: Path) -> "ModelConfig":
+        """From a model folder's config.json; a file that is not UTF-8 JSON of an HF config, or whose
+        fields are not what they must be, is one error naming the file."""
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SparsetuneError(f"cannot read model config {path}: {e}") from None
-        return cls.from_hf(data)
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise SparsetuneError(f"cannot read the model config {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise SparsetuneError(f"{path} is not UTF-8 ({e.reason} at byte {e.start}); {_FIX}") from None
+        except json.JSONDecodeError as e:
+            raise SparsetuneError(f"{path} is not valid JSON ({e}); {_FIX}") from None
+        if not isinstance(data, dict):
+            raise SparsetuneError(f"{path} is not a JSON object of an HF model config; {_FIX}")
+        return cls.from_hf(data, str(path))
+
+
+_FIX = "fix the file or pass another --model"
+
+
+def _count(hf: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
+    """A size or count of an HF config (absent or null: `default`): a positive integer. A string, a
+    fraction or a count below 1 is a broken config, refused by name before anything is sized by it."""
+    value = hf.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise SparsetuneError(f"{where} lacks {key}; {_FIX}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SparsetuneError(f"{where}: {key} must be a positive integer (got {value!r}); {_FIX}")
+    return value
+
+
+def _number(hf: dict[str, Any], key: str, where: str, default: float) -> float:
+    """A positive finite real of an HF config (absent or null: `default`): the norm epsilon, the RoPE base."""
+    value = hf.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise SparsetuneError(f"{where}: {key} must be a positive number (got {value!r}); {_FIX}")
+    return float(value)

@@ -29,8 +29,10 @@ class HFTokenizer:
 
         try:
             self.hf = AutoTokenizer.from_pretrained(str(directory))
-        except (OSError, ValueError) as e:
-            raise SparsetuneError(f"cannot load the tokenizer from {directory}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - broken tokenizer files raise anything (KeyError, TypeError, Rust errors)
+            raise SparsetuneError(f"cannot load the tokenizer from {directory} ({type(e).__name__}: {e}); its "
+                                  "tokenizer files are damaged or of a kind transformers cannot read: replace "
+                                  "them (tokenizer.json, tokenizer_config.json) or pass another --model") from None
         ids = set(eos_token_ids)
         if self.hf.eos_token_id is not None:
             ids.add(int(self.hf.eos_token_id))

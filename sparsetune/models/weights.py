@@ -6,7 +6,9 @@ import hashlib
 import json
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -96,9 +98,10 @@ class _LazyTensors:
             raise SparsetuneError(f"no *.safetensors files in {directory}; only safetensors checkpoints are supported")
         self._where: dict[str, Path] = {}
         for f in self._files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    self._where[k] = f
+            with _reading(f):
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        self._where[k] = f
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -106,10 +109,25 @@ class _LazyTensors:
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self._where[name]), framework="pt") as h:
-            t = h.get_tensor(name)
+        f = self._where[name]
+        with _reading(f):
+            with safe_open(str(f), framework="pt") as h:
+                t = h.get_tensor(name)
         # HF checkpoints prefix the base model with "model."; we keep the same names.
         return t
+
+
+@contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """A weights file that safetensors cannot read (cut short by a download, overwritten, not
+    safetensors at all) is one error naming it and the fix."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise SparsetuneError(f"cannot read the weights file {file}: it is incomplete or damaged ({e}); download "
+                              "the model again, or pass --random-weights for a speed-only run") from None
 
 
 def load_safetensors_dir(model: nn.Module, directory: Path) -> None:

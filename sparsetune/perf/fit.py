@@ -21,8 +21,9 @@ class FitWords:
     (needed), pool (the pool's blocks)."""
 
     positions: str  # need > the model's positions
-    context: str  # need > the engine's context
+    context: str  # need > the engine's context (its KV pool holds less than the model's positions)
     blocks: str  # the batch needs more blocks than the pool has
+    cap: str | None = None  # need > the engine's context where --max-model-len set it (None: as `context`)
 
 
 _EVAL_CONTEXT = ("--context plus generation is {need} tokens but the engine holds {limit} per request; "
@@ -32,6 +33,25 @@ EVAL = FitWords(  # eval's options (--context, --max-new-tokens, --batch)
     context=_EVAL_CONTEXT,
     blocks=("{batch} requests of {need} tokens need {blocks} KV blocks but the pool has {pool}; "
             "lower --batch or raise --kv-memory"),
+)
+# A task file's sample, used as written (--context does not resize it): its prompt is the fix.
+_SAMPLE_FIX = "shorten its prompt (a task file's samples are used as written: --context does not resize them)"
+SAMPLE = FitWords(
+    positions=("its prompt of {context} tokens plus up to {new} generated exceed {model}'s {positions} positions; "
+               + _SAMPLE_FIX + " or lower --max-new-tokens"),
+    context=("its prompt of {context} tokens plus up to {new} generated exceed the {limit} tokens the KV pool holds "
+             "per request; raise --kv-memory, or " + _SAMPLE_FIX),
+    blocks=("{batch} requests of {need} tokens need {blocks} KV blocks but the pool has {pool}; "
+            "lower --batch or raise --kv-memory"),
+)
+GENERATE = FitWords(  # one prompt and at least one new token (generation stops at the context's end)
+    positions=("the prompt has {context} tokens but the context holds {positions} ({model}'s positions, for the "
+               "prompt plus one new token); shorten the prompt"),
+    context=("the prompt has {context} tokens but the context holds {limit} (what the KV pool holds per request, "
+             "for the prompt plus one new token); raise --kv-memory or shorten the prompt"),
+    blocks="the prompt needs {blocks} KV blocks but the pool has {pool}; raise --kv-memory or shorten the prompt",
+    cap=("--max-model-len {limit} is too small for the {context}-token prompt (the prompt plus one new token); "
+         "raise --max-model-len to {need} or more, or shorten the prompt"),
 )
 PROFILE = FitWords(  # `sparsetune profile`'s options (--context, --batch; the decode steps it adds)
     positions=("--context {context} is too long for {model}: it holds {positions} positions and the profile "
@@ -67,7 +87,9 @@ def check_fits(engine, batch: int, context: int, new_tokens: int, words: FitWord
     check_positions(engine.resolved.name, engine.model_config.max_position_embeddings, context, new_tokens, words,
                     limit)
     if need > limit:
-        raise SparsetuneError(words.context.format(limit=limit, context=context, new=new_tokens, need=need))
+        capped = words.cap is not None and limit == engine.config.max_model_len  # the user's cap, not the pool
+        raise SparsetuneError((words.cap if capped else words.context).format(
+            limit=limit, context=context, new=new_tokens, need=need))
     blocks, pool = batch * -(-need // engine.config.block_size), engine.block_manager.num_blocks
     if blocks > pool:
         raise SparsetuneError(words.blocks.format(batch=batch, context=context, need=need, blocks=blocks, pool=pool))

@@ -225,9 +225,11 @@ class ServeConfig(BaseModel):
 
 
 def check_serve(cfg: ServeConfig) -> None:
-    """The checks that need neither torch nor weights: the engine options, the model and its
-    positions, each flow's kind and params."""
-    from sparsetune.registry import flow_kind, flow_path, load_file
+    """The checks that need no weights: the engine options, the model and its positions, each flow's
+    kind and params (and its layers against the model's: a flow is switched in after dense has run)."""
+    from sparsetune.flow.params import Flow
+    from sparsetune.llm import check_flows
+    from sparsetune.registry import flow_kind, get_flow_class
 
     name, mcfg = cfg.engine.check()
     inp, out = cfg.lengths()
@@ -239,7 +241,7 @@ def check_serve(cfg: ServeConfig) -> None:
             if params:
                 raise SparsetuneError(f"--param dense:{next(iter(params))}=...: dense has no params")
             continue
-        cls = load_file(flow_path(flow))
+        cls = get_flow_class(flow, Flow)
         if flow_kind(cls) != "decode":
             raise SparsetuneError(f"--flow {flow}: a {flow_kind(cls)} flow; bench serve runs decode flows")
         specs = cls.param_specs()
@@ -249,7 +251,7 @@ def check_serve(cfg: ServeConfig) -> None:
                 raise SparsetuneError(f"--param {f'{flow}:' if own else ''}{key}: {flow} has no such param (it has "
                                       f"{', '.join(specs)})" + ("" if own else f"; a param for one flow only is "
                                                                               f"--param FLOW:{key}=VALUE"))
-            specs[key].parse(key, value)
+        check_flows(replace(cfg.engine, flow=flow, flow_params=params))
 
 
 # ---- one cell: a flow at a rate ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ between launches.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -229,12 +230,29 @@ def profile_call(fn: Callable[[], Any], device: torch.device | str, trace_path: 
             with record_function(_ROOT):
                 wall = time_call(fn, device)
         if trace_path is not None:
-            Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(trace_path))
+            _write_trace(prof, Path(trace_path))
         out = breakdown(prof, cuda)
     out["wall_ms"] = round(wall * 1e3, 4)
     out["timing"] = "GPU kernel time" if cuda else "CPU time"
     return out
+
+
+def _write_trace(prof, path: Path) -> None:
+    """The profiled call's Chrome trace at `path`. The profiler writes it in its own code, which says
+    nothing when it cannot: it writes into a fresh temporary folder, and the file is moved into place
+    here, where a failure is an error naming the path."""
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = Path(tmp) / path.name  # the same suffix: .gz is written compressed
+        prof.export_chrome_trace(str(staged))
+        if not staged.is_file():
+            raise SparsetuneError(f"--trace {path}: the profiler wrote no trace (its temporary folder {tmp} may be "
+                                  "full); set TMPDIR to a folder with room")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(staged, path)
+        except OSError as e:
+            raise SparsetuneError(f"--trace {path}: cannot write the trace there ({e.strerror or e}); "
+                                  "pick another --trace") from None
 
 
 def decode_tokens_needed(steps: int, warmup: int) -> int:

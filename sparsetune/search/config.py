@@ -10,7 +10,9 @@ figures depend on is refused.
 
 from __future__ import annotations
 
+import math
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,43 @@ SPEEDS = ("auto", "measured", "modeled")
 # What the figures depend on: a resumed study must agree on these.
 FINGERPRINT = ("kind", "model", "flows", "tasks", "context", "samples", "batch", "seed", "params", "speed", "speed_model",
                "speed_batch", "speed_context", "min_accuracy")
+STORAGE_SCHEMES = ("postgresql", "sqlite")  # the databases a storage URL may name (`postgresql+psycopg://` too)
+STORAGES = ("a journal file path (the default: runs/<study>/study.journal), postgresql://user:password@host/db "
+            "(workers on several hosts; pip install -e '.[postgres]') or sqlite:///path.db")
+MASK = "***"
+# `scheme://user:password@host`: the password runs to the URL's last '@', so that an unquoted '@' in
+# it leaves none of it in view (masking more than the password is the safe side)
+_USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:@/?#]*:)(?P<password>.*)@")
+_QUERY_PASSWORD = re.compile(r"(?i)(?P<head>[?&]password=)(?P<password>[^&#]*)")
+
+
+def masked_url(url: str, text: str | None = None) -> str:
+    """`url` with its password (in the user info or a `password=` parameter) shown as `***`: all
+    that a message, a log line or a run folder's file shows of a storage URL (the password stays
+    where the storage is opened). With `text`, a message about `url` (a driver's): that text, with
+    `url` masked and its password masked wherever else it occurs."""
+    m = _USERINFO.match(url)
+    shown = url if m is None else m["head"] + MASK + url[m.end("password"):]
+    shown = _QUERY_PASSWORD.sub(lambda q: q["head"] + MASK, shown)
+    if text is None:
+        return shown
+    secrets = ([m["password"]] if m else []) + [q["password"] for q in _QUERY_PASSWORD.finditer(url)]
+    text = text.replace(url, shown)
+    for secret in sorted({s for s in secrets if s and s != MASK}, key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def storage_scheme(url: str) -> str | None:
+    """The database a storage URL names (postgresql, sqlite), or None for a journal file path; a URL
+    of anything else is refused here, naming what is supported (and not the password)."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", url)
+    if m is None:
+        return None
+    scheme = m[1].split("+", 1)[0].lower()
+    if scheme not in STORAGE_SCHEMES:
+        raise SparsetuneError(f"--storage {masked_url(url)}: not a storage a search can use; use {STORAGES}")
+    return scheme
 
 
 def flow_key(flow: str) -> str:
@@ -109,16 +148,18 @@ class SearchConfig(BaseModel):
         if self.save_defaults and self.kind == "reuse":
             raise SparsetuneError("--save-defaults: tuned defaults are for decode flows (eval and generate read them for "
                                   "--flow); run a reuse flow's confirmed point with --reuse-param k=v")
-        if self.hours is not None and not self.hours > 0:
-            raise SparsetuneError(f"--hours must be positive (got {self.hours})")
+        if self.hours is not None and not 0 < self.hours < math.inf:
+            raise SparsetuneError(f"--hours must be a positive number of hours (got {self.hours})")
+        if self.storage is not None:
+            storage_scheme(self.storage)
         if self.speed not in SPEEDS:
             raise SparsetuneError(f"--speed {self.speed!r}: use one of {', '.join(SPEEDS)}")
         if self.study is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", self.study):
             raise SparsetuneError(f"--study {self.study!r}: use letters, digits, '.', '_' and '-' (a folder name)")
         if self.agent is not None and self.kind != "decode":
             raise SparsetuneError("--agent writes decode flows; search reuse flows without it")
-        if self.agent_budget_usd is not None and self.agent_budget_usd < 0:
-            raise SparsetuneError(f"--agent-budget-usd must be at least 0 (got {self.agent_budget_usd})")
+        if self.agent_budget_usd is not None and not 0 <= self.agent_budget_usd < math.inf:  # nan: never spent
+            raise SparsetuneError(f"--agent-budget-usd must be a number of dollars, at least 0 (got {self.agent_budget_usd})")
         if not 0 <= self.quick_floor <= 1:
             raise SparsetuneError(f"quick_floor must be in [0, 1] (got {self.quick_floor})")
         return self
@@ -137,6 +178,31 @@ class SearchConfig(BaseModel):
     def storage_url(self) -> str:
         """The storage's URL: the config's, or the journal file in the run folder."""
         return self.storage or str(self.run_dir / "study.journal")
+
+    def public_dump(self) -> dict[str, Any]:
+        """The config as JSON with its storage URL's password masked: what the run folder and the
+        studies keep (whoever resumes or joins the search names the storage again)."""
+        return {**self.model_dump(mode="json"), "storage": self.storage and masked_url(self.storage)}
+
+
+def resume_command(cfg: SearchConfig, workers: int = 1) -> str:
+    """The `sparsetune search` command that continues `cfg.study`: `--resume` and every setting not
+    at its default (the storage's password masked: the one thing to fill in)."""
+    default = SearchConfig(kind=cfg.kind)
+    args = ["sparsetune", "search", "--reuse" if cfg.kind == "reuse" else "--flow", ",".join(cfg.flows)]
+    for name, value in cfg:
+        if name in ("kind", "flows", "quick_floor") or value is None or value == getattr(default, name):
+            continue  # quick_floor: no option sets it
+        flag = "--" + name.replace("_", "-")
+        if name == "tasks":
+            args += [a for task in value for a in ("--task", task)]
+        elif name == "params":
+            args += [a for k, v in value.items() for a in ("--param", f"{k}={v}")]
+        elif name == "save_defaults":
+            args.append(flag)
+        else:
+            args += [flag, masked_url(value) if name == "storage" else str(value)]
+    return shlex.join(args + (["--workers", str(workers)] if workers > 1 else []) + ["--resume"])
 
 
 def check_search(cfg: SearchConfig) -> None:
@@ -157,10 +223,10 @@ def check_search(cfg: SearchConfig) -> None:
         if getattr(cls, "full_attention", False):
             raise SparsetuneError(f"--flow {flow}: full attention has nothing to search (dense is every search's baseline)")
         specs = cls.param_specs()
-        for key, value in cfg.params.items():
+        for key in cfg.params:
             if key not in specs:
                 raise SparsetuneError(f"--param {key}: {flow} has no such param (it has {', '.join(specs)})")
-            specs[key].parse(key, value)
+        cls.from_strings(dict(cfg.params))  # what each trial's flow checks of them (values, ones it does not use), now
         speed_context = cfg.speed_context or cfg.context
         if cfg.kind == "decode" and "budget_ratio" in cls.inapplicable and speed_context != cfg.context:
             raise SparsetuneError(f"--flow {flow} attends a fixed window of tokens, not a share of the context: its "

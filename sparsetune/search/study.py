@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -51,7 +52,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.search.config import SearchConfig, flow_key
+from sparsetune.sandbox import IsolationRefused
+from sparsetune.search.config import MASK, SearchConfig, flow_key, masked_url, resume_command
 from sparsetune.search.frontier import eligible, hypervolume, point_of, search_frontier, trial_name, wilson_interval
 from sparsetune.search.space import dimensions, suggest
 from sparsetune.search.storage import (open_storage, record_of, stored_config, study_name,
@@ -136,7 +138,7 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
     from sparsetune.registry import get_flow_class
     from sparsetune.reuse.flow import ReuseFlow
 
-    storage = open_storage(cfg.storage_url())
+    storage = open_storage(cfg.storage_url(), create=create)
     stored = stored_config(storage, cfg.study)
     if stored is not None and stored.fingerprint() != cfg.fingerprint():
         diff = [k for k, v in cfg.fingerprint().items() if stored.fingerprint().get(k) != v]
@@ -177,14 +179,14 @@ def add_flow(cfg: SearchConfig, flows: Flows, flow: str, cls: type, *, storage=N
             with warnings.catch_warnings():  # experimental in Optuna 5, and only labels
                 warnings.simplefilter("ignore")
                 study.set_metric_names(["relative_accuracy", "speedup"])
-            study.set_user_attr("search", cfg.model_dump(mode="json"))
+            study.set_user_attr("search", cfg.public_dump())
             for params, role in seeds:  # a proposed flow's defaults are where its study starts, not a baseline
                 study.enqueue_trial(params, user_attrs={"role": "start" if foreign and role == "defaults" else role})
     else:
         try:
             study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
         except KeyError:
-            raise SparsetuneError(f"study {name!r} is not in {cfg.storage_url()}; start the search first") from None
+            raise SparsetuneError(f"study {name!r} is not in {masked_url(cfg.storage_url())}; start the search first") from None
     flows.studies[key], flows.classes[key], flows.args[key] = study, cls, flow
     if foreign:
         flows.foreign.add(key)
@@ -466,6 +468,10 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
             beat.stop()
             retry(study, trial, "interrupted (Ctrl-C); enqueued again")
             raise
+        except IsolationRefused:  # the host, not the point: nothing ran, nothing will; the trial waits
+            beat.stop()
+            retry(study, trial, "the sandbox cannot isolate on this host; enqueued again")
+            raise
         except Exception as e:  # noqa: BLE001 - a failed trial is recorded and the search goes on
             beat.stop()
             reason = f"{type(e).__name__}: {e}".strip().splitlines()[0][:500]
@@ -618,7 +624,9 @@ def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = Non
                agent=None) -> dict[str, Any]:
     """Run (or continue) the search `cfg.study`: trials until `--trials`/`--hours` (with `workers - 1`
     more processes on this host, `spawn_workers`), then confirmation; returns frontier.json's object.
-    Ctrl-C leaves the study consistent and the files written.
+    Ctrl-C leaves the study consistent and the files written. `on_event("begin", ...)` comes first,
+    once the studies are open: the study, its run folder, the trials it already has (`done`: a
+    resumed study's progress counts from there) and the command that resumes it (`resume`).
 
     `agent` (`--agent`; `sparsetune.agents.loop.Agent` is the one there is): `attach(flows, budget,
     emit)` once the studies are open, then its `evaluator` and `run_trial` run every trial and
@@ -630,6 +638,8 @@ def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = Non
     write_json_config(cfg)
     budget = Budget(cfg, time.time())
     emit = _writer(cfg, flows, on_event)
+    emit("begin", {"study": cfg.study, "run_dir": str(cfg.run_dir), "done": trial_count(flows.studies, running=False),
+                   "resume": resume_command(cfg, workers)})
     if agent is not None:
         agent.attach(flows, budget, emit)
         evaluator = agent.evaluator
@@ -678,7 +688,7 @@ def save_defaults(cfg: SearchConfig, result: dict[str, Any]) -> list[dict[str, A
             out.append({"flow": key, "saved": False, "reason": f"no confirmed point kept {cfg.min_accuracy:g} of dense"})
             continue
         best = max(held, key=lambda r: (r["speedup"], r["confirmed_accuracy"]))
-        source = {"study": cfg.study, "storage": cfg.storage_url(), "trial": best["trial"],
+        source = {"study": cfg.study, "storage": masked_url(cfg.storage_url()), "trial": best["trial"],
                   "relative_accuracy": best["relative_accuracy"], "confirmed_accuracy": best["confirmed_accuracy"],
                   "interval": best["interval"], "speedup": best["speedup"], "speed_kind": best["speed_kind"],
                   "context": cfg.context, "tasks": list(cfg.tasks or ()), "samples": cfg.samples,
@@ -695,40 +705,41 @@ def run_worker(study: str, storage: str, out: str | None = None, evaluator=None,
     from sparsetune.search.report import write_outputs
     from sparsetune.search.trial import EngineEvaluator
 
-    stored = stored_config(open_storage(storage), study)
+    shown = masked_url(storage)
+    stored = stored_config(open_storage(storage, create=False), study)
     if stored is None:
-        raise SparsetuneError(f"no search {study!r} in {storage}; start it with sparsetune search --study {study} "
-                              f"--storage {storage}")
+        raise SparsetuneError(f"no search {study!r} in {shown}; start it with sparsetune search --study {study} "
+                              f"--storage {shown}")
     cfg = stored.model_copy(update={"storage": storage, **({"out": out} if out else {})})
     flows = open_flows(cfg, create=False)
     evaluator = evaluator or EngineEvaluator(cfg)
     budget = Budget(cfg, time.time())
+    emit = _writer(cfg, flows, on_event)
+    emit("begin", {"study": study, "run_dir": str(cfg.run_dir), "done": trial_count(flows.studies, running=False),
+                   "resume": shlex.join(["sparsetune", "search", "worker", "--study", study, "--storage", shown]
+                                        + (["--out", out] if out else []))})
     stopped = "interrupted"
     try:  # with the coordinator's reserve, so that its confirmation fits in --hours
-        stopped = work(cfg, flows, evaluator, budget, on_event=_writer(cfg, flows, on_event),
-                       reserve_s=lambda: confirm_reserve(cfg, flows, budget))
+        stopped = work(cfg, flows, evaluator, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget))
     finally:
         result = write_outputs(cfg, trial_records(flows), complete=False, stopped=stopped)
     return result
 
 
 def show(run_dir: str | Path | None = None, *, study: str | None = None, storage: str | None = None) -> dict[str, Any]:
-    """frontier.json's object for a search, from its studies now (a run folder, or study + storage)."""
+    """frontier.json's object for a search, from its studies now (a run folder, or study + storage;
+    `storage` with a run folder: its storage with the password search.json does not keep). Reads
+    only: the run folder's files are the search's to write."""
     from sparsetune.search.report import summary
 
     if run_dir is not None:
-        path = Path(run_dir)
-        conf = path / "search.json"
-        if not conf.is_file():
-            raise SparsetuneError(f"{path}: not a search folder (no search.json); pass runs/<study>")
-        cfg = SearchConfig.model_validate(json.loads(conf.read_text())["search"])
-        cfg = cfg.model_copy(update={"out": str(path.parent)})
+        cfg = run_folder_config(Path(run_dir), storage)
     else:
         if study is None or storage is None:
             raise SparsetuneError("pass a run folder (runs/<study>), or --study and --storage")
-        stored = stored_config(open_storage(storage), study)
+        stored = stored_config(open_storage(storage, create=False), study)
         if stored is None:
-            raise SparsetuneError(f"no search {study!r} in {storage}")
+            raise SparsetuneError(f"no search {study!r} in {masked_url(storage)}")
         cfg = stored.model_copy(update={"storage": storage})
     flows = open_flows(cfg, create=False)
     storage = next(iter(flows.studies.values()))._storage
@@ -742,9 +753,28 @@ def show(run_dir: str | Path | None = None, *, study: str | None = None, storage
     return s
 
 
+def run_folder_config(path: Path, storage: str | None = None) -> SearchConfig:
+    """The config in a run folder's search.json (`storage`: in place of the one it names, which it
+    keeps without its password); a file that is not one, or a storage it cannot name: one line."""
+    conf = path / "search.json"
+    if not conf.is_file():
+        raise SparsetuneError(f"{path}: not a search folder (no search.json); pass runs/<study>")
+    try:
+        cfg = SearchConfig.model_validate(json.loads(conf.read_text())["search"])
+    except (ValueError, KeyError, TypeError) as e:  # bad JSON, no "search", or not a config (pydantic's ValueError)
+        what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SparsetuneError(f"{conf}: not a search's config ({type(e).__name__}: {what}); pass the folder a "
+                              "sparsetune search wrote (runs/<study>)") from None
+    if storage is None and cfg.storage is not None and MASK in cfg.storage:
+        raise SparsetuneError(f"{conf} names the search's storage without its password ({cfg.storage}); pass it: "
+                              f"sparsetune search show {path} --storage URL")
+    # the journal in this folder by default (a folder copied or renamed keeps its own)
+    return cfg.model_copy(update={"out": str(path.parent), "storage": storage or cfg.storage or str(path / "study.journal")})
+
+
 def write_json_config(cfg: SearchConfig) -> None:
     from sparsetune.records import env_info, write_json
 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(cfg.run_dir / "search.json", {"schema": "sparsetune.search.config/1", "search": cfg.model_dump(mode="json"),
-                                             "storage": cfg.storage_url(), "env": env_info()})
+    write_json(cfg.run_dir / "search.json", {"schema": "sparsetune.search.config/1", "search": cfg.public_dump(),
+                                             "storage": masked_url(cfg.storage_url()), "env": env_info()})

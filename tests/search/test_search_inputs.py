@@ -1,0 +1,202 @@
+"""`sparsetune search` on bad input and around interrupts, through the CLI in this process (trials by
+the synthetic evaluator): one `error:` line and exit 2 with nothing created, no storage password in
+any message or run-folder file, Ctrl-C naming the command that resumes the study, progress counting
+the trials a resumed study already has, and `search show` writing nothing."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+
+import pytest
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.search import config
+from sparsetune.search.config import SearchConfig
+from sparsetune.search.study import run_search, show, write_json_config
+from helpers import SyntheticEvaluator
+
+PASSWORD = "s3cretPW"
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys, tmp_path):
+    """`sparsetune ARGS` in this process with synthetic trials (no engine, no tokenizer), in
+    `tmp_path` (a URL taken for a relative path lands there): (exit code, stdout, stderr lines that
+    are not blank)."""
+    import sparsetune.search.config as config
+    import sparsetune.search.trial as trial
+    from sparsetune.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config, "check_prompts", lambda cfg: None)
+    monkeypatch.setattr(trial, "EngineEvaluator", lambda cfg: cli.evaluator(cfg))
+
+    def cli(*args: str, evaluator=SyntheticEvaluator):
+        cli.evaluator = evaluator
+        monkeypatch.setattr(sys, "argv", ["sparsetune", *args])
+        with pytest.raises(SystemExit) as e:
+            main()
+        out, err = capsys.readouterr()
+        return e.value.code, out, [line for line in err.splitlines() if line.strip()]
+
+    return cli
+
+
+def _one_error(code, lines, *needles: str) -> str:
+    assert code == 2, lines
+    assert not any("Traceback" in line for line in lines), lines
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == lines[-1], lines
+    for n in needles:
+        assert n in errors[0], errors[0]
+    return errors[0]
+
+
+def _search(tmp_path, *extra: str) -> list[str]:
+    return ["search", "--flow", "quest,block_topk", "--context", "2048", "--min-accuracy", "0.9",
+            "--confirm-samples", "2", "--study", "s", "--out", str(tmp_path), *extra]
+
+
+# ---- 1. storage URLs ------------------------------------------------------------------------------
+
+def test_masked_url_hides_the_password_and_nothing_else():
+    masked_url = config.masked_url
+    assert masked_url(f"postgresql://me:{PASSWORD}@db.host:5432/search") == "postgresql://me:***@db.host:5432/search"
+    assert masked_url(f"postgresql+psycopg://:{PASSWORD}@h/db") == "postgresql+psycopg://:***@h/db"
+    assert masked_url(f"postgresql://me:p@ss{PASSWORD}@h/db") == "postgresql://me:***@h/db"  # an unquoted @ in it
+    assert masked_url(f"postgresql://me@h/db?password={PASSWORD}&sslmode=require") == \
+        "postgresql://me@h/db?password=***&sslmode=require"
+    for plain in ("postgresql://me@h/db", "sqlite:///runs/s/study.db", "runs/s/study.journal"):
+        assert masked_url(plain) == plain
+
+
+@pytest.mark.parametrize("url", [f"mysql://user:{PASSWORD}@host/db", f"redis://user:{PASSWORD}@host:6379",
+                                 f"postgres://user:{PASSWORD}@host/db"])
+def test_an_unsupported_storage_is_refused_naming_the_supported_ones_without_its_password(cli, tmp_path, url):
+    for args in (_search(tmp_path, "--trials", "1", "--storage", url), ["search", "worker", "--study", "s", "--storage", url],
+                 ["search", "show", "--study", "s", "--storage", url]):
+        code, out, lines = cli(*args)
+        line = _one_error(code, lines, "postgresql://", "journal")
+        assert PASSWORD not in out + "\n".join(lines) and "psycopg" not in line
+        assert "user:***@" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreachable_postgresql_storage_is_one_line_without_its_password(cli, tmp_path):
+    url = f"postgresql://user:{PASSWORD}@127.0.0.1:9/db"  # the discard port: nothing answers
+    code, out, lines = cli(*_search(tmp_path, "--trials", "1", "--storage", url))
+    _one_error(code, lines, "postgresql://user:***@127.0.0.1:9/db")
+    assert PASSWORD not in out + "\n".join(lines)
+
+
+def test_the_run_folder_keeps_the_storage_without_its_password_and_show_asks_for_it(tmp_path):
+    cfg = SearchConfig(study="s", out=str(tmp_path), storage=f"postgresql://me:{PASSWORD}@127.0.0.1:9/db", trials=1)
+    write_json_config(cfg)
+    text = (tmp_path / "s" / "search.json").read_text()
+    assert PASSWORD not in text and "postgresql://me:***@127.0.0.1:9/db" in text
+    with pytest.raises(SparsetuneError, match=r"without its password.*--storage") as e:
+        show(tmp_path / "s")
+    assert PASSWORD not in str(e.value)
+
+
+# ---- 2. Ctrl-C ------------------------------------------------------------------------------------
+
+class Interrupting(SyntheticEvaluator):
+    """Ctrl-C in the third trial's accuracy."""
+
+    def accuracy(self, flow, params, **kw):
+        if len(self.calls) == 2:
+            self.calls.append(("interrupted", dict(params), 0, 0))
+            raise KeyboardInterrupt
+        return super().accuracy(flow, params, **kw)
+
+
+def test_ctrl_c_says_the_study_is_kept_and_the_command_that_resumes_it(cli, tmp_path):
+    code, _out, lines = cli(*_search(tmp_path, "--trials", "4", "--param", "sink_blocks=1"), evaluator=Interrupting)
+    assert code == 130 and not any("Traceback" in line for line in lines), lines
+    said = [line for line in lines if "continue it with: " in line]
+    assert len(said) == 1 and "study s is kept" in said[0], lines
+    command = shlex.split(said[0].split("continue it with: ", 1)[1])
+    assert command[:2] == ["sparsetune", "search"] and "--resume" in command
+    code, _out, lines = cli(*command[1:])  # exactly that command continues it
+    assert code == 0, lines
+    summary = json.loads((tmp_path / "s" / "frontier.json").read_text())
+    assert summary["complete"] and summary["trials"]["finished"] == 4
+
+
+# ---- 3. search show is read-only -------------------------------------------------------------------
+
+def _files(folder) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_search_show_writes_nothing(cli, tmp_path):
+    cfg = SearchConfig(study="s", out=str(tmp_path), trials=3, context=2048, min_accuracy=0.9, confirm_samples=2)
+    run_search(cfg, SyntheticEvaluator(cfg))
+    before = _files(tmp_path)
+    time.sleep(0.05)  # a rewrite would show in the mtimes
+    for args in (["search", "show", str(tmp_path / "s")], ["search", "show", str(tmp_path / "s"), "--json"],
+                 ["search", "show", "--study", "s", "--storage", str(tmp_path / "s" / "study.journal")]):
+        code, out, lines = cli(*args)
+        assert code == 0, lines
+    assert _files(tmp_path) == before
+    # a storage that is not there is reported, not created
+    code, _out, lines = cli("search", "show", "--study", "s", "--storage", str(tmp_path / "none" / "study.journal"))
+    _one_error(code, lines, "no journal file")
+    code, _out, lines = cli("search", "worker", "--study", "s", "--storage", str(tmp_path / "none" / "study.journal"))
+    _one_error(code, lines, "no journal file")
+    code, _out, lines = cli("search", "show", "--study", "s", "--storage", f"sqlite:///{tmp_path / 'none.db'}")
+    _one_error(code, lines, "no database file")
+    assert not (tmp_path / "none").exists() and not (tmp_path / "none.db").exists()
+
+
+# ---- 4. progress after a resume --------------------------------------------------------------------
+
+def test_progress_counts_the_trials_a_resumed_study_already_has(cli, tmp_path):
+    code, _out, lines = cli(*_search(tmp_path, "--trials", "2"))
+    assert code == 0 and [line for line in lines if "trials, " in line][-1].count("[2/2 trials"), lines
+    code, _out, lines = cli(*_search(tmp_path, "--trials", "4", "--resume"))
+    assert code == 0, lines
+    counts = [line.split("[", 1)[1].split(" trials")[0] for line in lines if " trials, " in line]
+    assert counts == ["3/4", "4/4"], lines
+
+
+# ---- 5. fixed params are checked before a study exists -----------------------------------------------
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_fixed_param_is_refused_before_a_study_exists(cli, tmp_path, value):
+    code, _out, lines = cli(*_search(tmp_path, "--trials", "1", "--param", f"budget_ratio={value}"))
+    _one_error(code, lines, "budget_ratio")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_param_the_flow_does_not_use_is_refused_before_a_study_exists(cli, tmp_path):
+    code, _out, lines = cli("search", "--flow", "quest,streaming", "--param", "budget_ratio=0.1", "--trials", "1",
+                            "--study", "s", "--out", str(tmp_path))
+    _one_error(code, lines, "streaming", "budget_ratio")
+    assert not (tmp_path / "s").exists()
+
+
+# ---- 6. other bad input ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_hours_are_refused(cli, tmp_path, value):
+    code, _out, lines = cli(*_search(tmp_path, "--trials", "1", "--hours", value))
+    _one_error(code, lines, "--hours")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_non_finite_agent_budget_is_refused():  # nan would never be spent: the proposer's calls would not stop
+    with pytest.raises(SparsetuneError, match="--agent-budget-usd"):
+        SearchConfig(agent="evolve", agent_budget_usd=float("nan"))
+
+
+def test_search_show_of_a_damaged_search_json_is_one_line(cli, tmp_path):
+    (tmp_path / "s").mkdir()
+    for text in ("{not json", json.dumps({"schema": "x"}), json.dumps({"search": {"context": "many"}})):
+        (tmp_path / "s" / "search.json").write_text(text)
+        code, _out, lines = cli("search", "show", str(tmp_path / "s"))
+        _one_error(code, lines, "search.json")
