@@ -41,15 +41,13 @@ def export(
         result = check_export(check, require_sglang=require_sglang, model=model)
         if json_out:
             emit_json(result)
-        for p in result["problems"]:
-            err.print(f"[red]problem:[/] {escape(p)}")
         if result["edited_since_measured"]:
             changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in result["edited_since_measured"].items())
             err.print(f"[yellow]note:[/] params edited since the search measured this bundle ({escape(changes)}): "
                       "its recorded accuracy and speedup no longer apply; measure it again (sparsetune eval)")
-        if result["sglang_problem"]:
-            err.print(f"[{'red' if require_sglang else 'yellow'}]sglang:[/] {escape(result['sglang_problem'])}")
         if result["ok"]:
+            if result["sglang_problem"]:
+                err.print(f"[yellow]sglang:[/] {escape(result['sglang_problem'])}")
             err.print(f"{check}: the bundle checks" + (f"; SGLang {result['sglang']} can serve it" if not result["sglang_problem"] else ""))
             return
         causes = result["problems"] + ([result["sglang_problem"]] if require_sglang and result["sglang_problem"] else [])

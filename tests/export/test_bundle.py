@@ -177,6 +177,10 @@ def test_params_edited_after_the_search_measured_them_are_named(search_run, tmp_
     assert check_bundle(tmp_path / "b") == []  # the same graphs serve it: it loads
     edited = edited_since_measured(json.loads((tmp_path / "b" / MANIFEST).read_text()))
     assert edited == {"sink_blocks": (m["params"]["sink_blocks"], "3")}
+    from helpers import run
+
+    said = run("export", "--check", str(tmp_path / "b"))
+    assert said.returncode == 0 and "sink_blocks" in said.stderr and "no longer apply" in said.stderr, said.stderr
 
 
 def test_the_cli_exports_checks_and_refuses_a_bundle_that_changed(search_run, tmp_path):
@@ -197,7 +201,9 @@ def test_the_cli_exports_checks_and_refuses_a_bundle_that_changed(search_run, tm
     assert "(or 'sparsetune[sglang]')" in ok.stderr  # the hint as written (not eaten as console markup)
     source = tmp_path / "b" / m["source"]
     source.write_text(source.read_text() + "\n# edited\n")
-    assert_clean_error(run("export", "--check", str(tmp_path / "b")), "changed since export")
+    refused = run("export", "--check", str(tmp_path / "b"))
+    assert_clean_error(refused, "changed since export")
+    assert len([x for x in refused.stderr.splitlines() if x.strip()]) == 1, refused.stderr  # one line (#40)
     proc = run("export", "--flow", "quest", "--param", "block_size=8", "--param", "budget=512", "--out", str(tmp_path / "q"))
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "q" / "sglang.json").read_text())["server_args"]["page_size"] == 8

@@ -75,6 +75,23 @@ class Evil(DecodeFlow):
     def helper(self):
         return 1
 ''' + STAGES,
+    # typing.get_type_hints as a key function evaluates a string annotation
+    "type_hints": '''
+import typing
+from sparsetune.flow import DecodeFlow
+from sparsetune.flow import ops as F
+
+
+class Note:
+    x: "__import__('os').system('touch MARKER')"
+
+
+HINTS = sorted([Note], key=typing.get_type_hints)
+
+
+class Evil(DecodeFlow):
+    name = "evil_hints"
+''' + STAGES,
     # code at instantiation
     "init_body": '''
 import torch
