@@ -354,3 +354,15 @@ def test_a_read_only_file_system_is_refused_before_torch(args, tmp_path, no_torc
     assert proc.returncode == 2, proc.stderr
     assert_clean_error(proc, f"{ro} is not writable", "pick another")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args, needle", [(("flows", "new", "mine", "--out", "{ro}/mine.py"), "cannot write"),
+                                          (("export", "--flow", "quest", "--out", "{ro}/b"), "cannot write the bundle")])
+def test_writing_into_a_read_only_file_system_is_one_line(args, needle, tmp_path):
+    """`flows new` and `export` into a read-only folder were tracebacks (#40)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    proc = _read_only(ro, *(a.format(ro=ro) for a in args), env={})
+    assert proc.returncode == 2, proc.stderr
+    assert_clean_error(proc, needle)
+    assert len([x for x in proc.stderr.splitlines() if x.strip()]) == 1, proc.stderr
