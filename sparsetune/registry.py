@@ -24,6 +24,7 @@ the bytes): an edited file is loaded again.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -69,8 +70,10 @@ def trust_opted_in() -> bool:
     return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
+@functools.cache
 def builtin_hashes() -> dict[str, str]:
-    """SHA-256 → file name of every built-in flow as shipped (the manifest written with the package)."""
+    """SHA-256 → file name of every built-in flow as shipped (the manifest written with the package),
+    read once per process: every flow load asks it."""
     try:
         return {v: k for k, v in json.loads(MANIFEST.read_text()).items()}
     except (OSError, ValueError):
@@ -84,6 +87,7 @@ def write_manifest(folder: Path | None = None) -> dict[str, str]:
     data = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.py"))
             if not p.name.startswith("_")}
     MANIFEST.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    builtin_hashes.cache_clear()
     return data
 
 

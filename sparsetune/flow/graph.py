@@ -79,13 +79,18 @@ def _dec(v: Any, ref: Callable[[Any], Any]) -> Any:
     raise NotTraceable(f"a graph value {str(v)[:60]!r} is not a number, tuple or reference")
 
 
+def _no_ref(_: Any) -> Any:
+    raise NotTraceable("a declaration or param value holds a flow tensor or a reference")
+
+
 def _plain(v: Any) -> Any:
-    """A declaration's value (default, choices, bounds) as JSON, checked to be plain."""
-    return _enc(v, lambda t: (_ for _ in ()).throw(NotTraceable("a Param holds a flow tensor")))
+    """A declaration's or param's value (default, choices, bounds) as JSON, checked to be plain."""
+    return _enc(v, _no_ref)
 
 
 def _unplain(v: Any) -> Any:
-    return _dec(v, lambda x: (_ for _ in ()).throw(NotTraceable("a Param holds a reference")))
+    """`_plain`'s inverse."""
+    return _dec(v, _no_ref)
 
 
 # ---- tracing (in the child that may run the file) ------------------------------------------------------
