@@ -194,7 +194,7 @@ def main() -> None:
                      "copy_bandwidth": bw, "matmul_flops": flops, "decode": [], "prefill": []}
     from sparsetune.models.artifacts import synthetic_calibration, write_calibration
     from sparsetune.flow.params import parse_param_args
-    from sparsetune.registry import get_flow_class
+    from sparsetune.loader import get_flow_class
 
     flows = args.flows.split(",")
     if args.graph_twins:

@@ -33,7 +33,7 @@ from sparsetune.engine.kv_cache import KVCache  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.flow.compile import PagedBlocks, build_indexer  # noqa: E402
 from sparsetune.flow.compile import indexer as indexer_mod  # noqa: E402
-from sparsetune.registry import build_flow  # noqa: E402
+from sparsetune.loader import build_flow  # noqa: E402
 from sparsetune.flow.attention import FlowAttention  # noqa: E402
 from sparsetune.kernels import select_topk as topk_mod  # noqa: E402
 from sparsetune.kernels.select_topk import select_topk  # noqa: E402

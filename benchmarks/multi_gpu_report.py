@@ -20,9 +20,9 @@ from collections import Counter, defaultdict
 from datetime import datetime
 from pathlib import Path
 
-from sparsetune.search.report import summary
-from sparsetune.search.storage import open_storage, stored_config
-from sparsetune.search.study import open_flows, trial_records
+from sparsetune.tuning.report import summary
+from sparsetune.tuning.storage import open_storage, stored_config
+from sparsetune.tuning.study import open_flows, trial_records
 
 
 def trials_per_hour(done: list[dict]) -> float | None:

@@ -15,7 +15,7 @@ import json
 import sparsetune
 from sparsetune.llm import LLM
 from sparsetune.evaluation.runner import eval_kv_memory
-from sparsetune.registry import get_flow_class
+from sparsetune.loader import get_flow_class
 
 
 def main() -> None:

@@ -9,8 +9,7 @@ prompt's last span of new tokens (with a chat template: the user's question and 
 import torch
 
 from sparsetune.flow import Param, Search
-from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import RATIO_SEARCH
+from sparsetune.reuse import ReuseFlow, RATIO_SEARCH
 
 
 class A3(ReuseFlow):

@@ -7,8 +7,7 @@ tokens. The original code compares V at layer 1 (`deviation=v`); LMCache v1 comp
 """
 
 from sparsetune.flow import Param, Search
-from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import RATIO_SEARCH
+from sparsetune.reuse import ReuseFlow, RATIO_SEARCH
 
 
 class CacheBlend(ReuseFlow):

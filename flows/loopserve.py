@@ -15,8 +15,7 @@ length-normalized marginal gains with an approximate overlap term.
 import torch
 
 from sparsetune.flow import Param, Search
-from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import Lines, attention_probs, cover_histogram, slash_masses
+from sparsetune.reuse import ReuseFlow, Lines, attention_probs, cover_histogram, slash_masses
 
 
 def cover_lines(probs: torch.Tensor, rows: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:

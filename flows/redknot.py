@@ -23,8 +23,7 @@ offline KV. The sparse-FFN importance is the recent rows' attention mass, one th
 import torch
 
 from sparsetune.flow import Param, Search
-from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import HeadWindows, attention_mass
+from sparsetune.reuse import ReuseFlow, HeadWindows, attention_mass
 from sparsetune.models.artifacts import resolve_head_scores
 from sparsetune.reuse.head_classes import global_heads
 

@@ -10,8 +10,7 @@ only these rows and the non-reused tokens are recomputed.
 """
 
 from sparsetune.flow import Param, Search
-from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import RATIO_SEARCH
+from sparsetune.reuse import ReuseFlow, RATIO_SEARCH
 
 BOUNDARY_SHARE = 0.15  # the default boundary, as a share of the layers
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 __version__ = "0.1.0"
 
 # Lazy: `import sparsetune` stays cheap (no torch import) for the CLI's --help.
@@ -13,6 +11,7 @@ _LAZY = {
     "eval": "sparsetune.api",
     "list_models": "sparsetune.api",
     "bench_serve": "sparsetune.api",
+    "search": "sparsetune.api",
     "LLM": "sparsetune.llm",
     "EngineConfig": "sparsetune.engine.config",
     "SamplingParams": "sparsetune.engine.sequence",
@@ -20,24 +19,12 @@ _LAZY = {
     "EvalResult": "sparsetune.evaluation.results",
 }
 
-__all__ = ["__version__", "search", *_LAZY]
-
-
-class SearchModule(types.ModuleType):
-    """`sparsetune.search` is the package of the search's modules, and calling it runs a search:
-    `sparsetune.search(flows, trials=..., ...)` is `sparsetune.api.search` (frontier.json as a dict)."""
-
-    def __call__(self, *args, **kwargs):
-        from sparsetune.api import search
-
-        return search(*args, **kwargs)
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str):
     from importlib import import_module
 
-    if name == "search":  # the package, callable (see SearchModule)
-        return import_module("sparsetune.search")
     if name not in _LAZY:
         raise AttributeError(name)
     return getattr(import_module(_LAZY[name]), name)

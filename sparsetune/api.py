@@ -179,7 +179,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
     "evolve" (`agents.loop`): a proposer also writes new flows, each validated in a sandbox and
     searched like the others; every trial then runs in the sandbox (`proposer`: one of your own,
     `agents.proposer.Proposer`, in place of the one `agent` names)."""
-    from sparsetune.search.config import DEFAULT_FLOWS, SearchConfig, check_prompts, check_search
+    from sparsetune.tuning.config import DEFAULT_FLOWS, SearchConfig, check_prompts, check_search
 
     def names(value):
         return [f.strip() for f in value.split(",") if f.strip()] if isinstance(value, str) else list(value or ())
@@ -191,11 +191,11 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
         options["kind"] = "reuse"
     cfg = SearchConfig(flows=tuple(names(reuse) or names(flows) or DEFAULT_FLOWS), study=study, **options)
     check_search(cfg)  # before torch loads
-    from sparsetune.search.storage import is_rdb, open_storage, stored_config
+    from sparsetune.tuning.storage import is_rdb, open_storage, stored_config
 
     url = cfg.storage_url()
     if resume and ((not is_rdb(url) and not Path(url).is_file()) or stored_config(open_storage(url), study) is None):
-        from sparsetune.search.config import masked_url
+        from sparsetune.tuning.config import masked_url
 
         raise SparsetuneError(f"--resume: no search {study!r} in {masked_url(url)}; drop --resume to start it")
     agent = None
@@ -209,7 +209,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
         agent = Agent(cfg, proposer or make_proposer(cfg))
     if evaluator is None:  # the engine's tasks (a custom evaluator measures its own way)
         check_prompts(cfg)
-    from sparsetune.search.study import run_search
+    from sparsetune.tuning.study import run_search
 
     return run_search(cfg, evaluator, on_event, workers=workers, agent=agent)
 
@@ -217,7 +217,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
 def search_worker(study: str, storage: str, *, out: str | None = None, evaluator: Any = None,
                   on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Join a running search (its config is in `storage`) and run trials until its budget is spent."""
-    from sparsetune.search.study import run_worker
+    from sparsetune.tuning.study import run_worker
 
     return run_worker(study, storage, out, evaluator, on_event)
 
@@ -225,7 +225,7 @@ def search_worker(study: str, storage: str, *, out: str | None = None, evaluator
 def search_show(run_dir: str | Path | None = None, *, study: str | None = None, storage: str | None = None) -> dict[str, Any]:
     """A search's frontier and trials as its studies hold them now."""
     from sparsetune.agents.loop import show_candidates
-    from sparsetune.search.study import show
+    from sparsetune.tuning.study import show
 
     result = show(run_dir, study=study, storage=storage)
     cands = show_candidates(result["run_dir"], result["records"], result["confirmed_frontier"], result["min_accuracy"])
@@ -262,7 +262,7 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
     if defaults != "tuned" and (run_dir is not None or model is None):
         raise SparsetuneError("--defaults applies to --flow with --model (a search's point has its own params)")
     from sparsetune.export.bundle import export_run, write_bundle
-    from sparsetune.registry import flow_path
+    from sparsetune.loader import flow_path
 
     if run_dir is not None:
         manifest = export_run(Path(run_dir), out, trial=trial, pick=pick, overwrite=force)

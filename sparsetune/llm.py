@@ -20,9 +20,9 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.models.artifacts import resolve_calibration
 from sparsetune.flow.defaults import tuned_config
-from sparsetune.registry import build_flow, resolve_decode_flow
+from sparsetune.loader import build_flow, resolve_decode_flow
 from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
-from sparsetune.reuse.flow import ReuseFlow
+from sparsetune.reuse.base import ReuseFlow
 from sparsetune.reuse.parts import ReuseLayout, encode_parts, is_parts, parse_parts_any
 from sparsetune.reuse.segment_cache import SegmentCache
 
@@ -339,7 +339,7 @@ def _flow_elems_per_block(flow, mcfg) -> int:
     """A flow's per-block fields on its sparse layers, in pool elements: they live beside the pool."""
     if flow is None:
         return 0
-    from sparsetune.flow.trace import field_dims
+    from sparsetune.flow.shapes import field_dims
 
     dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
     layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)

@@ -184,7 +184,7 @@ class SyntheticEvaluator:
     def speedup(self, flow, params):
         from sparsetune.models.resolve import model_config
         from sparsetune.perf.cost import modeled_speedup
-        from sparsetune.registry import build_flow
+        from sparsetune.loader import build_flow
 
         mcfg = model_config(self.cfg.model, False)[1]
         return round(modeled_speedup(mcfg, build_flow(flow, params), self.cfg.batch, self.cfg.context, 2), 4), {"kind": "modeled"}
@@ -192,7 +192,7 @@ class SyntheticEvaluator:
     def accuracy(self, flow, params, *, samples, seed, out, on_chunk=None):
         import time as _time
 
-        from sparsetune.search.trial import Accuracy, Hopeless
+        from sparsetune.tuning.trial import Accuracy, Hopeless
 
         self.calls.append((flow, dict(params), samples, seed))
         if self.fail is not None and self.fail(params):

@@ -239,7 +239,7 @@ def static_prefix() -> str:
     code (docstrings, `flow.ops.OPS`, `DecodeFlow`'s params, the built-in flow files)."""
     from sparsetune.flow import base, check, ops
     from sparsetune.flow.source_check import ALLOWED_MODULES, IMPORT_TIME_CALLS, VALUE_BUILTINS
-    from sparsetune.registry import builtin_flows, flow_path
+    from sparsetune.loader import builtin_flows, flow_path
 
     examples = "\n\n".join(f"### flows/{name}.py\n\n```python\n{flow_path(name).read_text().rstrip()}\n```"
                            for name in EXAMPLE_FLOWS)

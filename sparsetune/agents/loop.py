@@ -46,10 +46,10 @@ from sparsetune.agents.proposer import PROPOSERS, Context, NoMoreProposals, Prop
 from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator, check_isolation, scrub
 from sparsetune.errors import SparsetuneError
 from sparsetune.records import new_file
-from sparsetune.search.config import SearchConfig, flow_key
-from sparsetune.search.frontier import eligible, search_frontier, trial_name
-from sparsetune.search.space import spec_class
-from sparsetune.search.storage import trial_count
+from sparsetune.tuning.config import SearchConfig, flow_key
+from sparsetune.tuning.frontier import eligible, search_frontier, trial_name
+from sparsetune.tuning.space import spec_class
+from sparsetune.tuning.storage import trial_count
 
 PROPOSE_EVERY = 8  # trials between two proposals
 REJECTS_IN_A_ROW = 3  # proposals one after another while each is rejected
@@ -177,7 +177,7 @@ class Agent:
     def _due(self) -> bool:
         from optuna.trial import TrialState
 
-        from sparsetune.search.study import confirm_reserve
+        from sparsetune.tuning.study import confirm_reserve
 
         flows, budget, cfg = self.flows, self.budget, self.cfg
         if self.stopped is None and cfg.agent_budget_usd is not None and self.spent_usd() >= cfg.agent_budget_usd:
@@ -205,7 +205,7 @@ class Agent:
         return not self.candidates or trial_count(flows.studies) - self._last >= self.propose_every
 
     def context(self) -> Context:
-        from sparsetune.search.study import trial_records
+        from sparsetune.tuning.study import trial_records
 
         records = trial_records(self.flows)
         by_name = {trial_name(r): r for r in records}
@@ -242,7 +242,7 @@ class Agent:
             self._join(cand)
 
     def gate_bar(self) -> float:
-        from sparsetune.search.study import trial_records
+        from sparsetune.tuning.study import trial_records
 
         builtin = {flow_key(f) for f in self.cfg.flows}
         accs = [r["accuracy"]["relative_accuracy"] for r in trial_records(self.flows)
@@ -267,7 +267,7 @@ class Agent:
 
     def _join(self, cand: Candidate) -> None:
         """Harness step 4: its study joins the search."""
-        from sparsetune.search.study import add_flow
+        from sparsetune.tuning.study import add_flow
 
         spec = next(s for s in cand.stages if s.name == "check").detail["spec"]
         add_flow(self.cfg, self.flows, str(cand.path(self.root)), spec_class(spec), create=True, foreign=True)
@@ -277,7 +277,7 @@ class Agent:
     def write(self, result: dict[str, Any] | None = None) -> dict[str, Any]:
         """candidates.json: each candidate's verdict and where it landed; the accepted ones' diversity."""
         from sparsetune.records import write_json
-        from sparsetune.search.study import trial_records
+        from sparsetune.tuning.study import trial_records
 
         records = trial_records(self.flows) if self.flows is not None else []
         rows = (result or {}).get("confirmed_frontier") or []

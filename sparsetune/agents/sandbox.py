@@ -115,7 +115,7 @@ class SandboxEvaluator:
         return self.request({"op": "trial", "flow": flow, "params": params, "out": str(out)})["record"]
 
     def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path, on_chunk=None):
-        from sparsetune.search.trial import accuracy_from_dict
+        from sparsetune.tuning.trial import accuracy_from_dict
 
         ans = self.request({"op": "accuracy", "flow": flow, "params": params, "samples": samples, "seed": seed,
                             "out": str(out)})
@@ -227,8 +227,8 @@ class SandboxEvaluator:
 def _check(path: str) -> dict[str, Any]:
     from sparsetune.errors import SparsetuneError
     from sparsetune.flow.check import check_flow
-    from sparsetune.registry import flow_kind, load_file
-    from sparsetune.search.space import spec_dicts
+    from sparsetune.loader import flow_kind, load_file
+    from sparsetune.tuning.space import spec_dicts
 
     cap_address_space()
     try:
@@ -246,9 +246,9 @@ def _check(path: str) -> dict[str, Any]:
 
 def _serve(config: str) -> int:
     """Answer the parent's requests (`SandboxEvaluator`) until its end of stdin closes."""
-    from sparsetune.search.config import SearchConfig
-    from sparsetune.search.study import run_trial
-    from sparsetune.search.trial import EngineEvaluator
+    from sparsetune.tuning.config import SearchConfig
+    from sparsetune.tuning.study import run_trial
+    from sparsetune.tuning.trial import EngineEvaluator
 
     cfg = SearchConfig.model_validate_json(Path(config).read_text())
     evaluator = EngineEvaluator(cfg)

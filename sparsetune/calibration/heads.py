@@ -33,7 +33,7 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.calibration.channels import builtin_text
 from sparsetune.models.artifacts import HEAD_CLASSES, artifact_path
 from sparsetune.models.registry import DEFAULT_MODEL
-from sparsetune.reuse.flow import attention_probs
+from sparsetune.reuse.base import attention_probs
 
 METHOD = "RedKnot: max(1 - cos(map alone, map behind a prefix), mass outside sinks + window), max over the query group"
 PREFIXES = ("The following document is provided for reference.", "Background context unrelated to the question below.")

@@ -46,7 +46,7 @@ class {cls}(DecodeFlow):
 @app.command("list")
 def list_(json_out: bool = typer.Option(False, "--json")) -> None:
     """Built-in flows."""
-    from sparsetune.registry import builtin_flows, flow_kind, load_file
+    from sparsetune.loader import builtin_flows, flow_kind, load_file
 
     rows = []
     for name, path in builtin_flows().items():
@@ -70,7 +70,7 @@ def list_(json_out: bool = typer.Option(False, "--json")) -> None:
 def show(name: str, json_out: bool = typer.Option(False, "--json")) -> None:
     """A flow's parameters (type, default, search space) and source."""
     from sparsetune.flow.params import Flow
-    from sparsetune.registry import flow_kind, get_flow_class
+    from sparsetune.loader import flow_kind, get_flow_class
 
     cls = get_flow_class(name, Flow)
     params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
@@ -105,7 +105,7 @@ def check(
     """Validate a flow: op set, declared params, shapes, cost, and equality with dense at full budget."""
     from sparsetune.flow.check import check_flow
     from sparsetune.flow.params import Flow, parse_param_args
-    from sparsetune.registry import flow_kind, get_flow_class
+    from sparsetune.loader import flow_kind, get_flow_class
 
     cls = get_flow_class(file, Flow, all_problems=True)
     if flow_kind(cls) == "reuse":  # plain Python over the executor's inputs: its params are what can be checked

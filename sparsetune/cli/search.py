@@ -239,7 +239,7 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from sparsetune.search.report import against_defaults_lines
+    from sparsetune.tuning.report import against_defaults_lines
 
     if json_out:
         emit_json({k: v for k, v in s.items() if k != "records"})

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from sparsetune.engine.kv_cache import KVCache
-from sparsetune.engine.stages import stage
+from sparsetune.engine.ranges import stage
 from sparsetune.kernels import paged_decode
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from sparsetune.engine.attention import ForwardContext
 from sparsetune.engine.rows import Rows
-from sparsetune.engine.stages import stage
+from sparsetune.engine.ranges import stage
 from sparsetune.engine.rope import cos_sin_table
 from sparsetune.kernels import fused_ops
 from sparsetune.models.config import ModelConfig

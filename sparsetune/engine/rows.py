@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from sparsetune.engine.attention import causal_sdpa, prefill_backends
 from sparsetune.engine.kv_cache import KVCache
-from sparsetune.engine.stages import stage
+from sparsetune.engine.ranges import stage
 from sparsetune.kernels import line_select
 from sparsetune.kernels.rows_attention import lines_attention, rows_attention
 

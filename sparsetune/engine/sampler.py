@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsetune.engine.stages import stage
+from sparsetune.engine.ranges import stage
 
 
 def sample(

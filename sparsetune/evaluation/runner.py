@@ -36,7 +36,7 @@ from sparsetune.perf.cost import attended_tokens, forced_only
 from sparsetune.perf.fit import EVAL, SAMPLE, check_fits
 from sparsetune.perf.speed import measure_speed
 from sparsetune.flow.defaults import tuned_config
-from sparsetune.registry import resolve_decode_flow
+from sparsetune.loader import resolve_decode_flow
 from sparsetune.records import env_info, file_sha256, new_run_dir, write_json
 
 # on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.

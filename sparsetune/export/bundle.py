@@ -82,7 +82,7 @@ def pick_point(rows: list[dict[str, Any]], rule: str) -> dict[str, Any]:
 
 def _flow_source(run_dir: Path, flow: str) -> Path:
     """A built-in flow's file, or a proposed flow's from the run's candidates."""
-    from sparsetune.registry import builtin_flows
+    from sparsetune.loader import builtin_flows
 
     builtin = builtin_flows()
     if flow in builtin:
@@ -124,7 +124,7 @@ def point_of_run(run_dir: Path, trial: str | None = None, pick: str | None = Non
 def _resolve(flow_file: Path, raw: dict[str, str], trust: bool | None = None) -> tuple[type, dict[str, str]]:
     """The flow class and every declared parameter that has a value, as text (the given ones validated)."""
     from sparsetune.flow.base import DecodeFlow
-    from sparsetune.registry import load_file
+    from sparsetune.loader import load_file
 
     cls = load_file(flow_file, trust=trust)
     if not issubclass(cls, DecodeFlow):

@@ -22,12 +22,12 @@ import torch
 
 from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
-from sparsetune.engine.stages import stage
+from sparsetune.engine.ranges import stage
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.compile import PagedBlocks
 from sparsetune.flow.stages import EXECUTORS, FlowStages, flow_stages, torch_topk
-from sparsetune.flow.trace import field_dims
+from sparsetune.flow.shapes import field_dims
 from sparsetune.kernels import paged_decode
 from sparsetune.kernels.select_topk import select_topk
 

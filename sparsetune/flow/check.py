@@ -23,7 +23,8 @@ import torch
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.ops import FT, Fields, FlowError, Selection
-from sparsetune.flow.trace import OpRecord, dummy_inputs, tracing
+from sparsetune.flow.trace import OpRecord, tracing
+from sparsetune.flow.shapes import dummy_inputs
 from sparsetune.flow.source_check import class_stage_problems
 
 

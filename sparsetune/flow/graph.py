@@ -30,7 +30,8 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import RUNTIME_PARAMS, DecodeFlow
 from sparsetune.flow.ops import OPS, FT, Fields, Op, Selection, save
 from sparsetune.flow.params import Param, Search
-from sparsetune.flow.trace import dummy_inputs, tracing
+from sparsetune.flow.trace import tracing
+from sparsetune.flow.shapes import dummy_inputs
 from sparsetune.flow.values import check_name
 
 SCHEMA = "sparsetune.flowgraph/1"

@@ -17,7 +17,7 @@ def is_flow_file(spec: str) -> bool:
 @dataclass(frozen=True)
 class Search:
     """How `sparsetune search` samples a `Param`, where its declared choices or range are not the
-    space to search (`sparsetune.search.space`). `off`: never searched. `layers`: the param is a
+    space to search (`sparsetune.tuning.space`). `off`: never searched. `layers`: the param is a
     layer set, searched by its size N in [low, high] ("first": the first N layers; "spread": N
     layers spread evenly from the first sparse one, N = 0 meaning every sparse layer), or one layer
     ("index": a layer in [low, high], capped at the model's last). `share`: what a None default

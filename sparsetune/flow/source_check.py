@@ -43,7 +43,7 @@ ALLOWED_MODULES = frozenset({
     "__future__", "math", "typing",
     "torch", "torch.nn.functional",
     "sparsetune.flow", "sparsetune.flow.ops", "sparsetune.flow.params", "sparsetune.flow.base",
-    "sparsetune.reuse", "sparsetune.reuse.flow", "sparsetune.reuse.head_classes", "sparsetune.models.artifacts",
+    "sparsetune.reuse", "sparsetune.reuse.base", "sparsetune.reuse.head_classes", "sparsetune.models.artifacts",
 })
 _OPS_MODULE = "sparsetune.flow.ops"
 _PARAM_MODULES = ("sparsetune.flow", "sparsetune.flow.params")

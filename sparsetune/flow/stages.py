@@ -16,7 +16,7 @@ import torch
 from sparsetune.flow.base import BudgetRule, DecodeFlow
 from sparsetune.flow.compile import CacheKernel, ForcedOnly, IndexerKernel, NotBlockLocal, build_cache, build_indexer
 from sparsetune.flow.ops import FT, Fields
-from sparsetune.flow.trace import IndexTraits, index_traits
+from sparsetune.flow.shapes import IndexTraits, index_traits
 
 EXECUTORS = ("reference", "compiled")
 # Variants dynamo may keep of one compiled stage function: every FlowStages and batch shape is one.

@@ -13,13 +13,18 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from sparsetune.flow.base import DecodeFlow
-    from sparsetune.flow.ops import FT, Fields, Op
+    from sparsetune.flow.values import FT
+
+
+class Op(Protocol):
+    """What a tracing keeps of an op (`flow.ops.Op`): its name, and the op itself for the generator."""
+
+    name: str
 
 _FLOW_DIR = str(Path(__file__).parent)
 
@@ -90,67 +95,3 @@ def caller_line() -> tuple[str, int] | None:
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
     return None
-
-
-# ---- dummy inputs -------------------------------------------------------------------------------
-
-
-@dataclass
-class DummyInputs:
-    """Seeded random stage inputs over `rows` (request, KV head) rows: the cache stage's one
-    block of keys and values `[rows, 1, block_size, head_dim]`, and the constants `[rows, 1, r, c]`.
-    Values are arbitrary: tracing reads shapes and op calls."""
-
-    flow: DecodeFlow
-    head_dim: int
-    k: FT
-    v: FT
-    const: dict[str, FT]
-    gen: torch.Generator
-
-    def index(self, field_dims: dict[str, tuple[int, int]], group: int, num_blocks: int = 5) -> tuple[FT, Fields]:
-        """The indexer's query `[rows, 1, group, head_dim]` and fields `[rows, num_blocks, r, c]` (raw
-        keys as "k" when the flow reads them); rows after the first end two blocks early (padding)."""
-        from sparsetune.flow.values import FT, Fields
-
-        rows, g = self.k.data.shape[0], self.gen
-        lens = torch.tensor([num_blocks] + [max(1, num_blocks - 2)] * (rows - 1))
-        valid = torch.arange(num_blocks)[None, :] < lens[:, None]
-        fields = Fields({n: FT(torch.randn(rows, num_blocks, *rc, generator=g), valid) for n, rc in field_dims.items()})
-        if self.flow.uses_keys:
-            keys = torch.randn(rows, num_blocks, self.flow.block_size, self.head_dim, generator=g)
-            dict.__setitem__(fields, "k", FT(keys, valid))
-        return FT(torch.randn(rows, 1, group, self.head_dim, generator=g)), fields
-
-
-def dummy_inputs(flow: DecodeFlow, head_dim: int, rows: int = 1,
-                 const_dims: dict[str, tuple[int, int]] | None = None) -> DummyInputs:
-    """The one builder of dummy stage inputs (constants shaped by `flow.const_dims` unless given)."""
-    from sparsetune.flow.values import FT
-
-    g = torch.Generator().manual_seed(0)
-    const_dims = flow.const_dims(head_dim) if const_dims is None else const_dims
-    k, v = (FT(torch.randn(rows, 1, flow.block_size, head_dim, generator=g)) for _ in range(2))
-    const = {n: FT(torch.randn(rows, 1, *rc, generator=g)) for n, rc in const_dims.items()}
-    return DummyInputs(flow, head_dim, k, v, const, g)
-
-
-def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
-    """The inner shape `(r, c)` of each field the cache stage writes (from one dummy block)."""
-    from sparsetune.flow.values import check_name
-
-    x = dummy_inputs(flow, head_dim, const_dims=const_dims)
-    return {check_name(n, "field name"): tuple(t.shape[1:]) for n, t in flow.run_cache(x.k, x.v, x.const).items()}  # type: ignore[misc]
-
-
-class IndexTraits(NamedTuple):
-    saves_state: bool  # the indexer saves state with F.save
-    forced_only: bool  # it scores nothing (F.keep_only_forced): the selection is the always-kept blocks
-
-
-def index_traits(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> IndexTraits:
-    """What the indexer does, found by running it once on dummy inputs."""
-    x = dummy_inputs(flow, head_dim, const_dims=const_dims)
-    q, fields = x.index(field_dims(flow, head_dim, const_dims), group=2)
-    sel = flow.run_index(q, fields, x.const)
-    return IndexTraits(bool(fields.saved), sel.score is None)

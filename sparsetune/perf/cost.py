@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.trace import field_dims, index_traits
+from sparsetune.flow.shapes import field_dims, index_traits
 from sparsetune.models.config import ModelConfig
 
 

@@ -229,7 +229,7 @@ def check_serve(cfg: ServeConfig) -> None:
     kind and params (and its layers against the model's: a flow is switched in after dense has run)."""
     from sparsetune.flow.params import Flow
     from sparsetune.llm import check_flows
-    from sparsetune.registry import flow_kind, get_flow_class
+    from sparsetune.loader import flow_kind, get_flow_class
 
     name, mcfg = cfg.engine.check()
     inp, out = cfg.lengths()

@@ -12,7 +12,7 @@ then profiles one more decode step eagerly with `torch.profiler` and attributes 
 - on CPU, CPU time: each op's self time goes to its category; coarser, since a CPU "kernel" is an
   aten op and time between ops (Python, scheduling) counts too.
 
-An op's category is its innermost stage range (`sparsetune.engine.stages.stage`: attention,
+An op's category is its innermost stage range (`sparsetune.engine.ranges.stage`: attention,
 indexer, top-k, KV store, the flow's cache stage, norm, RoPE, activation, sampling), else its
 name (`OP_CATEGORIES`: GEMMs, greedy sampling's argmax, ...), else "other" (embedding, input
 preparation, scheduling, the logits' cast). On CPU the categories partition the profiled step's
@@ -37,7 +37,7 @@ import torch
 from torch.autograd import DeviceType
 
 from sparsetune.engine.config import EngineConfig
-from sparsetune.engine.stages import PREFIX, stage_ranges
+from sparsetune.engine.ranges import PREFIX, stage_ranges
 from sparsetune.errors import SparsetuneError
 from sparsetune.perf.fit import PROFILE, check_fits, check_positions
 from sparsetune.perf.timing import sync, time_call, time_calls
@@ -46,7 +46,7 @@ from sparsetune.perf.timing import sync, time_call, time_calls
 CATEGORIES = ("attention", "indexer", "topk", "cache_update", "gemm", "norm", "rope", "activation", "sampling", "other")
 LABELS = {"topk": "top-k", "cache_update": "cache update"}
 
-# Stage range (engine/stages.py) → (category, part of the category).
+# Stage range (engine/ranges.py) → (category, part of the category).
 STAGES = {
     "attention": ("attention", None),
     "indexer": ("indexer", None),

@@ -5,7 +5,7 @@
 2. Each segment's KV is copied into the request's blocks, keys rotated from the segment's stored
    positions to its positions in this prompt (`kernels/rope_realign.py`).
 3. The model runs a forward over the rows the flow's plan names (`ReusePlan`, an `engine/rows.py`
-   `Rows`; see `reuse/flow.py`): their fresh K/V overwrite the cached ones, and they attend over
+   `Rows`; see `reuse/base.py`): their fresh K/V overwrite the cached ones, and they attend over
    the whole prompt with an exact causal mask.
 4. The last prompt token's logits come back; the request then decodes like any other.
 """
@@ -19,9 +19,9 @@ import torch
 
 from sparsetune.engine.rope import inv_frequencies
 from sparsetune.engine.rows import Rows
-from sparsetune.engine.stages import stage
+from sparsetune.engine.ranges import stage
 from sparsetune.kernels import rope_realign
-from sparsetune.reuse.flow import LayerInputs, ReuseFlow, SelectionInputs
+from sparsetune.reuse.base import LayerInputs, ReuseFlow, SelectionInputs
 from sparsetune.reuse.parts import ReuseLayout
 from sparsetune.reuse.segment_cache import Segment, SegmentCache
 

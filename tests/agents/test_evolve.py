@@ -10,7 +10,7 @@ import torch
 from sparsetune.agents.evolve import BUILTIN_GENOMES, MUTATIONS, Evolve, Genome, genome_of, source
 from sparsetune.agents.harness import Candidate, validate
 from sparsetune.agents.proposer import Context
-from sparsetune.registry import get_flow_class, load_file
+from sparsetune.loader import get_flow_class, load_file
 
 
 def decode_outputs(cls: type, steps: int = 3, head_dim: int = 64, group: int = 3) -> list[torch.Tensor]:

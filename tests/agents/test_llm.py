@@ -20,7 +20,7 @@ from sparsetune.agents.llm import (CACHE_READ, CACHE_WRITE, PRICES, TOOL_NAME, T
 from sparsetune.agents.proposer import Context
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.ops import OPS
-from sparsetune.registry import flow_path
+from sparsetune.loader import flow_path
 
 
 

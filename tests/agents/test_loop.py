@@ -15,7 +15,7 @@ from sparsetune import api
 from sparsetune.agents.llm import ClaudeProposer, canonical_hash, cost_usd
 from sparsetune.agents.loop import Agent
 from sparsetune.agents.sandbox import Limits
-from sparsetune.search.config import SearchConfig
+from sparsetune.tuning.config import SearchConfig
 
 CASES = [  # (source, verdict, a phrase of the reason)
     (candidate_flow(name="c_syntax").replace("def index(self, q, fields):", "def index(self, q, fields)"),

@@ -11,7 +11,7 @@ from helpers import assert_clean_error, candidate_flow, run
 from sparsetune import api
 from sparsetune.agents.harness import Candidate, Stage
 from sparsetune.errors import SparsetuneError
-from sparsetune.registry import get_flow_class
+from sparsetune.loader import get_flow_class
 
 
 def run_dir(tmp_path, stages):

@@ -10,8 +10,8 @@ import optuna
 
 from sparsetune.agents.loop import FAILURES_IN_A_ROW, Agent
 from sparsetune.errors import SparsetuneError
-from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import Budget, Flows
+from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.study import Budget, Flows
 
 
 class Down:

@@ -239,7 +239,7 @@ def test_flows_new_then_check(tmp_path):
 
 def test_python_api_takes_typed_params():
     """`params={"budget_ratio": 0.125}` as anyone writes it; a wrong type is one clear error."""
-    code = ("from sparsetune.registry import build_flow\n"
+    code = ("from sparsetune.loader import build_flow\n"
             "f = build_flow('quest', {'budget_ratio': 0.125, 'budget': 512, 'dense_layers': [0, 1], 'block_size': 2})\n"
             "print(f.budget_ratio, f.budget, f.dense_layers, f.block_size)\n"
             "from sparsetune.errors import SparsetuneError\n"

@@ -27,7 +27,7 @@ def _run(llm, seqs):
 def test_engine_imports_no_flow_or_reuse():
     code = ("import sys, sparsetune.engine.engine\n"
             "bad = [m for m in sys.modules if m.startswith(('sparsetune.flow', 'sparsetune.reuse', 'sparsetune.llm',"
-            " 'sparsetune.registry', 'sparsetune.evaluation'))]\n"
+            " 'sparsetune.loader', 'sparsetune.evaluation'))]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -153,8 +153,8 @@ def test_gpu_search_relayouts_between_evaluations_fit(tmp_path):
         pytest.skip("needs a GPU of at least 120 GiB (the speed engine's pool at 16 x 32K)")
     from pathlib import Path
 
-    from sparsetune.search.config import SearchConfig
-    from sparsetune.search.trial import EngineEvaluator
+    from sparsetune.tuning.config import SearchConfig
+    from sparsetune.tuning.trial import EngineEvaluator
 
     cfg = SearchConfig(study="t", out=str(tmp_path), context=2048, samples=4, flows=["quest", "tidal"],
                        speed_model="qwen3-8b", speed_batch=16, speed_context=32768)

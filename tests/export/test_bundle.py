@@ -12,9 +12,9 @@ from helpers import SyntheticEvaluator
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import MANIFEST, check_bundle, export_run, pick_point, read_bundle, write_bundle
 from sparsetune.records import file_sha256
-from sparsetune.registry import build_flow, flow_path
-from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import run_search
+from sparsetune.loader import build_flow, flow_path
+from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.study import run_search
 
 
 @pytest.fixture(scope="module")

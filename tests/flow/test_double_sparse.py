@@ -13,7 +13,7 @@ import torch
 from sparsetune.errors import SparsetuneError
 from sparsetune.calibration.channels import builtin_text, calibrate
 from sparsetune.models.artifacts import artifact_path, load_calibration, resolve_calibration, synthetic_calibration
-from sparsetune.registry import build_flow, get_flow_class
+from sparsetune.loader import build_flow, get_flow_class
 from sparsetune.flow.attention import FlowAttention
 from helpers import HEAD_DIM, HKV, GROUP, paged_case, prefill_cache, selected_sets, reference_selection, block_keys
 

@@ -17,7 +17,7 @@ import pytest
 
 from sparsetune.errors import SparsetuneError
 from sparsetune import registry
-from sparsetune.registry import builtin_flows, get_flow_class, load_file
+from sparsetune.loader import builtin_flows, get_flow_class, load_file
 from sparsetune.flow.source_check import file_problems
 
 REPO = Path(__file__).resolve().parents[2]
@@ -296,10 +296,10 @@ HEAD = "from sparsetune.flow import DecodeFlow, Param\nfrom sparsetune.flow impo
     ("from sparsetune.flow import check", "`from sparsetune.flow import check` is not allowed"),
     ("from sparsetune.flow.ops import active", "`from sparsetune.flow.ops import active` is not allowed"),
     ("from sparsetune.flow.ops import torch", "`from sparsetune.flow.ops import torch` is not allowed"),
-    ("from sparsetune.reuse.flow import F", "`from sparsetune.reuse.flow import F` is not allowed"),
+    ("from sparsetune.reuse.base import F", "`from sparsetune.reuse.base import F` is not allowed"),
     ("from sparsetune.flow.ops import _where", "`from sparsetune.flow.ops import _where` is not allowed"),
     ("from sparsetune.flow.ops import gemm, FT", None),
-    ("from sparsetune.reuse.flow import attention_mass", None),
+    ("from sparsetune.reuse.base import attention_mass", None),
     ("X = __import__('os')", "`__import__` is not allowed"),
     ("X = (1, 2)\nY = len(X)", None),  # constants are fine
     ("for i in range(3):\n    pass", "runs when the flow file is loaded"),

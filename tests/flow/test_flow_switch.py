@@ -13,7 +13,7 @@ from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.flow.stages import flow_stages
 from sparsetune.llm import LLM
-from sparsetune.registry import build_flow
+from sparsetune.loader import build_flow
 from helpers import HEAD_DIM, paged_case, prefill_cache, selected_sets
 
 PROMPT = "Name the planets of the solar system in order from the sun, with one fact about each. " * 6

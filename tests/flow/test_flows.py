@@ -15,7 +15,7 @@ from sparsetune.engine.attention import AttentionMetadata
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.check import check_flow
-from sparsetune.registry import build_flow, get_flow_class
+from sparsetune.loader import build_flow, get_flow_class
 from sparsetune.flow.attention import FlowAttention
 from helpers import HEAD_DIM, HKV, GROUP, paged_case, prefill_cache, selected_sets, reference_selection, block_keys
 

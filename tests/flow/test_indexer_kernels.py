@@ -81,7 +81,7 @@ from sparsetune.flow.compile import PagedBlocks, PagedLayout, build_cache, build
 from sparsetune.flow.compile import indexer as indexer_mod  # noqa: E402
 from sparsetune.flow.compile.emit import p2  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
-from sparsetune.registry import build_flow  # noqa: E402
+from sparsetune.loader import build_flow  # noqa: E402
 from sparsetune.flow.attention import FlowAttention  # noqa: E402
 from helpers import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache  # noqa: E402
 

@@ -23,7 +23,7 @@ from sparsetune import registry
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.graph import GraphFlow, NotTraceable, describe, flow_class
 from sparsetune.flow.source_check import file_problems
-from sparsetune.flow.trace import dummy_inputs
+from sparsetune.flow.shapes import dummy_inputs
 from sparsetune.flow.values import Fields
 
 REPO = Path(__file__).resolve().parents[2]
@@ -265,7 +265,7 @@ def test_shape_dependent_stage_is_not_traceable(tmp_path):
 
 def test_builtin_manifest_matches_the_shipped_flows():
     """The built-ins run in-process because their bytes are in the manifest; an edited built-in is not
-    trusted until `python -m sparsetune.registry manifest` is run again (a release step)."""
+    trusted until `python -m sparsetune.loader manifest` is run again (a release step)."""
     shipped = {p.name: registry.hashlib.sha256(p.read_bytes()).hexdigest() for p in (REPO / "flows").glob("*.py")
                if not p.name.startswith("_")}
     assert json.loads(registry.MANIFEST.read_text()) == shipped

@@ -9,7 +9,7 @@ from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.models.registry import REGISTRY
 from sparsetune.perf.cost import attended_tokens, decode_step_bytes, field_bytes_per_block, kv_share, modeled_speedup, weight_bytes
-from sparsetune.registry import build_flow
+from sparsetune.loader import build_flow
 
 CFG = REGISTRY["smollm2-135m"].config  # 30 layers, 3 KV heads, head dim 64, tied embeddings
 KV_TOKEN_LAYER = 2 * 3 * 64 * 4  # K and V, float32

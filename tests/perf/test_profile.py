@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from sparsetune.cli.profile import profile as profile_command
-from sparsetune.engine import stages
+from sparsetune.engine import ranges
 from sparsetune.errors import SparsetuneError
 from sparsetune.perf.step_profile import CATEGORIES, profile_decode
 

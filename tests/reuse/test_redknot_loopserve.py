@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from sparsetune.registry import build_flow, resolve_decode_flow
+from sparsetune.loader import build_flow, resolve_decode_flow
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import LayerInputs
+from sparsetune.reuse.base import LayerInputs
 from sparsetune.calibration.heads import PREFIXES, profile_heads
 from sparsetune.reuse.head_classes import global_heads
 from sparsetune.reuse.parts import ReuseLayout, Span
@@ -45,7 +45,7 @@ def _lines_reference(probs: torch.Tensor, rows: list[int], alpha: float) -> tupl
 def test_loopserve_lines_match_the_greedy_cover(alpha, one_head_a_round, monkeypatch):
     import sys
 
-    from sparsetune.registry import get_flow_class
+    from sparsetune.loader import get_flow_class
 
     from sparsetune.kernels import line_select
 

@@ -8,9 +8,9 @@ import torch
 
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
-from sparsetune.registry import build_flow
+from sparsetune.loader import build_flow
 from sparsetune.reuse import ReuseFlow
-from sparsetune.reuse.flow import SelectionInputs
+from sparsetune.reuse.base import SelectionInputs
 from sparsetune.reuse.parts import ReuseLayout, Span, encode_parts, parse_parts
 from helpers import DOC_A, plain_logits, reuse_logits, reuse_parts
 

@@ -14,7 +14,8 @@ from sparsetune.flow.compile.cache import load_kernel, shared
 from sparsetune.flow.compile.emit import Emitter, kernel_source, p2, ptr_params, with_strides
 from sparsetune.flow.compile.layout import KVLayout
 from sparsetune.flow.compile.paged import PAGED
-from sparsetune.flow.trace import dummy_inputs, tracing
+from sparsetune.flow.trace import tracing
+from sparsetune.flow.shapes import dummy_inputs
 
 
 @dataclass(frozen=True)

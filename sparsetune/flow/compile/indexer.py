@@ -22,7 +22,8 @@ from sparsetune.flow.compile.cache import load_kernel, shared
 from sparsetune.flow.compile.emit import Emitter, ForcedOnly, NotBlockLocal, kernel_source, p2, ptr_params, tile_load, with_strides
 from sparsetune.flow.compile.layout import KVLayout
 from sparsetune.flow.compile.paged import PAGED
-from sparsetune.flow.trace import dummy_inputs, field_dims, tracing
+from sparsetune.flow.trace import tracing
+from sparsetune.flow.shapes import dummy_inputs, field_dims
 
 ELEMS_PER_PROGRAM = 16384  # the largest intermediate of one program, in fp32 elements (4 warps)
 NUM_WARPS = 4

@@ -31,7 +31,7 @@ from sparsetune.export.sglang import plugin
 from sparsetune.export.bundle import BUNDLE_ENV
 from sparsetune.export.sglang.backend import SparsetuneBackend
 from sparsetune.flow.attention import FlowAttention
-from sparsetune.registry import build_flow, flow_path
+from sparsetune.loader import build_flow, flow_path
 
 P, HKV, HQ, D, LAYERS = 4, 2, 6, 32, 3
 SCALE = D**-0.5

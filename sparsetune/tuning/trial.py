@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.search.config import SearchConfig
+from sparsetune.tuning.config import SearchConfig
 
 REUSE_SPEED_REPEATS = 5  # timed requests of full recompute and of the flow, alternately
 
@@ -143,7 +143,7 @@ class EngineEvaluator:
             return self._reuse_speedup(flow, params, accuracy)
         from sparsetune.models.resolve import model_config
         from sparsetune.perf.cost import modeled_speedup
-        from sparsetune.registry import build_flow
+        from sparsetune.loader import build_flow
 
         from sparsetune.perf.cost import kv_share
 

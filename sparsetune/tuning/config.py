@@ -210,8 +210,8 @@ def check_search(cfg: SearchConfig) -> None:
     and its context, the speed model."""
     from sparsetune.evaluation.config import EvalConfig, check_config
     from sparsetune.models.resolve import model_config
-    from sparsetune.registry import flow_kind, flow_path, load_file
-    from sparsetune.search.space import dimensions
+    from sparsetune.loader import flow_kind, flow_path, load_file
+    from sparsetune.tuning.space import dimensions
 
     _name, mcfg = model_config(cfg.model, False)
     option = "--flow" if cfg.kind == "decode" else "--reuse"

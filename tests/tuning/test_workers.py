@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from optuna.trial import TrialState
 
-from sparsetune.search.config import SearchConfig
-from sparsetune.search.report import summary
-from sparsetune.search.study import open_flows, trial_records, write_json_config
-from sparsetune.search.storage import trial_count
+from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.report import summary
+from sparsetune.tuning.study import open_flows, trial_records, write_json_config
+from sparsetune.tuning.storage import trial_count
 
 from helpers import sigint_default
 
@@ -29,8 +29,8 @@ TESTS = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, sys
 from helpers import SyntheticEvaluator
-from sparsetune.search.study import run_worker
-from sparsetune.search.storage import open_storage, stored_config
+from sparsetune.tuning.study import run_worker
+from sparsetune.tuning.storage import open_storage, stored_config
 study, storage, out, sleep, log = sys.argv[1:6]
 cfg = stored_config(open_storage(storage), study)
 class Logged(SyntheticEvaluator):
@@ -44,8 +44,8 @@ run_worker(study, storage, out, Logged(cfg, sleep=float(sleep)))
 SEARCH = """
 import sys
 from helpers import SyntheticEvaluator
-from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import run_search
+from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.study import run_search
 cfg = SearchConfig.model_validate_json(sys.argv[1])
 run_search(cfg, SyntheticEvaluator(cfg, sleep=float(sys.argv[2])))
 """

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from sparsetune.records import write_json
-from sparsetune.search.config import SearchConfig, flow_key
-from sparsetune.search.frontier import (Point, confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
+from sparsetune.tuning.config import SearchConfig, flow_key
+from sparsetune.tuning.frontier import (Point, confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
                                        search_frontier, trial_name)
 
 SCHEMA = "sparsetune.search/1"
@@ -39,7 +39,7 @@ def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str,
     prefill's token-layers its evaluation computed."""
     from sparsetune.models.resolve import model_config
     from sparsetune.perf.cost import kv_share
-    from sparsetune.registry import build_flow
+    from sparsetune.loader import build_flow
 
     if cfg.kind == "reuse":
         return {trial_name(r): ((r.get("accuracy") or {}).get("reuse") or {}).get("compute_fraction") for r in records}

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.search import config
-from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import run_search, show, write_json_config
+from sparsetune.tuning import config
+from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.study import run_search, show, write_json_config
 from helpers import SyntheticEvaluator
 
 PASSWORD = "s3cretPW"
@@ -26,8 +26,8 @@ def cli(monkeypatch, capsys, tmp_path):
     """`sparsetune ARGS` in this process with synthetic trials (no engine, no tokenizer), in
     `tmp_path` (a URL taken for a relative path lands there): (exit code, stdout, stderr lines that
     are not blank)."""
-    import sparsetune.search.config as config
-    import sparsetune.search.trial as trial
+    import sparsetune.tuning.config as config
+    import sparsetune.tuning.trial as trial
     from sparsetune.cli.main import main
 
     monkeypatch.chdir(tmp_path)

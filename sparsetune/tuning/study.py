@@ -53,10 +53,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.sandbox import IsolationRefused
-from sparsetune.search.config import MASK, SearchConfig, flow_key, masked_url, resume_command
-from sparsetune.search.frontier import eligible, hypervolume, point_of, search_frontier, trial_name, wilson_interval
-from sparsetune.search.space import dimensions, suggest
-from sparsetune.search.storage import (open_storage, record_of, stored_config, study_name,
+from sparsetune.tuning.config import MASK, SearchConfig, flow_key, masked_url, resume_command
+from sparsetune.tuning.frontier import eligible, hypervolume, point_of, search_frontier, trial_name, wilson_interval
+from sparsetune.tuning.space import dimensions, suggest
+from sparsetune.tuning.storage import (open_storage, record_of, stored_config, study_name,
                                        trial_count)
 
 WARM_TRIALS = 4
@@ -72,7 +72,7 @@ EventFn = Callable[[str, dict[str, Any]], None]
 
 
 @dataclass
-class Flows:
+class Studies:
     """The search's flows by key: each one's study, its class (what `suggest` reads), the flow as
     a trial runs it (a built-in name or a file), the model's number of layers. `foreign`: flows
     added at runtime by a proposer (`agents.loop`): their failures are theirs, not the engine's."""
@@ -132,11 +132,11 @@ def seed_trials(cls: type, num_layers: int, fixed: dict[str, str]) -> list[tuple
     return out
 
 
-def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
+def open_flows(cfg: SearchConfig, *, create: bool) -> Studies:
     """Every flow's study in the search's storage; `create`: make missing ones (the coordinator),
     each seeded with its defaults, and refuse a stored search whose figures depend on other settings."""
-    from sparsetune.registry import get_flow_class
-    from sparsetune.reuse.flow import ReuseFlow
+    from sparsetune.loader import get_flow_class
+    from sparsetune.reuse.base import ReuseFlow
 
     storage = open_storage(cfg.storage_url(), create=create)
     stored = stored_config(storage, cfg.study)
@@ -144,7 +144,7 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Flows:
         diff = [k for k, v in cfg.fingerprint().items() if stored.fingerprint().get(k) != v]
         raise SparsetuneError(f"study {cfg.study!r} was run with other settings ({', '.join(diff)} differ); "
                               f"rerun with the same ones, or pass a new --study name")
-    flows = Flows({}, {}, _num_layers(cfg.model))
+    flows = Studies({}, {}, _num_layers(cfg.model))
     for flow in cfg.flows:
         cls = get_flow_class(flow, ReuseFlow) if cfg.kind == "reuse" else get_flow_class(flow)
         add_flow(cfg, flows, flow, cls, storage=storage, create=create)
@@ -157,7 +157,7 @@ def fixed_params(cfg: SearchConfig, cls: type) -> dict[str, str]:
     return {k: v for k, v in cfg.params.items() if k in specs}
 
 
-def add_flow(cfg: SearchConfig, flows: Flows, flow: str, cls: type, *, storage=None, create: bool,
+def add_flow(cfg: SearchConfig, flows: Studies, flow: str, cls: type, *, storage=None, create: bool,
              foreign: bool = False) -> str:
     """Open (`create`: or make, seeded with `seed_trials`) the study of `flow` (a name or a file)
     and add it to `flows`; returns its key."""
@@ -220,7 +220,7 @@ def retry(study: optuna.Study, trial: optuna.Trial | FrozenTrial, failure: str) 
     study.enqueue_trial(trial.params, user_attrs={"role": trial.user_attrs.get("role", "search"), "retry_of": trial.number})
 
 
-def expire_stale(flows: Flows, now: float | None = None, lease: float = LEASE_S) -> list[str]:
+def expire_stale(flows: Studies, now: float | None = None, lease: float = LEASE_S) -> list[str]:
     """Tell FAIL every RUNNING trial whose heartbeat is older than `lease` (its worker is gone) and
     enqueue its params again; returns what was expired."""
     now = time.time() if now is None else now
@@ -263,7 +263,7 @@ class Heartbeat:
 
 # ---- points ----------------------------------------------------------------------------------
 
-def trial_records(flows: Flows) -> list[dict[str, Any]]:
+def trial_records(flows: Studies) -> list[dict[str, Any]]:
     """Every finished trial's record, in start order."""
     out = []
     for key, study in flows.studies.items():
@@ -278,7 +278,7 @@ def trial_records(flows: Flows) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (r["started"] or "", r["flow"], r["number"]))
 
 
-def running_trials(flows: Flows, now: float | None = None) -> list[dict[str, Any]]:
+def running_trials(flows: Studies, now: float | None = None) -> list[dict[str, Any]]:
     """The trials running now (or whose worker died within the lease): flow, number, params, worker,
     start, seconds since the last heartbeat."""
     now = time.time() if now is None else now
@@ -297,7 +297,7 @@ def running_trials(flows: Flows, now: float | None = None) -> list[dict[str, Any
 
 def run_trial(cfg: SearchConfig, evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
     """The cascade for one point; returns its record (stage: "speed", "quick" or "full")."""
-    from sparsetune.search.trial import Hopeless
+    from sparsetune.tuning.trial import Hopeless
 
     t0 = time.perf_counter()
     rec: dict[str, Any] = {"params": params, "stage": "speed"}
@@ -367,7 +367,7 @@ class Budget:
     def left_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.time()
 
-    def others_running(self, flows: Flows, reserve_s: float = 0.0) -> list[str]:
+    def others_running(self, flows: Studies, reserve_s: float = 0.0) -> list[str]:
         """Called when the budget says stop: under `--trials`, with time left, the trials other
         workers run now (this one runs none between trials). The worker waits for them before it
         leaves, so that one whose worker died expires and is run again here instead of being lost
@@ -377,7 +377,7 @@ class Budget:
             return []
         return [r["trial"] for r in running_trials(flows)]
 
-    def reason_to_stop(self, flows: Flows, reserve_s: float = 0.0) -> str | None:
+    def reason_to_stop(self, flows: Studies, reserve_s: float = 0.0) -> str | None:
         if self.cfg.trials is not None and trial_count(flows.studies) >= self.cfg.trials:
             return f"{self.cfg.trials} trials done"
         left = self.left_s()
@@ -388,7 +388,7 @@ class Budget:
         return None
 
 
-def pick_flow(flows: Flows, records: list[dict[str, Any]], turn: int, min_accuracy: float | None) -> str:
+def pick_flow(flows: Studies, records: list[dict[str, Any]], turn: int, min_accuracy: float | None) -> str:
     """Which flow's study runs the next trial (module docstring: allocation)."""
     run = tuple(s for s in TrialState if s != TrialState.WAITING)
     counts = {k: len(s.get_trials(deepcopy=False, states=run)) for k, s in flows.studies.items()}  # run or running
@@ -413,7 +413,7 @@ def pick_flow(flows: Flows, records: list[dict[str, Any]], turn: int, min_accura
     return max(keys, key=lambda k: (share(k), -counts[k], -keys.index(k)))
 
 
-def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event: EventFn | None = None,
+def work(cfg: SearchConfig, flows: Studies, evaluator, budget: Budget, *, on_event: EventFn | None = None,
          reserve_s: Callable[[], float] = lambda: 0.0, worker: str | None = None, run: Callable | None = None,
          between: Callable[[], None] | None = None) -> str:
     """Run trials until the budget is spent; returns why it stopped. Ctrl-C: the running trial is
@@ -491,7 +491,7 @@ def work(cfg: SearchConfig, flows: Flows, evaluator, budget: Budget, *, on_event
 
 # ---- confirmation ---------------------------------------------------------------------------------
 
-def confirm(cfg: SearchConfig, flows: Flows, evaluator, on_event: EventFn | None = None,
+def confirm(cfg: SearchConfig, flows: Studies, evaluator, on_event: EventFn | None = None,
             deadline: float | None = None) -> None:
     """Re-evaluate each frontier point and each flow's defaults on fresh prompts (another seed,
     `confirm_samples` per task); the figures go into the study (`user_attrs["confirm:<trial>"]`).
@@ -539,7 +539,7 @@ def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: 
     return {**acc, "interval": [low, high], "holds": bool(holds)}
 
 
-def confirm_reserve(cfg: SearchConfig, flows: Flows, budget: Budget) -> float:
+def confirm_reserve(cfg: SearchConfig, flows: Studies, budget: Budget) -> float:
     """Time kept back for confirmation, scaled to `confirm_samples`: the dense pass on the fresh
     prompts and each point still to confirm (`to_confirm`, a resumed study's confirmed points not
     among them) plus one the next trial may add, each about a typical trial. (Not the first trial:
@@ -550,9 +550,9 @@ def confirm_reserve(cfg: SearchConfig, flows: Flows, budget: Budget) -> float:
 
 # ---- entry points ---------------------------------------------------------------------------------
 
-def _writer(cfg: SearchConfig, flows: Flows, on_event: EventFn | None) -> EventFn:
+def _writer(cfg: SearchConfig, flows: Studies, on_event: EventFn | None) -> EventFn:
     """Events go to `on_event`; after every trial the run folder is rewritten."""
-    from sparsetune.search.report import write_outputs
+    from sparsetune.tuning.report import write_outputs
 
     def emit(kind: str, data: dict[str, Any]) -> None:
         if kind == "trial":
@@ -631,8 +631,8 @@ def run_search(cfg: SearchConfig, evaluator=None, on_event: EventFn | None = Non
     `agent` (`--agent`; `sparsetune.agents.loop.Agent` is the one there is): `attach(flows, budget,
     emit)` once the studies are open, then its `evaluator` and `run_trial` run every trial and
     confirmation, `step()` runs before each trial (where it adds new flows), `close(result)` at the end."""
-    from sparsetune.search.report import write_outputs
-    from sparsetune.search.trial import EngineEvaluator
+    from sparsetune.tuning.report import write_outputs
+    from sparsetune.tuning.trial import EngineEvaluator
 
     flows = open_flows(cfg, create=True)
     write_json_config(cfg)
@@ -702,8 +702,8 @@ def run_worker(study: str, storage: str, out: str | None = None, evaluator=None,
                on_event: EventFn | None = None) -> dict[str, Any]:
     """Join the search `study` in `storage`: run its trials until its budget is spent (no confirmation:
     the coordinator does that). The search's config comes from the storage."""
-    from sparsetune.search.report import write_outputs
-    from sparsetune.search.trial import EngineEvaluator
+    from sparsetune.tuning.report import write_outputs
+    from sparsetune.tuning.trial import EngineEvaluator
 
     shown = masked_url(storage)
     stored = stored_config(open_storage(storage, create=False), study)
@@ -730,7 +730,7 @@ def show(run_dir: str | Path | None = None, *, study: str | None = None, storage
     """frontier.json's object for a search, from its studies now (a run folder, or study + storage;
     `storage` with a run folder: its storage with the password search.json does not keep). Reads
     only: the run folder's files are the search's to write."""
-    from sparsetune.search.report import summary
+    from sparsetune.tuning.report import summary
 
     if run_dir is not None:
         cfg = run_folder_config(Path(run_dir), storage)

@@ -52,7 +52,7 @@ def flow_kind(cls: type) -> str:
 def _flow_bases() -> tuple[type, ...]:
     """(DecodeFlow, ReuseFlow if imported): a file can define a reuse flow only after importing it,
     so a decode flow's load (the tracing child's too) never pays for the reuse package's imports."""
-    reuse = sys.modules.get("sparsetune.reuse.flow")
+    reuse = sys.modules.get("sparsetune.reuse.base")
     return (DecodeFlow,) + ((reuse.ReuseFlow,) if reuse is not None else ())
 
 
@@ -82,7 +82,7 @@ def builtin_hashes() -> dict[str, str]:
 
 def write_manifest(folder: Path | None = None) -> dict[str, str]:
     """Write the built-in flows' manifest from `folder` (default: the repo's flows/): a release step
-    (`python -m sparsetune.registry manifest`), checked by the test suite."""
+    (`python -m sparsetune.loader manifest`), checked by the test suite."""
     folder = folder or Path(__file__).resolve().parents[1] / "flows"
     data = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.py"))
             if not p.name.startswith("_")}
@@ -230,7 +230,7 @@ def run_child(path: Path, source: bytes, request: str) -> dict[str, Any]:
         (scratch / "flow.py").write_bytes(source)
         (scratch / "request.json").write_text(request)
         result = scratch / "out.json"
-        cmd = [sys.executable, "-m", "sparsetune.registry", "trace", str(scratch / "flow.py"), str(path),
+        cmd = [sys.executable, "-m", "sparsetune.loader", "trace", str(scratch / "flow.py"), str(path),
                str(scratch / "request.json"), str(result)]
         try:
             out = run_limited(cmd, Limits(wall_s=TRACE_WALL_S, memory_mb=TRACE_MEMORY_MB, cpu_s=int(TRACE_WALL_S)),
@@ -332,7 +332,7 @@ def resolve_decode_flow(flow: str | None, params: dict[str, str], reuse: str | N
     flow (LoopServe re-selects while decoding) with the parameters it derives, else None (dense)."""
     if flow is not None or reuse is None:
         return FlowChoice(flow, params)
-    from sparsetune.reuse.flow import ReuseFlow
+    from sparsetune.reuse.base import ReuseFlow
 
     rf = build_flow(reuse, reuse_params, ReuseFlow)
     return FlowChoice(rf.decode_flow, {**rf.decode_params(), **params}) if rf.decode_flow else FlowChoice(None, params)
@@ -344,7 +344,7 @@ def main(argv: list[str]) -> int:
     if argv == ["manifest"]:
         print(json.dumps(write_manifest(), indent=1))
         return 0
-    print("usage: python -m sparsetune.registry trace SRC SHOWN REQUEST OUT | manifest", file=sys.stderr)
+    print("usage: python -m sparsetune.loader trace SRC SHOWN REQUEST OUT | manifest", file=sys.stderr)
     return 2
 
 

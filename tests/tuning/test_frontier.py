@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from sparsetune.search.frontier import Point, dominates, hypervolume, pareto, wilson_interval
-from sparsetune.search.report import against_defaults, against_defaults_lines, plot_groups
+from sparsetune.tuning.frontier import Point, dominates, hypervolume, pareto, wilson_interval
+from sparsetune.tuning.report import against_defaults, against_defaults_lines, plot_groups
 
 
 def _brute_front(points: list[Point]) -> set[str]:

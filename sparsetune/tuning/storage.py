@@ -20,7 +20,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.search.config import SearchConfig, flow_key, masked_url, storage_scheme
+from sparsetune.tuning.config import SearchConfig, flow_key, masked_url, storage_scheme
 
 optuna.logging.set_verbosity(logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

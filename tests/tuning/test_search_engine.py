@@ -11,9 +11,9 @@ import pytest
 
 from sparsetune.evaluation.config import EvalConfig
 from sparsetune.evaluation.runner import evaluate
-from sparsetune.search.config import SearchConfig
-from sparsetune.search.study import open_flows, run_search, trial_records
-from sparsetune.search.trial import EngineEvaluator
+from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.study import open_flows, run_search, trial_records
+from sparsetune.tuning.trial import EngineEvaluator
 from helpers import run
 
 SMALL = dict(model="smollm2-135m", tasks=("niah_single",), context=256, samples=2, batch=4, confirm_samples=1)
@@ -77,7 +77,7 @@ def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_
     """--speed measured for reuse flows (what a GPU does; here on CPU): the segments stored once,
     then full recompute and the flow timed alternately on the same prompt, the speedup the ratio of
     the medians, and the flow's recompute plan the one its stats report."""
-    from sparsetune.search.trial import REUSE_SPEED_REPEATS
+    from sparsetune.tuning.trial import REUSE_SPEED_REPEATS
 
     cfg = SearchConfig(kind="reuse", study="m", out=str(tmp_path), flows=("cacheblend",), device="cpu", speed="measured",
                        model="smollm2-135m", tasks=("rag",), context=512, batch=2)

@@ -9,8 +9,8 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import FixedTrial
 
-from sparsetune.registry import get_flow_class, load_file
-from sparsetune.search.space import dimensions, layer_set, suggest
+from sparsetune.loader import get_flow_class, load_file
+from sparsetune.tuning.space import dimensions, layer_set, suggest
 
 LAYERS = 30  # the embedded model
 
@@ -105,7 +105,7 @@ def test_every_sampled_point_is_a_valid_flow(name):
 
 
 def _reuse(name: str):
-    from sparsetune.reuse.flow import ReuseFlow
+    from sparsetune.reuse.base import ReuseFlow
 
     return get_flow_class(name, ReuseFlow)
 
@@ -113,7 +113,7 @@ def _reuse(name: str):
 def test_reuse_flows_search_their_layers_as_single_layers_capped_at_the_model():
     """A reuse flow's boundary or check layer is one layer ("index"): an integer in its range, capped
     at the model's last layer; a None default (sparsex: 15% of the layers) seeds the layer it stands for."""
-    from sparsetune.search.study import default_trial_params
+    from sparsetune.tuning.study import default_trial_params
 
     dims = {d.name: d for d in dimensions(_reuse("sparsex"), LAYERS)}
     assert list(dims) == ["ratio", "boundary_layer", "overflow", "tail"]
@@ -147,8 +147,8 @@ def test_a_flow_class_crosses_a_process_boundary_as_its_params(flow):
     import json
 
     from sparsetune.flow.params import Flow
-    from sparsetune.search.space import spec_class, spec_dicts
-    from sparsetune.search.study import seed_trials
+    from sparsetune.tuning.space import spec_class, spec_dicts
+    from sparsetune.tuning.study import seed_trials
 
     cls = get_flow_class(flow, Flow)
     spec = spec_class(json.loads(json.dumps(spec_dicts(cls))))

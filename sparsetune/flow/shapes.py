@@ -1,0 +1,72 @@
+"""Dummy stage inputs, and what a flow's stages produce from them: the inner shape of each field
+(`field_dims`) and what the indexer does (`index_traits`). Values are seeded and arbitrary: tracing
+and sizing read shapes and op calls, never values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from sparsetune.flow.values import FT, Fields
+
+if TYPE_CHECKING:
+    from sparsetune.flow.base import DecodeFlow
+
+
+@dataclass
+class DummyInputs:
+    """Seeded random stage inputs over `rows` (request, KV head) rows: the cache stage's one
+    block of keys and values `[rows, 1, block_size, head_dim]`, and the constants `[rows, 1, r, c]`.
+    Values are arbitrary: tracing reads shapes and op calls."""
+
+    flow: DecodeFlow
+    head_dim: int
+    k: FT
+    v: FT
+    const: dict[str, FT]
+    gen: torch.Generator
+
+    def index(self, field_dims: dict[str, tuple[int, int]], group: int, num_blocks: int = 5) -> tuple[FT, Fields]:
+        """The indexer's query `[rows, 1, group, head_dim]` and fields `[rows, num_blocks, r, c]` (raw
+        keys as "k" when the flow reads them); rows after the first end two blocks early (padding)."""
+        rows, g = self.k.data.shape[0], self.gen
+        lens = torch.tensor([num_blocks] + [max(1, num_blocks - 2)] * (rows - 1))
+        valid = torch.arange(num_blocks)[None, :] < lens[:, None]
+        fields = Fields({n: FT(torch.randn(rows, num_blocks, *rc, generator=g), valid) for n, rc in field_dims.items()})
+        if self.flow.uses_keys:
+            keys = torch.randn(rows, num_blocks, self.flow.block_size, self.head_dim, generator=g)
+            dict.__setitem__(fields, "k", FT(keys, valid))
+        return FT(torch.randn(rows, 1, group, self.head_dim, generator=g)), fields
+
+
+def dummy_inputs(flow: DecodeFlow, head_dim: int, rows: int = 1,
+                 const_dims: dict[str, tuple[int, int]] | None = None) -> DummyInputs:
+    """The one builder of dummy stage inputs (constants shaped by `flow.const_dims` unless given)."""
+    g = torch.Generator().manual_seed(0)
+    const_dims = flow.const_dims(head_dim) if const_dims is None else const_dims
+    k, v = (FT(torch.randn(rows, 1, flow.block_size, head_dim, generator=g)) for _ in range(2))
+    const = {n: FT(torch.randn(rows, 1, *rc, generator=g)) for n, rc in const_dims.items()}
+    return DummyInputs(flow, head_dim, k, v, const, g)
+
+
+def field_dims(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+    """The inner shape `(r, c)` of each field the cache stage writes (from one dummy block)."""
+    from sparsetune.flow.values import check_name
+
+    x = dummy_inputs(flow, head_dim, const_dims=const_dims)
+    return {check_name(n, "field name"): tuple(t.shape[1:]) for n, t in flow.run_cache(x.k, x.v, x.const).items()}  # type: ignore[misc]
+
+
+class IndexTraits(NamedTuple):
+    saves_state: bool  # the indexer saves state with F.save
+    forced_only: bool  # it scores nothing (F.keep_only_forced): the selection is the always-kept blocks
+
+
+def index_traits(flow: DecodeFlow, head_dim: int, const_dims: dict[str, tuple[int, int]] | None = None) -> IndexTraits:
+    """What the indexer does, found by running it once on dummy inputs."""
+    x = dummy_inputs(flow, head_dim, const_dims=const_dims)
+    q, fields = x.index(field_dims(flow, head_dim, const_dims), group=2)
+    sel = flow.run_index(q, fields, x.const)
+    return IndexTraits(bool(fields.saved), sel.score is None)
