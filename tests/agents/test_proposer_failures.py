@@ -11,7 +11,7 @@ import optuna
 from sparsetune.agents.loop import FAILURES_IN_A_ROW, Agent
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import Budget, Flows
+from sparsetune.tuning.study import Budget, Studies
 
 
 class Down:
@@ -28,7 +28,7 @@ def test_a_failing_proposer_is_asked_again_after_a_round_then_stopped(tmp_path):
     proposer, events = Down(), []
     agent = Agent(cfg, proposer, propose_every=3)
     study = optuna.create_study(directions=["maximize", "maximize"])
-    flows = Flows(studies={"quest": study}, classes={}, num_layers=30)
+    flows = Studies(studies={"quest": study}, classes={}, num_layers=30)
     agent.attach(flows, Budget(cfg, time.time()), lambda kind, data: events.append((kind, data)))
 
     def trials(n):  # the search runs n trials between two of the agent's steps
