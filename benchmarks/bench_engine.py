@@ -39,23 +39,23 @@ def graph_twin(name: str) -> str:
     op graphs traced in the sandbox (`registry`), the way a downloaded flow file runs. Where the jail
     cannot isolate (some containers), the graphs are traced here from the built-in class, the same
     `describe` the child runs, and stored where the child's answer would be."""
-    from sparsetune import registry
+    from sparsetune import loader
     from sparsetune.errors import SparsetuneError
     from sparsetune.flow.graph import describe
 
-    src = registry.flow_path(name).read_bytes().replace(f'name = "{name}"'.encode(), f'name = "{name}_graph"'.encode(), 1)
+    src = loader.flow_path(name).read_bytes().replace(f'name = "{name}"'.encode(), f'name = "{name}_graph"'.encode(), 1)
     path = Path(tempfile.gettempdir()) / f"{name}_graph.py"
     path.write_bytes(src)
     try:
-        registry.load_file(path)
+        loader.load_file(path)
         print(f"{name}_graph: traced in the sandbox", flush=True)
     except SparsetuneError as e:
         import hashlib
 
-        _, cached = registry.trace_request(hashlib.sha256(src).hexdigest(), {})
+        _, cached = loader.trace_request(hashlib.sha256(src).hexdigest(), {})
         cached.parent.mkdir(mode=0o700, exist_ok=True)
-        cached.write_text(json.dumps(describe(registry.load_file(path, trust=True), {})))
-        registry._LOADED.clear()
+        cached.write_text(json.dumps(describe(loader.load_file(path, trust=True), {})))
+        loader._LOADED.clear()
         print(f"{name}_graph: the sandbox refused ({e}); graphs traced in this process", flush=True)
     return str(path)
 

@@ -212,7 +212,7 @@ def _allowed(name: str, value: str) -> bool:
 
 
 # Set in every child's environment: code that runs in it is already in the sandbox, so a flow file
-# runs there as Python (`registry.load_file`), not traced in a jail of its own (jails do not nest).
+# runs there as Python (`loader.load_file`), not traced in a jail of its own (jails do not nest).
 INSIDE_ENV = "SPARSETUNE_SANDBOXED"
 
 

@@ -146,7 +146,7 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
                  measured: dict[str, Any] | None = None, origin: dict[str, Any] | None = None,
                  overwrite: bool = False, trust: bool | None = None) -> dict[str, Any]:
     """Write a bundle to `out` (a new folder, or an existing bundle with `overwrite`: only the files a
-    bundle writes are replaced); returns the manifest. `trust`: as `registry.load_file`."""
+    bundle writes are replaced); returns the manifest. `trust`: as `loader.load_file`."""
     from sparsetune.flow.graph import BUNDLE_HEAD_DIMS, describe
 
     cls, resolved = _resolve(flow_file, params, trust)

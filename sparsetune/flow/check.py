@@ -50,7 +50,7 @@ class CheckReport:
 def static_problems(cls: type[DecodeFlow]) -> list[str]:
     """Calls in the stage methods (and the helpers they call) that are not flow ops (file:line: message).
 
-    The rule is `source_check`'s, on the class in its file's syntax tree; `registry.load_file`
+    The rule is `source_check`'s, on the class in its file's syntax tree; `loader.load_file`
     already ran it (with the other source rules) before the file was imported."""
     path = Path(inspect.getsourcefile(cls) or "?")
     if path.is_file():
@@ -91,7 +91,7 @@ def _run_stages(
 
 def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, head_dim: int = 64,
                group: int = 4) -> CheckReport:
-    """Run a decode flow class (`registry.get_flow_class(..., all_problems=True)` found it) on small
+    """Run a decode flow class (`loader.get_flow_class(..., all_problems=True)` found it) on small
     inputs: its shapes, cost and compiled paths, and that it equals dense attention at full budget."""
     flow = cls.from_strings(raw_params or {})
     report = CheckReport(cls.name, str(getattr(cls, "path", "")), cls.source, flow.params())

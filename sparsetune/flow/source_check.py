@@ -1,6 +1,6 @@
 """Static checks of a flow file's source, run on its syntax tree BEFORE the file is imported.
 
-Importing a Python file runs its module-level code, so `registry.load_file` (the one way every
+Importing a Python file runs its module-level code, so `loader.load_file` (the one way every
 flow is loaded: built-ins in `flows/` and user files for `--flow`, `--reuse`, `flows check`)
 parses the file, runs these checks, and executes it only if they pass. The rules are allow-lists:
 

@@ -1,7 +1,7 @@
 """Flow files are checked on their source before anything of them runs (issue #12).
 
 `flows check`, `generate --flow` and `eval --flow` all load a flow file through
-`registry.load_file`, which parses the file, checks it (`flow/source_check.py`) and only then
+`loader.load_file`, which parses the file, checks it (`flow/source_check.py`) and only then
 imports it. A file that breaks a rule is one clean `error: path:line: ...` line, exit code 2, and
 none of its code has run. The CLI cases go through the real entry point.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sparsetune.errors import SparsetuneError
-from sparsetune import registry
+from sparsetune import loader
 from sparsetune.loader import builtin_flows, get_flow_class, load_file
 from sparsetune.flow.source_check import file_problems
 
@@ -199,7 +199,7 @@ def test_check_runs_before_import(tmp_path, monkeypatch):
     def no_import(*a, **k):
         raise AssertionError("imported before the check")
 
-    monkeypatch.setattr(registry.importlib.util, "module_from_spec", no_import)
+    monkeypatch.setattr(loader.importlib.util, "module_from_spec", no_import)
     with pytest.raises(SparsetuneError, match="is not allowed"):
         load_file(path)
 

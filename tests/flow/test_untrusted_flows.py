@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsetune import registry
+from sparsetune import loader
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.graph import GraphFlow, NotTraceable, describe, flow_class
 from sparsetune.flow.source_check import file_problems
@@ -144,7 +144,7 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(autouse=True)
 def _untrusted(monkeypatch):
-    monkeypatch.delenv(registry.TRUST_ENV, raising=False)
+    monkeypatch.delenv(loader.TRUST_ENV, raising=False)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -157,7 +157,7 @@ def test_hostile_files_pass_the_static_check(tmp_path, case):
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_file_runs_nothing_in_the_host_through_the_api(tmp_path, case):
     path, marker = hostile(tmp_path, case)
-    cls = registry.load_file(path)
+    cls = loader.load_file(path)
     assert issubclass(cls, GraphFlow)  # data: a flow over traced graphs
     flow = cls.from_strings({"block_size": "4"})
     x = dummy_inputs(flow, 64)
@@ -213,21 +213,21 @@ def test_hostile_param_kind_is_refused(tmp_path):
             alpha = Param(1.0, kind=Boom)
     ''') + textwrap.dedent(STAGES).replace("\n", "\n    ").rstrip() + "\n")
     with pytest.raises(SparsetuneError, match="kind must be one of"):
-        registry.load_file(path).from_strings({"alpha": "2.0"})
+        loader.load_file(path).from_strings({"alpha": "2.0"})
     assert not marker.exists()
 
 
 def test_trusted_opt_in_imports_in_the_host(tmp_path, monkeypatch):
     path, marker = hostile(tmp_path, "init_body")
-    monkeypatch.setenv(registry.TRUST_ENV, "1")
-    cls = registry.load_file(path)
+    monkeypatch.setenv(loader.TRUST_ENV, "1")
+    cls = loader.load_file(path)
     assert not issubclass(cls, GraphFlow)
     cls.from_strings({})
     assert marker.exists()  # the user opted in: the file's own Python ran, here
     marker.unlink()
-    assert issubclass(registry.load_file(path, trust=False), GraphFlow)  # agent candidates: never
+    assert issubclass(loader.load_file(path, trust=False), GraphFlow)  # agent candidates: never
     (tmp_path / "candidate.json").write_text("{}")  # a search's candidate folder: never, even opted in
-    assert issubclass(registry.load_file(path), GraphFlow)
+    assert issubclass(loader.load_file(path), GraphFlow)
 
 
 def test_untrusted_reuse_flow_is_refused_with_the_opt_in(tmp_path, monkeypatch):
@@ -235,9 +235,9 @@ def test_untrusted_reuse_flow_is_refused_with_the_opt_in(tmp_path, monkeypatch):
     path = tmp_path / "my_epic.py"
     path.write_text(src)
     with pytest.raises(SparsetuneError, match="--trust-flow-code"):
-        registry.load_file(path)
-    monkeypatch.setenv(registry.TRUST_ENV, "1")
-    assert registry.flow_kind(registry.load_file(path)) == "reuse"
+        loader.load_file(path)
+    monkeypatch.setenv(loader.TRUST_ENV, "1")
+    assert loader.flow_kind(loader.load_file(path)) == "reuse"
 
 
 def test_shape_dependent_stage_is_not_traceable(tmp_path):
@@ -260,23 +260,23 @@ def test_shape_dependent_stage_is_not_traceable(tmp_path):
                 return F.topk(s)
     '''))
     with pytest.raises(SparsetuneError, match="do not trace.*--trust-flow-code"):
-        registry.load_file(path)
+        loader.load_file(path)
 
 
 def test_builtin_manifest_matches_the_shipped_flows():
     """The built-ins run in-process because their bytes are in the manifest; an edited built-in is not
     trusted until `python -m sparsetune.loader manifest` is run again (a release step)."""
-    shipped = {p.name: registry.hashlib.sha256(p.read_bytes()).hexdigest() for p in (REPO / "flows").glob("*.py")
+    shipped = {p.name: loader.hashlib.sha256(p.read_bytes()).hexdigest() for p in (REPO / "flows").glob("*.py")
                if not p.name.startswith("_")}
-    assert json.loads(registry.MANIFEST.read_text()) == shipped
+    assert json.loads(loader.MANIFEST.read_text()) == shipped
 
 
 def test_a_builtin_copied_elsewhere_is_trusted_by_content_and_an_edit_is_not(tmp_path):
     copy = tmp_path / "quest.py"
     copy.write_bytes((REPO / "flows" / "quest.py").read_bytes())
-    assert not issubclass(registry.load_file(copy), GraphFlow)
+    assert not issubclass(loader.load_file(copy), GraphFlow)
     copy.write_text(copy.read_text() + "\n# edited\n")
-    assert issubclass(registry.load_file(copy), GraphFlow)
+    assert issubclass(loader.load_file(copy), GraphFlow)
 
 
 @pytest.mark.parametrize("name", ["quest", "block_topk", "h2o", "tidal", "double_sparse", "streaming",
@@ -284,7 +284,7 @@ def test_a_builtin_copied_elsewhere_is_trusted_by_content_and_an_edit_is_not(tmp
 def test_graph_flow_equals_the_python_flow(name):
     """Replayed graphs give bit-identical fields, scores and saved state to the flow's own Python,
     at other shapes than those traced (group 4, 9 blocks, 3 rows)."""
-    cls = registry.get_flow_class(name)
+    cls = loader.get_flow_class(name)
     params = {"block_size": 4}
     desc = json.loads(json.dumps(describe(cls, params)))  # through JSON, as from the child
     a, b = cls.from_strings(params), flow_class(desc).from_strings(params)
@@ -302,7 +302,7 @@ def test_graph_flow_equals_the_python_flow(name):
 
 
 def test_tampered_graphs_are_refused():
-    desc = describe(registry.get_flow_class("quest"), {})
+    desc = describe(loader.get_flow_class("quest"), {})
     for bad in ({"op": "system", "args": ["touch x"], "kwargs": {}},
                 {"op": "__import__", "args": ["os"], "kwargs": {}}):
         d = json.loads(json.dumps(desc))
@@ -339,10 +339,10 @@ def test_hostile_flow_names_are_refused_in_both_paths(tmp_path, monkeypatch, nam
             name = {name!r}
     ''') + textwrap.dedent(STAGES).replace("\n", "\n    ").rstrip() + "\n")
     with pytest.raises(SparsetuneError, match="identifier|needs a `name`"):
-        registry.load_file(path)
-    monkeypatch.setenv(registry.TRUST_ENV, "1")
+        loader.load_file(path)
+    monkeypatch.setenv(loader.TRUST_ENV, "1")
     with pytest.raises(SparsetuneError, match="identifier|needs a `name`"):
-        registry.load_file(path)
+        loader.load_file(path)
 
 
 def test_generated_kernel_docstring_holds_any_text():
