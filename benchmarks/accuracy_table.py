@@ -51,7 +51,7 @@ def main() -> None:
     rows = []
     for ctx in [int(c) for c in args.contexts.split(",")]:
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-                  flow_executor=args.executor, block_size=int(extra.get("block_size", 16)), kv_memory=eval_kv_memory(args.model, args.batch, ctx, 512, args.device, args.dtype))
+                  executor=args.executor, block_size=int(extra.get("block_size", 16)), kv_memory=eval_kv_memory(args.model, args.batch, ctx, 512, args.device, args.dtype))
         t0 = time.time()
         if not args.skip_dense:
             dense = sparsetune.eval("dense", model=args.model, tasks=tasks, context=ctx, samples=args.samples,

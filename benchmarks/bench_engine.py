@@ -82,17 +82,17 @@ def decode_case(llm: LLM, batch: int, ctx: int, steps: int) -> dict:
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     seqs = []
     for _ in range(batch):  # the pool holds (random) KV for every earlier position
-        s = llm.reserve(torch.randint(0, vocab, (ctx,)).tolist(), params)
-        llm.admit_prefilled(s)
+        s = llm.engine.reserve(torch.randint(0, vocab, (ctx,)).tolist(), params)
+        llm.engine.admit_prefilled(s)
         seqs.append(s)
     for _ in range(3):
-        llm.step()
-    per_step = time_call(lambda: [llm.step() for _ in range(steps)], llm.device) / steps
+        llm.engine.step()
+    per_step = time_call(lambda: [llm.engine.step() for _ in range(steps)], llm.device) / steps
     # The graph replay alone (no host work), for the split of where time goes.
-    g = llm.decode_graph(batch)
+    g = llm.engine.decode_graph(batch)
     replay = None if g is None else statistics.median(time_calls(g.replay, llm.device, steps, events=True))
     for s in seqs:
-        llm.abort(s)
+        llm.engine.abort(s)
     ctx_avg = int(ctx + 3 + steps / 2)
     step = decode_step_bytes(llm.model_config, llm.flow, batch, ctx_avg, llm.dtype.itemsize)
     wb, kb = step.weights, step.kv + step.fields
@@ -121,11 +121,11 @@ def profile_prefill(llm: LLM, tokens: int) -> list[tuple[str, float]]:
 @torch.inference_mode()
 def _prefill_fields(llm: LLM, dec: list[tuple[int, int]]) -> None:
     """Run the flow's cache stage over the whole pool once, as prefill would have for real prompts."""
-    blocks = torch.arange(llm.kv.num_blocks, device=llm.device)
-    for layer, backend in enumerate(llm.backends):
+    blocks = torch.arange(llm.engine.kv.num_blocks, device=llm.device)
+    for layer, backend in enumerate(llm.engine.backends):
         if getattr(backend, "flow", None) is not None:
             for chunk in blocks.split(4096):
-                backend.rebuild_fields(layer, llm.kv, chunk, chunk.numel() * llm.kv.block_size)  # all full blocks
+                backend.rebuild_fields(layer, llm.engine.kv, chunk, chunk.numel() * llm.engine.kv.block_size)  # all full blocks
     torch.cuda.synchronize()
 
 
@@ -183,12 +183,12 @@ def main() -> None:
         max_model_len=max_ctx + args.steps + 64, max_num_batched_tokens=args.max_batched_tokens or max_ctx,
         cuda_graph_batch_sizes=tuple(sorted({b for b, _ in dec})),
     )
-    pool_bytes = llm.kv.k.numel() * llm.kv.k.element_size() * 2
-    print(f"model {args.model}: {sum(p.numel() for p in llm.model.parameters()) / 1e9:.2f}B params, "
-          f"KV pool {pool_bytes / 1e9:.1f} GB, graphs for {llm.graph_batch_sizes}", flush=True)
-    for layer in range(llm.kv.num_layers):  # real-looking KV: never time on zeros
-        llm.kv.k[layer].normal_()
-        llm.kv.v[layer].normal_()
+    pool_bytes = llm.engine.kv.k.numel() * llm.engine.kv.k.element_size() * 2
+    print(f"model {args.model}: {sum(p.numel() for p in llm.engine.model.parameters()) / 1e9:.2f}B params, "
+          f"KV pool {pool_bytes / 1e9:.1f} GB, graphs for {llm.engine.graph_batch_sizes}", flush=True)
+    for layer in range(llm.engine.kv.num_layers):  # real-looking KV: never time on zeros
+        llm.engine.kv.k[layer].normal_()
+        llm.engine.kv.v[layer].normal_()
 
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                      "copy_bandwidth": bw, "matmul_flops": flops, "decode": [], "prefill": []}
@@ -209,12 +209,12 @@ def main() -> None:
             path = Path(tempfile.gettempdir()) / f"sparsetune-synthetic-calibration-{args.model}.json"
             params["calibration"] = str(write_calibration(path, args.model, order, None, 0, "synthetic (benchmark)"))
         if flow != "dense" or llm.flow is not None:
-            llm.set_flow(flow, params)
+            llm.apply(llm.setup.with_flow(flow, params))
         if llm.flow is not None:
             _prefill_fields(llm, dec)
         for variant in variants:
             if set_variant(variant):
-                llm.capture_graphs()
+                llm.engine.capture_graphs()
             for b, c in dec:
                 r = decode_case(llm, b, c, args.steps)
                 r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bw * 1e3
@@ -254,10 +254,10 @@ def main() -> None:
         prompts = [torch.randint(0, vocab, (n,)).tolist() for _ in range(b)]
         times = {}
         for every_row in (True, False, True, False):  # both ways in one process, interleaved; the best of two
-            llm.runner.skip_unused_rows = not every_row
+            llm.engine.runner.skip_unused_rows = not every_row
             t = time_call(lambda: llm.generate(prompts, SamplingParams(max_tokens=1), chat=False), llm.device)
             times[every_row] = min(t, times.get(every_row, t))
-        llm.runner.skip_unused_rows = True
+        llm.engine.runner.skip_unused_rows = True
         t = times[False]
         fl = prefill_flops(llm, n) * b
         r = {"batch": b, "prompt_tokens": n, "seconds": t, "tokens_per_second": b * n / t,

@@ -3,7 +3,7 @@
 `Engine.step` schedules, stages the inputs, launches the step's CUDA graph, then reads the sampled
 tokens back (which waits for the GPU) and advances the sequences. Nothing of the next step starts
 before that, so the host's part of every step is time the GPU sits idle. This times each part of
-`llm.step()` on the host clock over many steps (Qwen3-8B random weights, a decode batch of random
+`llm.engine.step()` on the host clock over many steps (Qwen3-8B random weights, a decode batch of random
 KV as `bench_engine.py` sets it up), beside the graph replay alone (CUDA events):
 
     python benchmarks/bench_host_step.py [--flows dense,block_topk] [--case 16x32768] [--json-out FILE]
@@ -56,26 +56,26 @@ def main() -> None:
               max_num_seqs=batch, max_model_len=ctx + 2 * args.steps + 64, max_num_batched_tokens=ctx,
               cuda_graph_batch_sizes=(batch,))
     log: dict[str, list[float]] = {}
-    timed(llm.scheduler, "schedule", log, "schedule")
-    timed(llm.scheduler, "postprocess", log, "postprocess")
-    timed(llm.runner, "_replay", log, "stage inputs + launch graph")
+    timed(llm.engine.scheduler, "schedule", log, "schedule")
+    timed(llm.engine.scheduler, "postprocess", log, "postprocess")
+    timed(llm.engine.runner, "_replay", log, "stage inputs + launch graph")
     timed(llm, "_sample", log, "argmax + read tokens (waits for the GPU)")
     results = {"gpu": torch.cuda.get_device_name(), "case": args.case, "flows": {}}
     for flow in args.flows.split(","):
         if flow != "dense":
-            llm.set_flow(flow, parse_param_args(args.param))
+            llm.apply(llm.setup.with_flow(flow, parse_param_args(args.param)))
         seqs = []
         for _ in range(batch):
-            s = llm.reserve(torch.randint(0, 1000, (ctx,)).tolist(), SamplingParams(max_tokens=10**6, ignore_eos=True))
-            llm.admit_prefilled(s)
+            s = llm.engine.reserve(torch.randint(0, 1000, (ctx,)).tolist(), SamplingParams(max_tokens=10**6, ignore_eos=True))
+            llm.engine.admit_prefilled(s)
             seqs.append(s)
         for _ in range(5):
-            llm.step()
+            llm.engine.step()
         log.clear()
-        step = time_calls(llm.step, llm.device, args.steps)  # each step: host clock, synchronised around it
-        replay = time_calls(llm.runner.graphs[batch].replay, llm.device, args.steps, events=True)
+        step = time_calls(llm.engine.step, llm.device, args.steps)  # each step: host clock, synchronised around it
+        replay = time_calls(llm.engine.runner.graphs[batch].replay, llm.device, args.steps, events=True)
         for s in seqs:
-            llm.abort(s)
+            llm.engine.abort(s)
         row = {"step_ms": 1e3 * statistics.median(step), "graph_replay_ms": 1e3 * statistics.median(replay),
                "parts_ms": {k: 1e3 * statistics.median(v) for k, v in log.items()}}
         row["host_gap_ms"] = row["step_ms"] - row["graph_replay_ms"]

@@ -87,7 +87,7 @@ def main() -> None:
           f"({first['seconds']:.3f} s)", flush=True)
     rows = []
     for flow in args.flows.split(","):
-        llm.set_reuse(flow, params.get(flow))
+        llm.use_reuse(flow, params.get(flow))
         for path in paths:
             engine_rows.use_kernels = (lambda q: q.is_cuda) if path == "kernels" else (lambda q: False)
             ttft, last = reuse_ttft_seconds(llm, parts, args.repeats)
@@ -106,7 +106,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     engine_rows.use_kernels = default_path
     # The engine's own chunked prefill of the same tokens (no reuse path), for reference.
-    llm.set_reuse(None)
+    llm.use_reuse(None)
     llm.generate([parts], once, chat=False)
     times = []
     for _ in range(args.repeats):

@@ -79,7 +79,7 @@ def main() -> None:
         if args.bundle:
             manifest = json.loads((Path(args.bundle) / "bundle.json").read_text())
             flow, params = str(Path(args.bundle) / manifest["source"]), dict(manifest["params"])
-        llm = LLM(model=str(model), flow=flow, flow_params=params, dtype="float16", max_num_seqs=len(samples))
+        llm = LLM(model=str(model), flow=flow, params=params, dtype="float16", max_num_seqs=len(samples))
 
         def run(prompts: list[list[int]], lengths: list[int]) -> list[str]:
             outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in lengths], chat=False)

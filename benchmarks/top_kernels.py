@@ -31,26 +31,26 @@ def main() -> None:
     a = ap.parse_args()
     blocks = a.batch * (a.context // 16 + 2) + 64
     llm = LLM(model=a.model, random_weights=True, num_kv_blocks=blocks, max_num_seqs=a.batch, cuda_graph=False,
-              max_model_len=a.context + 64, flow=a.flow, flow_params=parse_param_args(a.param))
-    for layer in range(llm.kv.num_layers):
-        llm.kv.k[layer].normal_()
-        llm.kv.v[layer].normal_()
+              max_model_len=a.context + 64, flow=a.flow, params=parse_param_args(a.param))
+    for layer in range(llm.engine.kv.num_layers):
+        llm.engine.kv.k[layer].normal_()
+        llm.engine.kv.v[layer].normal_()
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     seqs = []
     for _ in range(a.batch):  # the pool holds (random) KV for every earlier position
-        s = llm.reserve(torch.randint(0, 1000, (a.context,)).tolist(), params)
-        llm.admit_prefilled(s)  # its first decode step computes the last prompt token
+        s = llm.engine.reserve(torch.randint(0, 1000, (a.context,)).tolist(), params)
+        llm.engine.admit_prefilled(s)  # its first decode step computes the last prompt token
         seqs.append(s)
     try:
         for _ in range(2):
-            llm.step()
+            llm.engine.step()
         sync(llm.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.step()
+            llm.engine.step()
             sync(llm.device)
     finally:
         for s in seqs:
-            llm.abort(s)
+            llm.engine.abort(s)
     rows = sorted(
         ((ev.key, ev.device_time_total / 1e3, ev.count) for ev in prof.key_averages() if ev.device_time_total > 0),
         key=lambda r: -r[1],

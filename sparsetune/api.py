@@ -11,10 +11,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from sparsetune.engine.config import EngineConfig
 from sparsetune.errors import SparsetuneError
+from sparsetune.flow.params import parse_param_args as parse_params  # noqa: F401 - the CLI's key=value lists
 from sparsetune.models.registry import REGISTRY, find_local_weights
 from sparsetune.reuse.parts import encode_parts, parse_parts_any
+from sparsetune.setup import Setup, describe_defaults, resolve, resolve_options  # noqa: F401 - describe_defaults: the CLI's
 
 if TYPE_CHECKING:
     from sparsetune.llm import LLM
@@ -50,7 +51,7 @@ class GenerateResult:
 
 def generate(
     prompt: str | list,
-    config: EngineConfig | None = None,
+    setup: Setup | None = None,
     *,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -58,10 +59,12 @@ def generate(
     chat: bool = True,
     llm: LLM | None = None,
     on_token: Callable[[int], None] | None = None,
+    **options: Any,
 ) -> GenerateResult:
-    """Generate a completion for one prompt on an engine built from `config` (default: the default
-    model on CPU or one GPU), or on `llm`. `prompt`: text, or a list of parts (strings and
-    `{"text", "reuse", "namespace", "pin"}` segments) that the engine's reuse flow (`config.reuse`)
+    """Generate a completion for one prompt on an engine built from `setup` or keyword `options`
+    (`setup.resolve_options`: `model`, `flow`, `params`, `reuse`, ..., any `EngineConfig` field;
+    default: the default model, dense, on CPU or one GPU), or on `llm`. `prompt`: text, or a list of
+    parts (strings and `{"text", "reuse", "namespace", "pin"}` segments) that the setup's reuse flow
     prefills; segments missing from its cache are computed and stored first."""
     if max_new_tokens < 1:
         raise SparsetuneError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
@@ -73,9 +76,10 @@ def generate(
         parse_parts_any(list(prompt))  # a bad part is an error before the model loads
     elif not isinstance(prompt, str) or not prompt.strip():
         raise SparsetuneError("the prompt is empty; pass some text with --prompt")
-    if llm is None:
-        config = config or EngineConfig()
-        config.check()  # before torch loads
+    if llm is None and setup is None:
+        setup = resolve_options(**options)  # every check before the model loads
+    elif options:
+        raise TypeError("pass a setup or options, not both (and neither with llm)")
     from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
     from sparsetune.perf.cost import attended_tokens
@@ -83,7 +87,7 @@ def generate(
 
     t0 = time.perf_counter()
     if llm is None:
-        llm = LLM(config)
+        llm = LLM(setup)
     load_s = time.perf_counter() - t0
     ids = (encode_parts(llm.tokenizer, parse_parts_any(list(prompt)), chat).token_ids
            if isinstance(prompt, (list, tuple)) else llm.encode_prompt(prompt, chat))
@@ -112,7 +116,7 @@ def generate(
         ttft_seconds=None if ttft is None else round(ttft, 4),
         decode_tokens_per_second=None if tps is None else round(tps, 2),
         reuse=None if out.reuse is None else {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **out.reuse},
-        defaults=llm.config.tuned,
+        defaults=None if llm.setup.flow is None else llm.setup.flow.tuned,
         attended_tokens=None if llm.flow is None else attended_tokens(llm.model_config, llm.flow, out.prompt_tokens),
     )
 
@@ -268,13 +272,14 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
         manifest = export_run(Path(run_dir), out, trial=trial, pick=pick, overwrite=force)
         return {**manifest, "bundle": str(out)}
     params, tuned = dict(params or {}), None
-    if model is not None:
-        from sparsetune.flow.defaults import with_tuned_defaults
-        from sparsetune.models.resolve import model_name
+    if model is not None:  # the flow as `eval --model` runs it: the model's tuned defaults under the params
+        from sparsetune.engine.config import EngineConfig
 
-        model = model_name(model)
-        if defaults == "tuned":
-            params, tuned = with_tuned_defaults(model, False, flow, params)
+        model = EngineConfig(model=model).check()[0]
+        chosen = resolve(EngineConfig(model=model), flow=flow, params=params, defaults=defaults).flow
+        if chosen is not None:
+            tuned = chosen.tuned
+            params = {k: v for k, v in chosen.params.items() if chosen.origin[k] != "published"}
     # what the manifest keeps of where they came from: no storage URL (it may hold a password), no local path
     origin = {"from": "params"} if tuned is None else {"from": "params", "tuned": {
         "params": tuned["params"], "file": Path(tuned["file"]).name,

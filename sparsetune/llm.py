@@ -1,15 +1,19 @@
-"""`LLM`: the composition root. An `Engine` with a decode flow on its attention layers and a reuse
-flow for prompts with reusable segments.
+"""`LLM`: the composition root. An `Engine` (model, KV pool, scheduler, runner), a decode flow on
+its attention layers and a reuse flow for prompts with reusable segments, all as one resolved
+`Setup` (`sparsetune.setup`).
 
-The engine knows neither: this is where flows are found (`registry`), sized into the KV pool,
-attached as attention backends, and where a reuse flow's prefill is admitted into the engine.
+The engine knows no flow: this is where a setup's flows are built, sized into the KV pool, attached
+as attention backends, and where a reuse flow's prefill is admitted into the engine. `apply(setup)`
+moves a live engine from one setup to another doing only what changed: a retune (same kernels), a
+graph recapture (other layers or widths), a new backend (another flow class) or a pool relayout
+(another page size; the weights stay).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import fields, replace
-from typing import Callable, Sequence as Seq
+import warnings
+from dataclasses import replace
+from typing import Any, Callable, Sequence as Seq
 
 import torch
 
@@ -19,102 +23,167 @@ from sparsetune.engine.sequence import SamplingParams, Sequence
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.models.artifacts import resolve_calibration
-from sparsetune.flow.defaults import tuned_config
-from sparsetune.loader import build_flow, resolve_decode_flow
-from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
 from sparsetune.reuse.base import ReuseFlow
+from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
 from sparsetune.reuse.parts import ReuseLayout, encode_parts, is_parts, parse_parts_any
 from sparsetune.reuse.segment_cache import SegmentCache
+from sparsetune.setup import FlowSetup, Setup, resolve, resolve_options
+
+# What a setup applied to a live engine must share with it (another model or dtype needs a new `LLM`);
+# its other engine options (the pool's memory, batch limits) are the live engine's, its page size the flow's.
+_SAME_ENGINE = ("model", "random_weights", "device", "dtype")
 
 
-class LLM(Engine):
-    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        cfg = config or EngineConfig()
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = [k for k in overrides if k not in known]
-        if unknown:
-            raise TypeError(f"unknown engine option {unknown[0]!r}")
-        cfg, self.flow = _flows(replace(cfg, **overrides))  # checked before the model loads
-        mcfg = cfg.check()[1]
-        super().__init__(cfg, extra_elems_per_block=_flow_elems_per_block(self.flow, mcfg), capture=False)
+class LLM:
+    def __init__(self, setup: Setup | EngineConfig | None = None, **options: Any) -> None:
+        """`setup`: a resolved `Setup` (`setup.resolve`); an `EngineConfig` or keyword options
+        (`flow=`, `params=`, `reuse=`, `reuse_params=`, `executor=`, `defaults=` and any
+        `EngineConfig` field) are resolved here (`setup.resolve_options`), so `LLM(flow="quest",
+        model=...)` works."""
+        if not isinstance(setup, Setup):
+            setup = resolve_options(setup, **options)
+        elif options:
+            raise TypeError("pass a Setup or options, not both")
+        self.setup = setup
+        self.flow: DecodeFlow | None = setup.flow.build() if setup.flow is not None else None
+        self.engine = Engine(setup.engine, extra_elems_per_block=_flow_elems_per_block(self.flow, setup.engine.check()[1]),
+                             capture=False)
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
         self._install_flow(self.flow)
         self._attach_segments()
-        self.reuse_flow = self._build_reuse(cfg.reuse, cfg.reuse_params)
+        self.reuse_flow = self._build_reuse(setup)
+        self._kept_reuse: tuple | None = None  # (setup, flow) of the reuse flow before the current one
+
+    # ---- what callers read of the engine -----------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def resolved(self):
+        return self.engine.resolved
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = True) -> list[int]:
+        return self.engine.encode_prompt(prompt, chat)
+
+    def __getattr__(self, name: str):
+        """`LLM` was an `Engine` subclass: the engine's other attributes still answer, with a warning
+        naming their new place (`llm.engine`)."""
+        engine = self.__dict__.get("engine")
+        if engine is None or name.startswith("__") or not hasattr(engine, name):
+            raise AttributeError(f"'LLM' object has no attribute {name!r}")
+        warnings.warn(f"LLM.{name} is the engine's: use llm.engine.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(engine, name)
 
     def _attach_segments(self) -> None:
         """Segments live in the same pool; a request short of blocks evicts idle ones (reclaim)."""
-        cfg, mcfg = self.config, self.model_config
-        self.segments = SegmentCache(self.block_manager, cfg.block_size,
-                                     salt=f"{self.resolved.name}|random={cfg.random_weights}|{self.dtype}",
-                                     watermark=cfg.segment_watermark)
-        self.reuse_executor = ReuseExecutor(self.model, self.kv, self.segments, mcfg.rope_scaling, mcfg.rope_theta)
+        eng = self.engine
+        self.segments = SegmentCache(eng.block_manager, eng.config.block_size,
+                                     salt=f"{eng.resolved.name}|random={eng.config.random_weights}|{eng.dtype}",
+                                     watermark=eng.config.segment_watermark)
+        mcfg = eng.model_config
+        self.reuse_executor = ReuseExecutor(eng.model, eng.kv, self.segments, mcfg.rope_scaling, mcfg.rope_theta)
 
-    # ---- the decode flow ---------------------------------------------------------------------------
-
-    def _install_flow(self, flow) -> None:
-        """Route attention through `flow` (None: full attention), then capture decode graphs.
-
-        The flow is attached before capture, so its indexer and selection are in the graphs. What
-        the engine already has is reused: a flow of the last flow backend's kernel key retunes it
-        (kernels, stores and calibration kept), and graphs are recaptured only when the routing or
-        the selection width (a shape inside them) changed."""
-        if self.config.prefix_caching and flow is not None:
-            # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
-            raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
-                                  "(its per-block state would be shared between requests); drop one of them")
-        route, attn, sparse = None, None, []
-        if flow is not None:
-            sparse = _sparse_layers(flow, self.model_config.num_hidden_layers)
-            attn = self._flow_backend
-            if attn is not None and attn.flow.kernel_key() == flow.kernel_key():
-                attn.retune(flow)
-            else:
-                attn = self._flow_backend = self._new_flow_backend(flow)
-            width = attn.selection_width(self.runner.max_blocks_per_seq, self.model_config.head_dim)
-            route = (id(attn), tuple(sparse), tuple(flow.select_layers), width)
-        if self._route is not False and route == self._route:
-            return  # same kernels on the same layers with the same shapes: the graphs stay valid
-        self.set_attention(self.dense_attention())
-        if attn is not None:
-            self.set_attention(attn, sparse)
-        self.capture_graphs()
-        self._route = route
+    # ---- the setup ---------------------------------------------------------------------------------
 
     @property
     def flow_name(self) -> str:
         """The decode flow's name; "dense" for full attention."""
         return self.flow.name if self.flow is not None else "dense"
 
-    def set_attention(self, backend, layers=None) -> None:
-        self._route = False  # routed by hand: the next flow installs afresh
-        super().set_attention(backend, layers)
-
-    def set_flow(self, flow: str | None, params: dict[str, str] | None = None) -> None:
-        """Switch the decode flow of a live engine (same weights and KV pool). A flow that differs
-        from the current one only in budget, sink or local blocks switches in place; other changes
-        of dense or select layers recapture the graphs; another flow class or kernel param builds
-        its backend (generated kernels are shared by source, so a flow seen before compiles nothing);
-        another block size lays the KV pool out anew (`Engine.set_block_size`; the weights stay)."""
-        if self.scheduler.has_work():
-            raise RuntimeError("set_flow needs an idle engine")
-        raw, cfg = tuned_config(replace(self.config, tuned=None), flow, dict(params or {}), users_block_size=False)
-        size = str(raw.get("block_size", ""))
-        cfg = replace(cfg, flow=flow, flow_params=raw,
-                      block_size=int(size) if size.isdigit() else self.config.block_size)
-        new = _build_flow(cfg, flow, cfg.flow_params)
-        if new is not None and new.block_size != self.config.block_size:
+    def apply(self, setup: Setup) -> None:
+        """Move this engine to `setup` (same weights and KV pool). A decode flow that differs from the
+        current one only in budget, sink or local blocks switches in place; other changes of dense or
+        select layers recapture the graphs; another flow class or kernel param builds its backend
+        (generated kernels are shared by source, so a flow seen before compiles nothing); another page
+        size lays the KV pool out anew (`Engine.set_block_size`; the weights stay). The reuse flow is
+        swapped (the segment cache is kept)."""
+        if self.engine.scheduler.has_work():
+            raise RuntimeError("apply needs an idle engine")
+        for key in _SAME_ENGINE:
+            ours, theirs = getattr(self.setup.engine, key), getattr(setup.engine, key)
+            if ours != theirs and (key != "model" or setup.engine.check()[0] != self.resolved.name):
+                raise SparsetuneError(f"the setup is for {key} {theirs!r}; this engine runs {ours!r}: that needs a new LLM")
+        new = setup.flow.build() if setup.flow is not None else None
+        if new is not None and new.block_size != self.engine.config.block_size:
             try:
                 self._relayout(new)
             except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
-                if self.has_pool:
+                if self.engine.has_pool:
                     self._install_flow(self.flow)
                 raise
-        self._install_flow(new)
-        self.config, self.flow = replace(cfg, block_size=self.config.block_size), new
+        self._install_flow(new, setup.executor)
+        self.flow = new
+        if setup.reuse != self.setup.reuse:  # the one built last comes back as it was (prepared)
+            kept = self._kept_reuse
+            self._kept_reuse = (self.setup.reuse, self.reuse_flow) if self.reuse_flow is not None else kept
+            self.reuse_flow = kept[1] if kept is not None and kept[0] == setup.reuse else self._build_reuse(setup)
+        self.setup = replace(setup, engine=self.engine.config)
 
-    def _relayout(self, flow) -> None:
+    def set_flow(self, flow: str | None, params: dict[str, Any] | None = None) -> None:
+        """Deprecated: `apply(llm.setup.with_flow(flow, params))`."""
+        warnings.warn("LLM.set_flow is replaced by LLM.apply(llm.setup.with_flow(flow, params))", DeprecationWarning,
+                      stacklevel=2)
+        self.apply(self.setup.with_flow(flow, params))
+
+    def _install_flow(self, flow: DecodeFlow | None, executor: str | None = None) -> None:
+        """Route attention through `flow` (None: full attention), then capture decode graphs.
+
+        The flow is attached before capture, so its indexer and selection are in the graphs. What
+        the engine already has is reused: a flow of the last flow backend's kernel key retunes it
+        (kernels, stores and calibration kept), and graphs are recaptured only when the routing or
+        the selection width (a shape inside them) changed."""
+        eng = self.engine
+        if eng.config.prefix_caching and flow is not None:
+            # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
+            raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
+                                  "(its per-block state would be shared between requests); drop one of them")
+        route, attn, sparse = None, None, []
+        if flow is not None:
+            sparse = flow.sparse_layers(self.model_config.num_hidden_layers)
+            attn = self._flow_backend
+            if attn is not None and attn.flow.kernel_key() == flow.kernel_key() and attn.executor == self._executor(executor):
+                attn.retune(flow)
+            else:
+                attn = self._flow_backend = self._new_flow_backend(flow, executor)
+            width = attn.selection_width(eng.runner.max_blocks_per_seq, self.model_config.head_dim)
+            route = (id(attn), tuple(sparse), tuple(flow.select_layers), width)
+        if self._route is not False and route == self._route:
+            return  # same kernels on the same layers with the same shapes: the graphs stay valid
+        eng.set_attention(eng.dense_attention())
+        if attn is not None:
+            eng.set_attention(attn, sparse)
+        eng.capture_graphs()
+        self._route = route
+
+    def set_attention(self, backend, layers=None) -> None:
+        """Route attention by hand (tests, benchmarks): the next setup installs its flow afresh."""
+        self._route = False
+        self.engine.set_attention(backend, layers)
+
+    def _relayout(self, flow: DecodeFlow) -> None:
         """A flow of another block size: the KV pool is laid out anew in its blocks (same token
         capacity, the weights kept; cached segments are dropped), its fields sized beside it."""
         # Nothing may keep the old pool alive: the flow backend's field stores, the segment cache
@@ -122,45 +191,53 @@ class LLM(Engine):
         self._flow_backend, self._route = None, False
         self.segments = self.reuse_executor = None
         try:
-            self.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
+            self.engine.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
         finally:  # a new pool either way (the old layout again when the new one did not fit)
-            if self.has_pool:
+            if self.engine.has_pool:
                 self._attach_segments()
 
-    def _new_flow_backend(self, flow):
-        from sparsetune.flow.attention import EXECUTORS, FlowAttention
+    def _executor(self, executor: str | None = None) -> str:
+        executor = executor or self.setup.executor
+        return executor or ("compiled" if self.device.type == "cuda" else "reference")
 
-        executor = self.config.flow_executor or ("compiled" if self.device.type == "cuda" else "reference")
-        if executor not in EXECUTORS:
-            raise SparsetuneError(f"--flow-executor {executor!r}: use one of {', '.join(EXECUTORS)}")
+    def _new_flow_backend(self, flow: DecodeFlow, executor: str | None = None):
+        from sparsetune.flow.attention import FlowAttention
+
         calibration = None
         if flow.calibrated:  # per-layer channel order, for this model and its shapes
-            mcfg = self.model_config
-            calibration = resolve_calibration(flow.calibration, flow.name, self.resolved.name, self.resolved.random_weights,
+            mcfg, res = self.model_config, self.resolved
+            calibration = resolve_calibration(flow.calibration, flow.name, res.name, res.random_weights,
                                               mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
-        return FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor, calibration=calibration)
+        return FlowAttention(flow, self.model_config.head_dim**-0.5, executor=self._executor(executor),
+                             calibration=calibration)
 
     # ---- the reuse flow ----------------------------------------------------------------------------
 
-    def _build_reuse(self, name: str | None, params: dict[str, str] | None) -> ReuseFlow | None:
-        if name is None:
-            if params:
-                raise SparsetuneError("--reuse-param needs a reuse flow: add --reuse NAME")
+    def _build_reuse(self, setup: Setup) -> ReuseFlow | None:
+        if setup.reuse is None:
             return None
-        flow = build_flow(name, params, ReuseFlow)
+        flow = setup.reuse.build(ReuseFlow)
         flow.prepare(self.resolved.name, self.config.random_weights, self.model_config)
         return flow
 
-    def set_reuse(self, flow: str | ReuseFlow | None, params: dict[str, str] | None = None) -> None:
-        """Switch the reuse flow for prompts with segments (the segment cache is kept): a name or path
-        with raw params, or a built `ReuseFlow` (None: segments run as plain text). The decode flow
-        stays as it is: a reuse flow's own decode flow (`resolve_decode_flow`) comes with `set_flow`."""
+    def set_reuse(self, flow: str | ReuseFlow | None, params: dict[str, Any] | None = None) -> None:
+        """Deprecated: `apply(...)` with a setup whose `reuse` is the flow. A built `ReuseFlow` (tests
+        of a flow's own instance) is still taken as it is; the decode flow stays as it is."""
+        warnings.warn("LLM.set_reuse is replaced by LLM.apply(setup)", DeprecationWarning, stacklevel=2)
+        self.use_reuse(flow, params)
+
+    def use_reuse(self, flow: str | ReuseFlow | None, params: dict[str, Any] | None = None) -> None:
+        """Switch the reuse flow only (the decode flow and the segment cache stay): a name or path with
+        params, or a built `ReuseFlow` (taken as it is). A reuse flow's own decode flow comes with a
+        setup resolved with it (`setup.resolve(reuse=...)`)."""
         if isinstance(flow, ReuseFlow):
             self.reuse_flow = flow
-            self.config = replace(self.config, reuse=flow.name, reuse_params={k: str(v) for k, v in flow.params().items()})
+            self.setup = replace(self.setup, reuse=FlowSetup.of(flow))
             return
-        self.reuse_flow = self._build_reuse(flow, params)
-        self.config = replace(self.config, reuse=flow, reuse_params=dict(params or {}))
+        reuse = None if flow is None else resolve(replace(self.setup.engine, block_size=None), reuse=flow,
+                                                  reuse_params=params).reuse
+        self.setup = replace(self.setup, reuse=reuse)
+        self.reuse_flow = self._build_reuse(self.setup)
 
     def cache_segments(self, layout: ReuseLayout) -> int:
         """Stage 1 of the reuse protocol: store every segment of `layout` that the cache lacks, each
@@ -170,60 +247,61 @@ class LLM(Engine):
             self.segments.release(seg)
         return stats.segment_misses
 
+    # ---- admission ---------------------------------------------------------------------------------
+
     def add_reuse_request(self, layout: ReuseLayout, params: SamplingParams,
                           arrival: float | None = None) -> tuple[Sequence, ReuseStats]:
         """Prefill a prompt with segments by the reuse flow's plan now, sample its first token, and
-        hand it to the scheduler to decode with the others (`step` runs it from there)."""
+        hand it to the scheduler to decode with the others (`engine.step` runs it from there)."""
         if self.reuse_flow is None:
             raise SparsetuneError("no reuse flow is set; pass --reuse NAME (or LLM(reuse=...))")
-        ids = layout.token_ids
-        seq = self.reserve(ids, params, arrival)
-        try:
-            table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
+        done: list[ReuseStats] = []
+
+        def write(table: torch.Tensor) -> torch.Tensor:
             logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
-            self.rebuild_fields(table, len(ids))
-        except BaseException:
-            self.abort(seq)
-            raise
+            done.append(stats)
+            return logits
+
+        seq = self._admit(layout.token_ids, params, arrival, write)
         self.segments.enforce_watermark()  # idle segments above the watermark go, pinned ones last
-        self.stats.prefill_tokens += len(ids)
-        self.stats.prefill_seconds += stats.seconds
-        self.admit_prefilled(seq, logits)
-        return seq, stats
+        self.stats.prefill_tokens += len(layout.token_ids)
+        self.stats.prefill_seconds += done[0].seconds
+        return seq, done[0]
 
-    def add_prefilled(self, token_ids: list[int], params: SamplingParams, k: torch.Tensor, v: torch.Tensor,
-                      logits: torch.Tensor, arrival: float | None = None) -> Sequence:
-        """A prompt whose dense prefill was computed before (`k`, `v` `[layers, kv_heads, n, head_dim]`
-        and its last position's `logits`, as `prompt_kv` gives them): written into its blocks, the
-        decode flow's fields rebuilt, its first token sampled from `logits`; then decoded with the
-        others. For decode flows this is the prefill they would run (theirs is dense)."""
-        seq = self.reserve(token_ids, params, arrival)
+    def add_prefilled(self, token_ids: list[int], params: SamplingParams, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      logits: torch.Tensor | None = None, arrival: float | None = None) -> Sequence:
+        """A request whose prompt KV is already computed: `kv` (K and V `[layers, kv_heads, n, head_dim]`,
+        as `prompt_kv` gives them) is written into its blocks and its first token sampled from the
+        last position's `logits`; without `kv`, the KV is taken to be whatever its blocks hold (speed
+        measurements, where the bytes a step reads matter and not their values) and its first step
+        recomputes the last prompt token. Either way the decode flow's fields are built over the
+        blocks and it decodes with the others. For decode flows this is the prefill they would run
+        (theirs is dense)."""
+        def write(table: torch.Tensor) -> torch.Tensor | None:
+            if kv is not None:
+                slots = self.engine.kv.slots(table, torch.arange(len(token_ids), device=self.device))
+                with torch.inference_mode():
+                    for layer in range(self.model_config.num_hidden_layers):
+                        self.engine.kv.store(layer, kv[0][layer].transpose(0, 1), kv[1][layer].transpose(0, 1), slots)
+            return logits
+
+        return self._admit(token_ids, params, arrival, write)
+
+    def _admit(self, token_ids: list[int], params: SamplingParams, arrival: float | None,
+               write: Callable[[torch.Tensor], torch.Tensor | None]) -> Sequence:
+        """The one admission path of a prompt whose KV is written outside the step loop: reserve its
+        blocks, `write(table)` its KV (returning the last position's logits, or None), rebuild the
+        decode flow's fields over them, and hand it to the scheduler (aborted on any failure)."""
+        eng = self.engine
+        seq = eng.reserve(token_ids, params, arrival)
         try:
-            n = len(token_ids)
             table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
-            slots = self.kv.slots(table, torch.arange(n, device=self.device))
-            with torch.inference_mode():
-                for layer in range(self.model_config.num_hidden_layers):
-                    self.kv.store(layer, k[layer].transpose(0, 1), v[layer].transpose(0, 1), slots)
-            self.rebuild_fields(table, n)
+            logits = write(table)
+            self.rebuild_fields(table, len(token_ids))
         except BaseException:
-            self.abort(seq)
+            eng.abort(seq)
             raise
-        self.admit_prefilled(seq, logits)
-        return seq
-
-    def add_with_pool_kv(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
-        """A request whose prompt KV is taken to be in the blocks it is given, as they are (whatever
-        the pool holds: for speed measurements, where the bytes a step reads matter and not their
-        values): the decode flow's fields are built over them and it decodes with the others, its
-        first step recomputing the last prompt token."""
-        seq = self.reserve(token_ids, params, arrival)
-        try:
-            self.rebuild_fields(torch.tensor(seq.block_table, dtype=torch.int32, device=self.device), len(token_ids))
-        except BaseException:
-            self.abort(seq)
-            raise
-        self.admit_prefilled(seq)
+        eng.admit_prefilled(seq, logits)
         return seq
 
     def prompt_kv(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -233,7 +311,7 @@ class LLM(Engine):
         if seq.num_computed < n or not seq.block_table:
             return None
         table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
-        kv = [self.kv.gather(layer, table, n) for layer in range(self.model_config.num_hidden_layers)]
+        kv = [self.engine.kv.gather(layer, table, n) for layer in range(self.model_config.num_hidden_layers)]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
     def rebuild_fields(self, table: torch.Tensor, num_tokens: int) -> None:
@@ -242,9 +320,9 @@ class LLM(Engine):
         from sparsetune.flow.attention import FlowAttention
 
         with torch.inference_mode():  # the field stores are inference tensors
-            for layer, backend in enumerate(self.backends):
+            for layer, backend in enumerate(self.engine.backends):
                 if isinstance(backend, FlowAttention):
-                    backend.rebuild_fields(layer, self.kv, table, num_tokens)
+                    backend.rebuild_fields(layer, self.engine.kv, table, num_tokens)
 
     def generate(
         self,
@@ -255,87 +333,22 @@ class LLM(Engine):
     ) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in prompt order. A prompt given
         as parts (text and reusable segments) is prefilled by the reuse flow when one is set."""
-        params_list = self._params_list(prompts, params)
-        t0 = time.perf_counter()
-        encoded, seqs, reuse = [], [], {}
-        for prompt, p in zip(prompts, params_list):
-            if is_parts(prompt):  # reusable segments: the reuse flow prefills it now
-                layout = encode_parts(self.tokenizer, parse_parts_any(prompt), chat)
-                encoded.append(layout.token_ids)
-                if self.reuse_flow is None:
-                    seqs.append(self.add_request(layout.token_ids, p, t0))
-                else:
-                    seq, stats = self.add_reuse_request(layout, p, t0)
-                    seqs.append(seq)
-                    reuse[seq.seq_id] = stats.to_dict()
-            else:
-                encoded.append(self.encode_prompt(prompt, chat))
-                seqs.append(self.add_request(encoded[-1], p, t0))
-        return self.run_to_completion(encoded, seqs, on_token, reuse)
+        reuse: dict[int, dict] = {}
+
+        def admit(prompt, p: SamplingParams, t0: float, chat: bool) -> tuple[list[int], Sequence]:
+            if not is_parts(prompt):
+                return self.engine.admit_prompt(prompt, p, t0, chat)
+            layout = encode_parts(self.tokenizer, parse_parts_any(prompt), chat)
+            if self.reuse_flow is None:  # segments as plain text
+                return layout.token_ids, self.engine.add_request(layout.token_ids, p, t0)
+            seq, stats = self.add_reuse_request(layout, p, t0)
+            reuse[seq.seq_id] = stats.to_dict()
+            return layout.token_ids, seq
+
+        return self.engine.generate(prompts, params, chat, on_token, admit=admit, reuse=reuse)
 
 
-def check_flows(cfg: EngineConfig) -> None:
-    """Refuse what `LLM(cfg)` would refuse of its flows, without the model (no weights read, nothing
-    converted): the decode and reuse flows' names and kinds, their `--param` values, and the decode
-    flow's layers against the model's. `LLM` checks them before it loads the model; a caller that
-    does work with the model first (eval sizes its KV pool from it, bench serve switches flows in
-    after its dense cells) calls this before."""
-    _flows(cfg)
-
-
-def _flows(cfg: EngineConfig) -> tuple[EngineConfig, DecodeFlow | None]:
-    """`cfg`'s decode flow (its `--flow`, else its reuse flow's own; the model's tuned defaults under
-    the user's params), built and checked against the model's layers, and `cfg` with its name, params
-    and block size (the pool's block size is the flow's granularity). The reuse flow is built to check
-    it; `LLM` builds it again with the model (`_build_reuse`: its calibration)."""
-    mcfg = cfg.check()[1]
-    if cfg.reuse is not None:
-        build_flow(cfg.reuse, cfg.reuse_params, ReuseFlow)
-    flow_name, flow_params = resolve_decode_flow(cfg.flow, cfg.flow_params, cfg.reuse, cfg.reuse_params)
-    if cfg.flow is not None:  # the user's flow (not a reuse flow's own): the model's tuned defaults under its params
-        flow_params, cfg = tuned_config(cfg, cfg.flow, flow_params, users_block_size=True)
-    flow = _build_flow(cfg, flow_name, flow_params)
-    if flow is not None:
-        _sparse_layers(flow, mcfg.num_hidden_layers)
-    return replace(cfg, flow=flow_name, flow_params=dict(flow_params),
-                   block_size=flow.block_size if flow is not None else cfg.block_size), flow
-
-
-def _sparse_layers(flow, num_layers: int) -> list[int]:
-    """The layers `flow` runs on in a model of `num_layers` (all but its dense layers), its layer
-    params checked."""
-    bad = [i for i in flow.dense_layers if not 0 <= i < num_layers]
-    if bad:
-        raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {num_layers}-layer model")
-    sparse = [i for i in range(num_layers) if i not in flow.dense_layers]
-    if flow.select_layers and sparse and sparse[0] not in flow.select_layers:
-        raise SparsetuneError(
-            f"--param select_layers: the first sparse layer ({sparse[0]}) must select, "
-            f"since later layers reuse its choice; got {list(flow.select_layers)}"
-        )
-    return sparse
-
-
-def _build_flow(cfg: EngineConfig, name: str | None, params: dict[str, str]):
-    """The decode flow of `--flow`/`--param`; None for dense attention (no flow, or the "dense"
-    flow: `LLM.flow` is None exactly when attention is dense). `--block-size` sets the flow's
-    granularity unless the params set it; both set differently is an error."""
-    if name is None:
-        if params:
-            raise SparsetuneError("--param needs --flow")
-        return None
-    raw = dict(params)
-    if "block_size" not in raw:
-        raw["block_size"] = str(cfg.block_size)
-    elif str(raw["block_size"]) != str(cfg.block_size) and cfg.block_size != EngineConfig.block_size:
-        raise SparsetuneError(
-            f"--block-size {cfg.block_size} disagrees with --param block_size={raw['block_size']}; set it once"
-        )
-    flow = build_flow(name, raw)
-    return None if flow.full_attention else flow
-
-
-def _flow_elems_per_block(flow, mcfg) -> int:
+def _flow_elems_per_block(flow: DecodeFlow | None, mcfg) -> int:
     """A flow's per-block fields on its sparse layers, in pool elements: they live beside the pool."""
     if flow is None:
         return 0

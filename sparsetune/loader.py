@@ -319,25 +319,6 @@ def build_flow(name_or_path: str, raw_params: dict[str, str] | None = None, kind
     return get_flow_class(name_or_path, kind).from_strings(raw_params or {})
 
 
-class FlowChoice(NamedTuple):
-    """A flow by name or path (None: none chosen) and its raw `--param` values."""
-
-    name: str | None
-    params: dict[str, str]
-
-
-def resolve_decode_flow(flow: str | None, params: dict[str, str], reuse: str | None,
-                        reuse_params: dict[str, str]) -> FlowChoice:
-    """The decode flow to run: `flow` when given ("dense" included), else the reuse flow's own decode
-    flow (LoopServe re-selects while decoding) with the parameters it derives, else None (dense)."""
-    if flow is not None or reuse is None:
-        return FlowChoice(flow, params)
-    from sparsetune.reuse.base import ReuseFlow
-
-    rf = build_flow(reuse, reuse_params, ReuseFlow)
-    return FlowChoice(rf.decode_flow, {**rf.decode_params(), **params}) if rf.decode_flow else FlowChoice(None, params)
-
-
 def main(argv: list[str]) -> int:
     if len(argv) == 5 and argv[0] == "trace":
         return _child(*argv[1:5])

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def published_defaults(request, monkeypatch):
     """Tests run flows with their published defaults (the params they give), not the embedded model's
-    tuned ones (`flow.defaults`) nor a developer's saved ones; tests marked `tuned_defaults` see them."""
+    tuned ones (`setup.tuned_defaults`) nor a developer's saved ones; tests marked `tuned_defaults` see them."""
     if request.node.get_closest_marker("tuned_defaults") is None:
         monkeypatch.setattr("sparsetune.models.artifacts.read_tuned_defaults", lambda *a, **k: {})
 

@@ -146,22 +146,22 @@ def reuse_parts(first_plain: bool = True):
 def reuse_logits(llm, flow: str, parts, params: dict[str, str] | None = None, warm: bool = True):
     """Last-token logits of a reuse prefill (after a cache-building pass when `warm`), plus stats."""
     layout = encode_parts(llm.tokenizer, parse_parts(parts), chat=False)
-    llm.set_reuse(flow, params)
+    llm.use_reuse(flow, params)
     if warm:  # the two-stage protocol: the first request stores the segments
         llm.generate([parts], SamplingParams(max_tokens=1), chat=False)
-    seq_table = llm.block_manager.allocate(-(-layout.num_tokens // llm.kv.block_size))
+    seq_table = llm.engine.block_manager.allocate(-(-layout.num_tokens // llm.engine.kv.block_size))
     try:
-        table = torch.tensor(seq_table, dtype=torch.int32, device=llm.kv.k.device)
+        table = torch.tensor(seq_table, dtype=torch.int32, device=llm.engine.kv.k.device)
         logits, stats = llm.reuse_executor.prefill(llm.reuse_flow, layout, table)
-        layer0_k = llm.kv.gather(0, table, layout.num_tokens)[0].clone()
+        layer0_k = llm.engine.kv.gather(0, table, layout.num_tokens)[0].clone()
     finally:
-        llm.block_manager.free_blocks(seq_table)
-        llm.set_reuse(None)
+        llm.engine.block_manager.free_blocks(seq_table)
+        llm.use_reuse(None)
     return logits, stats, layout, layer0_k
 
 
 def plain_logits(llm, layout: ReuseLayout) -> torch.Tensor:
-    return llm.prompt_logits(layout.token_ids)[-1]
+    return llm.engine.prompt_logits(layout.token_ids)[-1]
 
 
 class SyntheticEvaluator:

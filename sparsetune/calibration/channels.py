@@ -72,7 +72,7 @@ def calibrate(
     cfg = llm.model_config
     recorder = _Recorder(cfg.head_dim**-0.5, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, llm.device)
     llm.set_attention(recorder)
-    span = llm.max_model_len - 1  # longer texts run as several sequences; each leaves room for one new token
+    span = llm.engine.max_model_len - 1  # longer texts run as several sequences; each leaves room for one new token
     llm.generate([ids[i : i + span] for i in range(0, len(ids), span)], SamplingParams(max_tokens=1), chat=False)
     scores = (recorder.sums / len(ids)).cpu()  # [L, Hkv, D]
     order = scores.argsort(dim=-1, descending=True, stable=True)

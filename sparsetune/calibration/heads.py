@@ -95,7 +95,7 @@ def profile_heads(
     ids = llm.tokenizer.encode(builtin_text() if text is None else text)
     prefixes = [llm.tokenizer.encode(p) for p in PREFIXES]
     # One prefill call per run (the recorder reads each sequence whole): no chunked prefill.
-    room = min(llm.max_model_len - 1, llm.config.max_num_batched_tokens)
+    room = min(llm.engine.max_model_len - 1, llm.config.max_num_batched_tokens)
     chunk_tokens = min(chunk_tokens, room - max(map(len, prefixes)))
     pieces = [ids[i : i + chunk_tokens] for i in range(0, len(ids) - chunk_tokens + 1, chunk_tokens)][:chunks]
     if not pieces:

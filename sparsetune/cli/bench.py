@@ -82,11 +82,10 @@ def serve(
     if resume is not None:
         cfg, _ = load_resume(resume)
     else:
-        engine = opt.engine_config(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
-                                   flow_executor=flow_executor, no_cuda_graph=no_cuda_graph, seed=seed, defaults=defaults,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
-                                   schedule=schedule)
-        cfg = ServeConfig(engine=engine, flows=tuple(f.strip() for f in flow.split(",") if f.strip()),
+        engine = opt.engine_options(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
+                                    no_cuda_graph=no_cuda_graph, seed=seed, max_num_seqs=max_num_seqs,
+                                    max_num_batched_tokens=max_batched_tokens, schedule=schedule)
+        cfg = ServeConfig.of(**engine, executor=flow_executor, defaults=defaults, flows=tuple(f.strip() for f in flow.split(",") if f.strip()),
                           params=tuple(param or ()), rates=_floats(rate, "--rate"), requests=requests,
                           input_len=input_len, output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup,
                           seed=seed).with_dense()

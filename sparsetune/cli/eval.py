@@ -47,16 +47,16 @@ def eval_command(
     if list_tasks:
         _list_tasks(json_out)
         return
+    from sparsetune.api import describe_defaults
     from sparsetune.evaluation.config import EvalConfig, check_config, load_resume_config
-    from sparsetune.flow.defaults import describe
 
-    engine = opt.engine_config(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
+    options = opt.setup_options(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
                                dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
                                flow_executor=flow_executor, defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed)
     if resume is not None:  # its config wins
         cfg = load_resume_config(resume)
     else:
-        cfg = EvalConfig(engine=engine, tasks=task, context=context, samples=samples, batch=batch,
+        cfg = EvalConfig.of(**options, tasks=task, context=context, samples=samples, batch=batch,
                          max_new_tokens=max_new_tokens, mode=mode, fidelity=not no_fidelity, limit=limit)
     check_config(cfg)  # before torch loads (evaluate checks it again, for Python callers)
     opt.check_writable(resume or out, "--resume" if resume is not None else "--out")  # where the run is written
@@ -70,7 +70,7 @@ def eval_command(
         def on_start(run_dir: Path, res: EvalResult) -> None:
             where["run_dir"] = run_dir
             err.print(f"[dim]run directory: {run_dir}[/]")
-            said = describe(res.flow, res.model, res.defaults)
+            said = describe_defaults(res.flow, res.model, res.defaults)
             if said:
                 err.print(f"[dim]{said}[/]")
             if res.note:

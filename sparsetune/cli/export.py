@@ -59,9 +59,9 @@ def export(
     if json_out:
         emit_json(m)
     if flow is not None and model is not None and defaults == "tuned":
-        from sparsetune.flow.defaults import describe
+        from sparsetune.api import describe_defaults
 
-        said = describe(m["flow"], m["model"], m["tuned"])
+        said = describe_defaults(m["flow"], m["model"], m["tuned"])
         if said:
             err.print(f"[dim]{escape(said)}[/]")
     measured = m.get("measured") or {}

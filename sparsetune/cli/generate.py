@@ -61,9 +61,8 @@ def generate(
     json_out: bool = opt.json_option("Print a JSON object to stdout."),
 ) -> None:
     """Generate a completion for one prompt."""
-    from sparsetune.api import generate as run
+    from sparsetune.api import describe_defaults, generate as run
     from sparsetune.errors import SparsetuneError
-    from sparsetune.flow.defaults import describe
 
     if (prompt is None) == (parts is None):
         raise SparsetuneError("pass exactly one of --prompt TEXT and --parts FILE")
@@ -72,15 +71,15 @@ def generate(
     if parts is None and (reuse is not None or reuse_param):
         raise SparsetuneError("--reuse applies to the segments of a --parts FILE prompt; a --prompt has none")
     user = prompt if parts is None else _read_parts(parts)
-    engine = opt.engine_config(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
+    options = opt.setup_options(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
                                dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
                                flow_executor=flow_executor, defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed,
                                block_size=block_size, max_model_len=max_model_len, prefix_caching=prefix_caching,
                                max_num_seqs=8)
     apply_threads(threads)
     with err.status(f"loading {model} and generating ..."):
-        result = run(user, engine, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                     chat=not no_chat)
+        result = run(user, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, chat=not no_chat,
+                     **options)
     if json_out:
         emit_json(result.to_dict())
     else:
@@ -90,7 +89,7 @@ def generate(
         f"[dim]{result.model} on {result.device} ({result.dtype}): {result.prompt_tokens} prompt + "
         f"{result.completion_tokens} new tokens in {result.seconds:.2f}s{rate}; finish: {result.finish_reason}[/]"
     )
-    said = describe(result.flow, result.model, result.defaults)
+    said = describe_defaults(result.flow, result.model, result.defaults)
     if said:
         err.print(f"[dim]{said}[/]")
     if result.attended_tokens is not None:

@@ -1,5 +1,5 @@
-"""Options and feedback shared by the commands: the engine options (declared here once, turned into
-an `EngineConfig` by `engine_config`), output options, CPU threads and progress.
+"""Options and feedback shared by the commands: the setup options (declared here once, turned into the
+API's keyword options by `setup_options`), output options, CPU threads and progress.
 
 A command declares an option by calling its function here (`model: str = model_option()`); where its
 help says something of its own, it passes `help=`.
@@ -12,16 +12,13 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import typer
 
 from sparsetune.cli.output import err, parse_size
 from sparsetune.errors import SparsetuneError
 from sparsetune.records import DEFAULT_RUNS_DIR
-
-if TYPE_CHECKING:
-    from sparsetune.engine.config import EngineConfig
 
 THREADS_HELP = ("CPU threads for torch (default: OMP_NUM_THREADS, else torch's choice: every core). On a busy "
                 "machine fewer threads can be much faster.")
@@ -83,21 +80,29 @@ def seed_option(help: str):
     return typer.Option(0, help=help)
 
 
-def engine_config(model: str, *, flow: str | None = None, param: list[str] | None = None, reuse: str | None = None,
+def setup_options(model: str, *, flow: str | None = None, param: list[str] | None = None, reuse: str | None = None,
                   reuse_param: list[str] | None = None, device: str = "auto", dtype: str = "auto",
                   random_weights: bool = False, kv_memory: str | None = None, flow_executor: str | None = None,
-                  no_cuda_graph: bool = False, seed: int = 0, defaults: str = "tuned", **fields: Any) -> EngineConfig:
-    """The engine options a command was given, as an `EngineConfig` (key=value lists and the size
-    parsed; "auto" is None); `fields`: other `EngineConfig` fields the command sets."""
-    from sparsetune.engine.config import EngineConfig
-    from sparsetune.flow.params import parse_param_args
+                  no_cuda_graph: bool = False, seed: int = 0, defaults: str = "tuned", **fields: Any) -> dict[str, Any]:
+    """The setup options a command was given, as the API's keyword options (`setup.resolve_options`:
+    key=value lists and the size parsed, "auto" as None); `fields`: other `EngineConfig` fields the
+    command sets. The API resolves them into one `Setup`."""
+    from sparsetune.api import parse_params
 
-    return EngineConfig(
-        model=model, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
-        random_weights=random_weights, flow=flow, flow_params=parse_param_args(param), reuse=reuse,
-        reuse_params=parse_param_args(reuse_param), kv_memory=parse_size(kv_memory, "--kv-memory"),
-        flow_executor=flow_executor, cuda_graph=not no_cuda_graph, seed=seed, defaults=defaults, **fields,
-    )
+    return dict(model=model, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
+                random_weights=random_weights, flow=flow, params=parse_params(param), reuse=reuse,
+                reuse_params=parse_params(reuse_param), kv_memory=parse_size(kv_memory, "--kv-memory"),
+                executor=flow_executor, cuda_graph=not no_cuda_graph, seed=seed, defaults=defaults, **fields)
+
+
+def engine_options(model: str, *, device: str = "auto", dtype: str = "auto", random_weights: bool = False,
+                   kv_memory: str | None = None, no_cuda_graph: bool = False, seed: int = 0, **fields: Any) -> dict[str, Any]:
+    """The engine options alone (a command whose flows come another way: bench serve's --flow list)."""
+    opts = setup_options(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
+                         no_cuda_graph=no_cuda_graph, seed=seed, **fields)
+    for key in ("flow", "params", "reuse", "reuse_params", "executor", "defaults"):
+        opts.pop(key)
+    return opts
 
 
 # ---- output and CPU -------------------------------------------------------------------------------

@@ -33,9 +33,11 @@ def profile(
 ) -> None:
     """Break one decode step into attention, flow stages, GEMMs, norms, sampling, ... (GPU kernel
     time; CPU time on CPU, attributed by stage)."""
-    engine = opt.engine_config(model, flow=flow, param=param, device=device, dtype=dtype, random_weights=random_weights,
-                               kv_memory=kv_memory, flow_executor=flow_executor, defaults=defaults, seed=seed)
-    engine.check()  # before torch loads
+    from sparsetune.api import resolve_options
+
+    setup = resolve_options(**opt.setup_options(model, flow=flow, param=param, device=device, dtype=dtype,
+                                                random_weights=random_weights, kv_memory=kv_memory,
+                                                flow_executor=flow_executor, defaults=defaults, seed=seed))
     opt.check_writable(out, "--out")
     if trace is not None:
         opt.check_writable(trace, "--trace", folder=False)
@@ -44,7 +46,7 @@ def profile(
     from sparsetune.perf.step_profile import plot, profile as run
 
     with err.status(f"profiling {flow} on {model}: batch {batch}, context {context} ..."):
-        result = run(engine, batch=batch, context=context, steps=steps, trace_path=trace)
+        result = run(setup, batch=batch, context=context, steps=steps, trace_path=trace)
     run_dir = records.new_run_dir(out, "profile", flow, model)
     result["run_dir"] = str(run_dir)
     records.write_json(run_dir / "results.json", result)

@@ -1,14 +1,13 @@
 """Engine settings, with defaults that fit a CPU laptop and scale to one GPU.
 
-Frozen: nothing writes onto a caller's config. Derive a changed one with `dataclasses.replace`
-(`LLM` does, for the block size a flow asks for); what the engine derives from it (device, dtype,
-pool size, context length) lives on the `Engine`. The flow and reuse fields are names and raw
-parameter strings: the engine itself never reads them (`sparsetune.llm.LLM` does, taking the model's
-tuned defaults under them: `flow.defaults`)."""
+Frozen: nothing writes onto a caller's config. Derive a changed one with `dataclasses.replace`;
+what the engine derives from it (device, dtype, pool size, context length) lives on the `Engine`.
+Only what the engine reads is here: a run's flows are in its `sparsetune.setup.Setup`, which holds
+one of these."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from sparsetune.errors import SparsetuneError
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
     from sparsetune.models.config import ModelConfig
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block when neither the user nor a flow sets it
 SCHEDULES = ("prefill_first", "interleave")  # how prefill chunks and decode steps share the engine
 
 
@@ -26,7 +26,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     device: str | None = None  # None: CUDA if present, else CPU
     dtype: str | None = None  # None: float32 on CPU, the model's preferred dtype on GPU
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: DEFAULT_BLOCK_SIZE, or a flow's selection block (`setup.resolve`)
     kv_memory: int | None = None  # bytes for the KV pool; None: fraction of free GPU memory / 2 GiB on CPU
     gpu_memory_utilization: float = 0.90
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides kv_memory
@@ -39,17 +39,18 @@ class EngineConfig:
     # Greedy decode steps launch the next step before reading this one's tokens (the host's work
     # overlaps the GPU's; `Engine.step`). None: on where decode replays CUDA graphs.
     overlap: bool | None = None
-    flow: str | None = None  # decode flow name or path to a flow file; None = dense
-    flow_params: dict[str, str] = field(default_factory=dict)  # raw `--param key=value` strings
-    flow_executor: str | None = None  # "reference" | "compiled"; None: compiled on CUDA, reference on CPU
-    reuse: str | None = None  # KV-reuse flow for prompts with segments; None: segments are plain text
-    reuse_params: dict[str, str] = field(default_factory=dict)
     segment_watermark: float = 0.9  # pool use above which pinned segments may be evicted
     prefix_caching: bool = False  # share computed full blocks between prompts with the same prefix
     random_weights: bool = False
     seed: int = 0
-    defaults: str = "tuned"  # "tuned": the model's tuned flow defaults under flow_params; "published": the flow's own
-    tuned: dict | None = None  # what tuned defaults went into flow_params, and from where (set where they are merged)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        """From its JSON object (`asdict`); keys it does not have are dropped (older records)."""
+        d = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
+        if d.get("cuda_graph_batch_sizes") is not None:
+            d["cuda_graph_batch_sizes"] = tuple(d["cuda_graph_batch_sizes"])
+        return cls(**d)
 
     def check(self) -> tuple[str, ModelConfig]:
         """The option rules that need neither torch nor weights, and that the model exists (`LLM`, the
@@ -59,7 +60,7 @@ class EngineConfig:
         from sparsetune.models.resolve import model_config
 
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+        if bs is not None and (not isinstance(bs, int) or bs < 1 or bs & (bs - 1)):
             raise SparsetuneError(f"--block-size must be a power of two (got {bs})")
         for flag, value, low in (("--max-model-len", self.max_model_len, 1), ("max_num_seqs", self.max_num_seqs, 1),
                                  ("max_num_batched_tokens", self.max_num_batched_tokens, 1),
@@ -70,12 +71,8 @@ class EngineConfig:
             raise SparsetuneError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         check_device_name(self.device)
         check_dtype_name(self.dtype)
-        if self.defaults not in ("tuned", "published"):
-            raise SparsetuneError(f"--defaults {self.defaults!r}: use tuned or published")
         if self.schedule not in SCHEDULES:
             raise SparsetuneError(f"--schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if self.flow_executor not in (None, "reference", "compiled"):
-            raise SparsetuneError(f"--flow-executor {self.flow_executor!r}: use reference or compiled")
         return model_config(self.model, self.random_weights)
 
 

@@ -9,17 +9,12 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, PlainSerializer
 
-from sparsetune.engine.config import ENGINE_FIELDS, EngineConfig
+from sparsetune.engine.config import EngineConfig
 
 
 def _from_json(value: Any) -> Any:
     """An `EngineConfig` from its JSON object (unknown keys dropped); an instance as it is."""
-    if not isinstance(value, dict):
-        return value
-    value = {k: v for k, v in value.items() if k in ENGINE_FIELDS}
-    if value.get("cuda_graph_batch_sizes") is not None:
-        value["cuda_graph_batch_sizes"] = tuple(value["cuda_graph_batch_sizes"])
-    return EngineConfig(**value)
+    return EngineConfig.from_dict(value) if isinstance(value, dict) else value
 
 
 # An `EngineConfig` as a field of a pydantic config (eval's, the serve benchmark's): written as its

@@ -27,7 +27,7 @@ import torch
 from sparsetune.device import resolve_device, resolve_dtype
 from sparsetune.engine.attention import AttentionBackend, DenseAttention
 from sparsetune.engine.block_manager import BlockManager
-from sparsetune.engine.config import EngineConfig
+from sparsetune.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.model import CausalLM
 from sparsetune.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
@@ -86,6 +86,8 @@ class Engine:
         values (a decode flow's per-block fields), so the pool is sized for both. `capture`: capture decode CUDA graphs
         now (a caller that installs other attention first captures later, `capture_graphs`)."""
         config.check()
+        if config.block_size is None:
+            config = replace(config, block_size=DEFAULT_BLOCK_SIZE)
         self.config = cfg = config
         self.extra_elems_per_block = extra_elems_per_block
         self.device = resolve_device(cfg.device)
@@ -479,17 +481,31 @@ class Engine:
 
     def generate(
         self,
-        prompts: Seq[str | list[int]],
+        prompts: Seq,
         params: SamplingParams | Seq[SamplingParams] | None = None,
         chat: bool = True,
         on_token: Callable[[int], None] | None = None,
+        admit: Callable[..., tuple[list[int], Sequence]] | None = None,
+        reuse: dict[int, dict] | None = None,
     ) -> list[Completion]:
-        """Run prompts (text or token ids) to completion with continuous batching; results in prompt order."""
+        """Run prompts (text or token ids) to completion with continuous batching; results in prompt
+        order. `admit(prompt, params, arrival, chat)` → (token ids, request): how a prompt enters
+        (default `admit_prompt`; `LLM` admits prompts with reusable segments its own way, recording
+        their reuse stats in `reuse` by request id)."""
         params_list = self._params_list(prompts, params)
         t0 = time.perf_counter()
-        encoded = [self.encode_prompt(p, chat) for p in prompts]
-        seqs = [self.add_request(ids, p, t0) for ids, p in zip(encoded, params_list)]
-        return self.run_to_completion(encoded, seqs, on_token)
+        encoded, seqs = [], []
+        for prompt, p in zip(prompts, params_list):
+            ids, seq = (admit or self.admit_prompt)(prompt, p, t0, chat)
+            encoded.append(ids)
+            seqs.append(seq)
+        return self.run_to_completion(encoded, seqs, on_token, reuse)
+
+    def admit_prompt(self, prompt: str | list[int], params: SamplingParams, arrival: float | None = None,
+                     chat: bool = True) -> tuple[list[int], Sequence]:
+        """A text or token-id prompt, encoded and added to the scheduler."""
+        ids = self.encode_prompt(prompt, chat)
+        return ids, self.add_request(ids, params, arrival)
 
     @staticmethod
     def _params_list(prompts: Seq, params: SamplingParams | Seq[SamplingParams] | None) -> list[SamplingParams]:

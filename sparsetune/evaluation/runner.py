@@ -1,6 +1,6 @@
 """`evaluate`: how much accuracy a flow keeps and how much faster it is, recorded as a run directory.
 
-One engine serves every pass (same weights and KV pool; `LLM.set_flow` switches attention):
+One engine serves every pass (same weights and KV pool; `LLM.apply` switches attention):
   dense pass   greedy answers with full attention, keeping each generated position's logits
   flow pass    greedy answers with the flow: accuracy
   forced pass  the dense answers teacher-forced through the flow: fidelity (cosine, top-1, top-10)
@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from sparsetune.llm import LLM, check_flows
-from sparsetune.engine.config import EngineConfig
+from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
 from sparsetune.evaluation.config import (CONFIG_SCHEMA, DEFAULT_SPEED_TOKENS, EvalConfig, check_config,
@@ -35,9 +34,8 @@ from sparsetune.evaluation.scoring import score_turns
 from sparsetune.perf.cost import attended_tokens, forced_only
 from sparsetune.perf.fit import EVAL, SAMPLE, check_fits
 from sparsetune.perf.speed import measure_speed
-from sparsetune.flow.defaults import tuned_config
-from sparsetune.loader import resolve_decode_flow
-from sparsetune.records import env_info, file_sha256, new_run_dir, write_json
+from sparsetune.records import env_info, new_run_dir, write_json
+from sparsetune.setup import Setup
 
 # on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.
 ProgressFn = Callable[[float, int, str], None]  # done may be fractional mid-chunk
@@ -45,7 +43,7 @@ ProgressFn = Callable[[float, int, str], None]  # done may be fractional mid-chu
 
 def _resolve_mode(cfg: EvalConfig, device: torch.device) -> str:
     if cfg.mode == "auto":
-        return "speed" if cfg.engine.random_weights else ("all" if device.type == "cuda" else "accuracy")
+        return "speed" if cfg.setup.engine.random_weights else ("all" if device.type == "cuda" else "accuracy")
     return cfg.mode
 
 
@@ -64,35 +62,21 @@ def eval_kv_memory(model: str, batch: int, context: int, gen_tokens: int = 512, 
     return tokens * resolved.config.kv_bytes_per_token(elem)
 
 
-def run_engine_config(cfg: EvalConfig) -> EngineConfig:
-    """The engine a run builds: the config's, with `batch` as its request limit and CUDA-graph batch
-    sizes, and a KV pool sized to the work unless `kv_memory` is given."""
-    e = cfg.engine
+def run_engine_config(cfg: EvalConfig) -> Setup:
+    """The setup a run builds its engine from: the config's, with `batch` as its request limit and
+    CUDA-graph batch sizes, and a KV pool sized to the work unless `kv_memory` is given."""
+    e = cfg.setup.engine
     kv_memory = e.kv_memory
     if kv_memory is None:
         kv_memory = eval_kv_memory(e.model, cfg.batch, cfg.context, max(512, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS),
                                    e.device, e.dtype, e.random_weights)
-    return replace(e, kv_memory=kv_memory, max_num_seqs=cfg.batch, cuda_graph_batch_sizes=graph_batch_sizes(cfg.batch))
+    return replace(cfg.setup, engine=replace(e, kv_memory=kv_memory, max_num_seqs=cfg.batch,
+                                             cuda_graph_batch_sizes=graph_batch_sizes(cfg.batch)))
 
 
 def graph_batch_sizes(batch: int) -> tuple[int, ...]:
     """CUDA-graph batch sizes for runs of at most `batch` requests: powers of two, and `batch`."""
     return tuple(sorted({1 << i for i in range(batch.bit_length())} | {batch}))
-
-
-def _resolve_flow(cfg: EvalConfig) -> EvalConfig:
-    """No decode flow given: dense, or the reuse flow's own decode flow (loopserve); an explicit
-    "dense" stays (no reuse flow's decode flow)."""
-    e = cfg.engine
-    flow, params = resolve_decode_flow(e.flow, e.flow_params, e.reuse, e.reuse_params)
-    if e.flow is not None:  # the user's flow: the model's tuned defaults, recorded in the run's config
-        params, e = tuned_config(e, e.flow, params, users_block_size=True)
-    return cfg.model_copy(update={"engine": replace(e, flow=flow or "dense", flow_params=dict(params))})
-
-
-def _flow_source_hash(llm: LLM) -> str | None:
-    path = getattr(type(llm.flow), "path", None) if llm.flow is not None else None
-    return file_sha256(path) if path else None
 
 
 def _ids_hash(ids: list[int]) -> str:
@@ -147,10 +131,10 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
         try:  # interrupted (Ctrl-C, a stopped trial): its requests leave the engine idle
             for i, ids, p, layout in zip(rows, prompts, params, layouts):
                 stored = reference.prompt(ids) if reference is not None and not record else None
-                if stored is not None and layout is None and llm.block_manager.num_free * llm.kv.block_size > len(ids):
-                    seqs.append(llm.add_prefilled(ids, p, stored.k, stored.v, stored.logits))  # decode flows prefill densely
+                if stored is not None and layout is None and llm.engine.block_manager.num_free * llm.engine.kv.block_size > len(ids):
+                    seqs.append(llm.add_prefilled(ids, p, (stored.k, stored.v), stored.logits))  # decode flows prefill densely
                 elif layout is None:  # queued: the scheduler admits it when blocks are free
-                    seqs.append(llm.add_request(ids, p))
+                    seqs.append(llm.engine.add_request(ids, p))
                 else:  # stage 2: the measured request reuses them (prefilled now, decoded with the rest)
                     seq, stats = llm.add_reuse_request(layout, p)
                     seqs.append(seq)
@@ -158,8 +142,8 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
             pending = list(seqs)
             unrecorded = [(q, ids) for q, ids, layout in zip(seqs, prompts, layouts)
                           if record and keep_logits and layout is None and reference.wants(ids)]
-            while llm.scheduler.has_work():
-                llm.step()
+            while llm.engine.scheduler.has_work():
+                llm.engine.step()
                 if unrecorded:
                     unrecorded = [(q, ids) for q, ids in unrecorded if not _record_prompt(llm, q, ids, reference)]
                 if tick is not None:
@@ -169,7 +153,7 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
                         tick(len(done))
         except BaseException:
             for q in seqs:
-                llm.abort(q)  # a finished one is left as it is
+                llm.engine.abort(q)  # a finished one is left as it is
             raise
         for i, ids, s in zip(rows, prompts, seqs):
             out.prompts[i].append(ids)
@@ -212,15 +196,13 @@ def _dense_pass(llm: LLM, chunk: list[Sample], cfg: EvalConfig, tick: Callable[[
         kept = [reference.samples[(s.task, s.index)] for s in chunk]
         tick(sum(len(s.turns) for s in chunk))
         return _Pass(*([k[name] for k in kept] for name in _PASS_FIELDS))
-    reuse_flow = llm.reuse_flow
-    llm.set_reuse(None)
-    llm.set_flow(None)
+    setup = llm.setup
+    llm.apply(setup.dense())
     try:
         dense = _run_pass(llm, chunk, cfg, keep_logits=cfg.fidelity, tick=tick, reference=reference,
                           record=reference is not None)
     finally:
-        llm.set_flow(cfg.engine.flow, cfg.engine.flow_params)
-        llm.set_reuse(reuse_flow)
+        llm.apply(setup)
     if reference is not None:
         for i, s in enumerate(chunk):
             reference.samples[(s.task, s.index)] = {name: getattr(dense, name)[i] for name in _PASS_FIELDS}
@@ -382,7 +364,7 @@ def evaluate(
     """
     check_config(config)
     if resume is None:
-        cfg, run_dir = _resolve_flow(config), None
+        cfg, run_dir = config, None
     else:
         cfg, run_dir = config, Path(resume)
         if cfg != load_resume_config(run_dir):
@@ -390,17 +372,13 @@ def evaluate(
     from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples, task_size
 
     task_names = list(cfg.tasks or DEFAULT_SUITE)
-    e = cfg.engine
+    e = cfg.setup.engine
     if llm is None:
-        check_flows(cfg.engine)  # before run_engine_config resolves the model to size the pool
         llm = LLM(run_engine_config(cfg))
     else:
-        if llm.resolved.name != e.model and e.model != llm.config.model:
-            raise SparsetuneError(f"the engine passed runs {llm.resolved.name}, not {e.model}")
         if cfg.batch > llm.config.max_num_seqs:
             raise SparsetuneError(f"--batch {cfg.batch} exceeds the engine's max_num_seqs {llm.config.max_num_seqs}")
-        llm.set_flow(e.flow, e.flow_params)
-        llm.set_reuse(e.reuse, e.reuse_params)
+        llm.apply(cfg.setup)  # refused when the setup is for another model
     resolved_mode = _resolve_mode(cfg, llm.device)
     accuracy_on = resolved_mode in ("accuracy", "all")
     speed_on = resolved_mode in ("speed", "all")
@@ -423,6 +401,7 @@ def evaluate(
 
     flow_name = llm.flow_name
     flow_params = llm.flow.params() if llm.flow is not None else {}
+    tuned = None if cfg.setup.flow is None else cfg.setup.flow.tuned
     note = _budget_note(llm, cfg.context)
     if run_dir is None:
         # <flow>, <reuse flow> (dense decoding), or <flow>-<reuse flow>
@@ -431,8 +410,8 @@ def evaluate(
         run_dir = new_run_dir(out, *label, llm.resolved.name)
         config_json = {
             "schema": CONFIG_SCHEMA, "eval": cfg.model_dump(mode="json"), "mode": resolved_mode, "tasks": task_names,
-            "flow": {"name": flow_name, "spec": e.flow, "params": flow_params, "source_sha256": _flow_source_hash(llm),
-                     "defaults": e.tuned},
+            "flow": {"name": flow_name, "spec": None if cfg.setup.flow is None else cfg.setup.flow.spec, "params": flow_params,
+                     "source_sha256": None if cfg.setup.flow is None else cfg.setup.flow.source_sha256, "defaults": tuned},
             "reuse": None if llm.reuse_flow is None else {"name": llm.reuse_flow.name, "params": llm.reuse_flow.params()},
             "model": {"name": llm.resolved.name, "random_weights": llm.resolved.random_weights,
                       "config": asdict(llm.model_config) if hasattr(llm.model_config, "__dataclass_fields__") else None},
@@ -456,8 +435,8 @@ def evaluate(
             "limit": cfg.limit, "seed": e.seed, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
             "note": note,
         }
-        if e.tuned:
-            res["defaults"] = e.tuned
+        if tuned:
+            res["defaults"] = tuned
         if llm.reuse_flow is not None:
             res["reuse"] = {"flow": llm.reuse_flow.name, "params": llm.reuse_flow.params(), **summarize_reuse(records)}
         if accuracy_on:
@@ -466,7 +445,7 @@ def evaluate(
             res["samples_total"] = len(all_samples)
         else:
             res |= {"accuracy": None, "dense_accuracy": None, "relative_accuracy": None, "tasks": {}, "fidelity": None}
-        res |= {"speed": state["speed"], "preemptions": llm.scheduler.num_preemptions, "complete": complete,
+        res |= {"speed": state["speed"], "preemptions": llm.engine.scheduler.num_preemptions, "complete": complete,
                 "started": state["started"], "finished": _now() if complete else None,
                 "seconds": round(state["seconds_before"] + time.time() - state["t0"], 2)}
         return EvalResult.model_validate(res)
@@ -511,12 +490,14 @@ def evaluate(
 
 def _speed(llm: LLM, cfg: EvalConfig, flow_is_dense: bool) -> dict[str, Any]:
     gen = cfg.max_new_tokens or DEFAULT_SPEED_TOKENS
-    flow_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.engine.seed)
+    seed = cfg.setup.engine.seed
+    flow_speed = measure_speed(llm, cfg.batch, cfg.context, gen, seed)
     dense_speed = None
     if not flow_is_dense:
-        llm.set_flow(None)
-        dense_speed = measure_speed(llm, cfg.batch, cfg.context, gen, cfg.engine.seed)
-        llm.set_flow(cfg.engine.flow, cfg.engine.flow_params)
+        setup = llm.setup
+        llm.apply(replace(setup, flow=None))
+        dense_speed = measure_speed(llm, cfg.batch, cfg.context, gen, seed)
+        llm.apply(setup)
     speedup = None
     if dense_speed and flow_speed["decode_tokens_per_s"] and dense_speed["decode_tokens_per_s"]:
         speedup = round(flow_speed["decode_tokens_per_s"] / dense_speed["decode_tokens_per_s"], 4)

@@ -177,6 +177,7 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
             "origin": origin or {"from": "params"},
             "measured": measured,
             "measured_params": resolved if measured else None,
+            "setup": None if model is None else _setup(model, flow_file, params).to_dict(),
             "sparsetune": package_version("sparsetune"),
         }
         served = sglang_config(manifest)
@@ -187,6 +188,15 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
     except OSError as e:
         raise SparsetuneError(f"cannot write the bundle to {out}: {e.strerror}; pick a writable --out folder") from None
     return manifest
+
+
+def _setup(model: str, flow_file: Path, params: dict[str, str]):
+    """The bundle's setup: its flow with the params as given, on its model (`setup.resolve`, the
+    params as they are: a search's point, or a flow's already over the model's tuned defaults)."""
+    from sparsetune.engine.config import EngineConfig
+    from sparsetune.setup import resolve
+
+    return resolve(EngineConfig(model=model), flow=str(flow_file), params=params, defaults="published")
 
 
 def _old_source(out: Path) -> str | None:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from sparsetune.errors import SparsetuneError
 from sparsetune.flow.ops import FT, Selection
 from sparsetune.flow.params import Flow, Param, Search
 
@@ -109,6 +110,20 @@ class DecodeFlow(Flow):
         cls._takes_const = {s: "const" in inspect.signature(getattr(cls, s)).parameters for s in ("cache", "index")}
         if cls.calibrated and not {"calibration", "channels"} <= set(cls.param_specs()):
             raise TypeError(f"calibrated flow {cls.__name__} must declare the params `calibration` and `channels`")
+
+    def sparse_layers(self, num_layers: int) -> list[int]:
+        """The layers this flow runs on in a model of `num_layers` (all but its dense layers), its
+        layer params checked: the one rule the engine (`LLM`) and the SGLang backend both follow."""
+        bad = [i for i in self.dense_layers if not 0 <= i < num_layers]
+        if bad:
+            raise SparsetuneError(f"--param dense_layers: layer(s) {bad} out of range for a {num_layers}-layer model")
+        sparse = [i for i in range(num_layers) if i not in self.dense_layers]
+        if self.select_layers and sparse and sparse[0] not in self.select_layers:
+            raise SparsetuneError(
+                f"--param select_layers: the first sparse layer ({sparse[0]}) must select, "
+                f"since later layers reuse its choice; got {list(self.select_layers)}"
+            )
+        return sparse
 
     # ---- the two stages a flow writes -------------------------------------------------------------
 

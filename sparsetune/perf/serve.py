@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from sparsetune import records
 from sparsetune.engine.config import EngineConfig, split_engine_options
+from sparsetune.setup import Setup, resolve
 from sparsetune.engine.config_field import EngineField
 from sparsetune.errors import SparsetuneError
 
@@ -146,15 +147,17 @@ def prompt_ids(reqs: list[Request], vocab: int, seed: int) -> list[list[int]]:
 class ServeConfig(BaseModel):
     """Everything that determines a serve benchmark; written to config.json and read back by resume.
 
-    `engine`: the model, device, dtype, weights, KV memory, batch limits and CUDA graphs (its flow
-    fields are unused: `flows` and `params` say which flows run). `params`: `key=value` for every
-    flow but dense, `flow:key=value` for one flow."""
+    `engine`: the model, device, dtype, weights, KV memory, batch limits and CUDA graphs; `flows` and
+    `params` say which flows run (`params`: `key=value` for every flow but dense, `flow:key=value`
+    for one flow), each resolved into a cell's `Setup` with `defaults` and `executor`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine: EngineField = EngineConfig()
     flows: tuple[str, ...] = DEFAULT_FLOWS
     params: tuple[str, ...] = ()
+    defaults: str = "tuned"  # the model's tuned flow defaults under --param, or the flows' published ones
+    executor: str | None = None  # a flow's executor (None: compiled on GPU)
     rates: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     requests: int = 32
     input_len: str = "1024"
@@ -204,20 +207,20 @@ class ServeConfig(BaseModel):
 
     def flow_params(self) -> dict[str, dict[str, str]]:
         """Each flow's `--param` strings: the shared ones (not for dense), then its own."""
-        from sparsetune.flow.params import parse_param_args
+        from sparsetune.flow.params import parse_flow_param_args, parse_param_args
 
-        shared, own = [], {}
-        for p in self.params:
-            head, sep, _ = p.partition("=")
-            if ":" in head and sep:
-                flow, _, kv = p.partition(":")
-                if flow not in self.flows:
-                    raise SparsetuneError(f"--param {p}: {flow!r} is not one of --flow {','.join(self.flows)}")
-                own.setdefault(flow, []).append(kv)
-            else:
-                shared.append(p)
-        return {f: {**({} if f == "dense" else parse_param_args(shared)), **parse_param_args(own.get(f))}
-                for f in self.flows}
+        own = [p for p in self.params if ":" in p.partition("=")[0]]
+        shared = parse_param_args([p for p in self.params if p not in own])
+        per_flow = parse_flow_param_args(own)
+        for flow in per_flow:
+            if flow not in self.flows:
+                raise SparsetuneError(f"--param {flow}:...: {flow!r} is not one of --flow {','.join(self.flows)}")
+        return {f: {**({} if f == "dense" else shared), **per_flow.get(f, {})} for f in self.flows}
+
+    def setup(self, flow: str) -> Setup:
+        """The setup of `flow`'s cells: the engine's options, the flow with its params (`resolve`)."""
+        return resolve(self.engine, flow=None if flow == "dense" else flow, params=self.flow_params()[flow],
+                       executor=self.executor, defaults=self.defaults)
 
     def with_dense(self) -> ServeConfig:
         """Dense first (every reduction is against it), then the other flows as given."""
@@ -228,7 +231,6 @@ def check_serve(cfg: ServeConfig) -> None:
     """The checks that need no weights: the engine options, the model and its positions, each flow's
     kind and params (and its layers against the model's: a flow is switched in after dense has run)."""
     from sparsetune.flow.params import Flow
-    from sparsetune.llm import check_flows
     from sparsetune.loader import flow_kind, get_flow_class
 
     name, mcfg = cfg.engine.check()
@@ -251,7 +253,7 @@ def check_serve(cfg: ServeConfig) -> None:
                 raise SparsetuneError(f"--param {f'{flow}:' if own else ''}{key}: {flow} has no such param (it has "
                                       f"{', '.join(specs)})" + ("" if own else f"; a param for one flow only is "
                                                                               f"--param FLOW:{key}=VALUE"))
-        check_flows(replace(cfg.engine, flow=flow, flow_params=params))
+        cfg.setup(flow)  # its params over the tuned defaults, its layers against the model's
 
 
 # ---- one cell: a flow at a rate ---------------------------------------------------------------------
@@ -267,18 +269,18 @@ class _Admission:
     def __call__(self, ids: list[int], params, arrival: float):
         llm = self.llm
         if self.prefill == "engine":
-            return llm.add_request(ids, params, arrival)
-        sched, blocks = llm.scheduler, llm.block_manager
+            return llm.engine.add_request(ids, params, arrival)
+        sched, blocks = llm.engine.scheduler, llm.engine.block_manager
         if len(sched.running) >= llm.config.max_num_seqs:
             return None
         owed = sum(blocks.blocks_needed(s, s.num_prompt_tokens + s.params.max_tokens) for s in sched.running)
         if blocks.num_free - owed < -(-(len(ids) + params.max_tokens) // blocks.block_size):
             return None
-        return llm.add_with_pool_kv(ids, params, arrival)
+        return llm.add_prefilled(ids, params, arrival=arrival)
 
     def idle_refusal(self, n_tokens: int) -> SparsetuneError:
         return SparsetuneError(f"a request of {n_tokens} tokens does not fit in the idle engine's KV pool "
-                               f"({self.llm.block_manager.num_blocks} blocks of {self.llm.config.block_size}); "
+                               f"({self.llm.engine.block_manager.num_blocks} blocks of {self.llm.config.block_size}); "
                                "raise --kv-memory or lower --input-len/--output-len")
 
 
@@ -290,7 +292,7 @@ def run_requests(llm, reqs: list[Request], ids: list[list[int]], offsets: list[f
     `on_finish(n)`: n requests have finished so far."""
     from sparsetune.engine.sequence import SamplingParams
 
-    if llm.scheduler.has_work():
+    if llm.engine.scheduler.has_work():
         raise RuntimeError("run_requests needs an idle engine")
     admit = _Admission(llm, prefill)
     t0 = clock()
@@ -299,7 +301,7 @@ def run_requests(llm, reqs: list[Request], ids: list[list[int]], offsets: list[f
     waiting: deque[int] = deque()  # arrived, not yet in the engine (disaggregated: no room yet)
     nxt, finished = 0, 0
     try:
-        while nxt < len(reqs) or waiting or llm.scheduler.has_work():
+        while nxt < len(reqs) or waiting or llm.engine.scheduler.has_work():
             now = clock()
             while nxt < len(reqs) and arrivals[nxt] <= now:
                 waiting.append(nxt)
@@ -312,8 +314,8 @@ def run_requests(llm, reqs: list[Request], ids: list[list[int]], offsets: list[f
                     break
                 seqs[i] = seq
                 waiting.popleft()
-            if llm.scheduler.has_work():
-                done = llm.step()
+            if llm.engine.scheduler.has_work():
+                done = llm.engine.step()
                 if done and on_finish is not None:
                     finished += len(done)
                     on_finish(finished)
@@ -324,7 +326,7 @@ def run_requests(llm, reqs: list[Request], ids: list[list[int]], offsets: list[f
     except BaseException:
         for seq in seqs:  # an interrupted cell leaves the engine idle for the next one
             if seq is not None:
-                llm.abort(seq)
+                llm.engine.abort(seq)
         raise
     return [request_record(i, r, s, t0) for i, (r, s) in enumerate(zip(reqs, seqs))]
 
@@ -453,9 +455,8 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     from sparsetune.llm import LLM
 
     inp, outl = cfg.lengths()
-    params = cfg.flow_params()
     if llm is None:
-        llm = LLM(replace(cfg.engine, flow=None, flow_params={}))
+        llm = LLM(cfg.setup("dense"))
     from sparsetune.perf.fit import SERVE, check_fits
 
     if resume is None:
@@ -485,7 +486,7 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     current = None
     for index, (flow, rate) in enumerate(todo):
         if flow != current:
-            llm.set_flow(None if flow == "dense" else flow, params[flow])
+            llm.apply(cfg.setup(flow))
             check_fits(llm, 1, inp.max, outl.max, SERVE)
             current = flow
             if warm:
@@ -495,7 +496,8 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
         recs = run_requests(llm, reqs, ids, arrival_offsets(reqs, rate), cfg.prefill,
                             on_finish=lambda n, f=flow, r=rate: emit("finish", {"flow": f, "rate": r, "finished": n,
                                                                                "requests": len(reqs)}))
-        cell = {"flow": flow, "params": llm.flow.params() if llm.flow is not None else {}, **summarize(recs, rate, cfg.slo)}
+        cell = {"flow": flow, "params": llm.flow.params() if llm.flow is not None else {}, "setup": llm.setup.to_dict(),
+                **summarize(recs, rate, cfg.slo)}
         with open(run_dir / "requests.jsonl", "a") as f:
             for r in recs:
                 f.write(json.dumps({"flow": flow, "rate": rate, **_rounded(r)}) + "\n")

@@ -27,14 +27,14 @@ def _run(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int) -> dict
     g = torch.Generator().manual_seed(seed)
     vocab = llm.model_config.vocab_size
     params = SamplingParams(max_tokens=gen_tokens, ignore_eos=True)
-    seqs = [llm.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
+    seqs = [llm.engine.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
     decode_steps: list[float] = []
     decode_tokens = 0
     prefill_s = 0.0
     t0 = time.perf_counter()
-    while llm.scheduler.has_work():
+    while llm.engine.scheduler.has_work():
         before, before_prefill = llm.stats.decode_tokens, llm.stats.prefill_tokens
-        dt = time_call(llm.step, llm.device)
+        dt = time_call(llm.engine.step, llm.device)
         if llm.stats.prefill_tokens > before_prefill:
             prefill_s += dt
         else:  # a decode step (with overlap, the first only launches: its tokens come with the next)
@@ -61,7 +61,7 @@ def measure_speed(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int
     if batch < 1 or context < 1 or gen_tokens < 2:
         raise SparsetuneError("speed needs --batch >= 1, --context >= 1 and --max-new-tokens >= 2")
     check_fits(llm, batch, context, gen_tokens)
-    preempted = llm.scheduler.num_preemptions
+    preempted = llm.engine.scheduler.num_preemptions
     _run(llm, batch, min(context, 256), 4, seed + 1)  # warm-up: compilation, graph capture, allocator
     cuda = llm.device.type == "cuda"
     if cuda:
@@ -74,9 +74,9 @@ def measure_speed(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int
     else:
         out["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         out["peak_memory_kind"] = "process peak RSS (whole process, all phases)"
-    out["kv_pool_bytes"] = 2 * llm.kv.k.numel() * llm.kv.k.element_size()
+    out["kv_pool_bytes"] = 2 * llm.engine.kv.k.numel() * llm.engine.kv.k.element_size()
     out.update(batch=batch, context=context, gen_tokens=gen_tokens,
-               preemptions=llm.scheduler.num_preemptions - preempted)
+               preemptions=llm.engine.scheduler.num_preemptions - preempted)
     return out
 
 
@@ -87,7 +87,7 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int = 16, war
     the engine runs them (CUDA graphs where captured). The engine is idle again afterwards."""
     from sparsetune.perf.timing import time_calls
 
-    if llm.scheduler.has_work():
+    if llm.engine.scheduler.has_work():
         raise RuntimeError("decode_step_seconds needs an idle engine")
     check_fits(llm, batch, context, warmup + steps + 1)
     g = torch.Generator().manual_seed(seed)
@@ -96,11 +96,11 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int = 16, war
     seqs = []
     try:
         for _ in range(batch):
-            seqs.append(llm.add_with_pool_kv(torch.randint(0, vocab, (context,), generator=g).tolist(), params))
-        return statistics.median(time_calls(llm.step, llm.device, steps, warmup))
+            seqs.append(llm.add_prefilled(torch.randint(0, vocab, (context,), generator=g).tolist(), params))
+        return statistics.median(time_calls(llm.engine.step, llm.device, steps, warmup))
     finally:
         for seq in seqs:
-            llm.abort(seq)
+            llm.engine.abort(seq)
 
 
 # ---- reuse prefill: time to first token on a prompt whose bulk is reused segments ------------------
@@ -131,11 +131,11 @@ def store_segments(llm: LLM, parts: list) -> dict[str, Any]:
     """Stage 1: one request with `pie` stores every segment of `parts` in the segment cache; the
     engine's reuse flow is put back. Returns that request's reuse stats."""
     flow = llm.reuse_flow
-    llm.set_reuse("pie")
+    llm.use_reuse("pie")
     try:
         return llm.generate([parts], SamplingParams(max_tokens=1, ignore_eos=True), chat=False)[0].reuse
     finally:
-        llm.set_reuse(flow)
+        llm.use_reuse(flow)
 
 
 def reuse_ttft_seconds(llm: LLM, parts: list, repeats: int = 3, warmup: int = 1) -> tuple[float, dict[str, Any]]:

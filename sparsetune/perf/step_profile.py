@@ -36,8 +36,8 @@ from typing import Any, Callable
 import torch
 from torch.autograd import DeviceType
 
-from sparsetune.engine.config import EngineConfig
 from sparsetune.engine.ranges import PREFIX, stage_ranges
+from sparsetune.setup import Setup
 from sparsetune.errors import SparsetuneError
 from sparsetune.perf.fit import PROFILE, check_fits, check_positions
 from sparsetune.perf.timing import sync, time_call, time_calls
@@ -286,7 +286,7 @@ def profile_decode(
     _check_case(batch, context, steps)
     if warmup < 0:
         raise SparsetuneError(f"warm-up steps must be >= 0 (got {warmup})")
-    if llm.scheduler.has_work():
+    if llm.engine.scheduler.has_work():
         raise RuntimeError("profile_decode needs an idle engine")
     if batch > llm.config.max_num_seqs:
         raise SparsetuneError(f"--batch {batch} exceeds the engine's max_num_seqs ({llm.config.max_num_seqs}); "
@@ -297,27 +297,27 @@ def profile_decode(
     vocab = llm.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=new + 1, ignore_eos=True)  # greedy, never finishes early
-    seqs = [llm.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params) for _ in range(batch)]
-    graphs = llm.uses_graphs
+    seqs = [llm.engine.add_request(torch.randint(0, vocab, (context,), generator=gen).tolist(), params) for _ in range(batch)]
+    graphs = llm.engine.uses_graphs
     try:
         while any(s.status == Status.WAITING for s in seqs):  # real prefill, chunked as the engine does
-            llm.step()
-        engine = time_calls(llm.step, llm.device, steps, warmup)
-        with llm.eager_mode():  # profiled kernels, not a graph replay
+            llm.engine.step()
+        engine = time_calls(llm.engine.step, llm.device, steps, warmup)
+        with llm.engine.eager_mode():  # profiled kernels, not a graph replay
             if graphs:  # an eager warm-up first (a compiled flow stage may compile for this batch shape)
-                eager = time_calls(llm.step, llm.device, steps, warmup=1)
+                eager = time_calls(llm.engine.step, llm.device, steps, warmup=1)
             else:
                 eager = engine
             with stage_ranges():
-                llm.step()  # warm-up with the ranges on
+                llm.engine.step()  # warm-up with the ranges on
             if any(s.status != Status.RUNNING for s in seqs):
                 raise RuntimeError("a profiled sequence finished early")
-            prof = profile_call(llm.step, llm.device, trace_path)
+            prof = profile_call(llm.engine.step, llm.device, trace_path)
     finally:
         for s in seqs:
-            llm.abort(s)
+            llm.engine.abort(s)
 
-    backends = [b for b in llm.backends if getattr(b, "flow", None) is not None]
+    backends = [b for b in llm.engine.backends if getattr(b, "flow", None) is not None]
     flow = llm.flow
     paths: dict[str, str] = {}
     if backends:
@@ -333,8 +333,8 @@ def profile_decode(
         "flow_params": flow.params() if flow else {},
         "executor": backends[0].executor if backends else None,
         "paths": paths,
-        "sparse_layers": sum(1 for b in llm.backends if getattr(b, "flow", None) is not None),
-        "layers": len(llm.backends),
+        "sparse_layers": sum(1 for b in llm.engine.backends if getattr(b, "flow", None) is not None),
+        "layers": len(llm.engine.backends),
         "device": str(llm.device),
         "dtype": str(llm.dtype).removeprefix("torch."),
         "random_weights": llm.resolved.random_weights,
@@ -353,21 +353,22 @@ def profile_decode(
     }
 
 
-def profile(engine: EngineConfig, batch: int = 1, context: int = 2048, steps: int = 5,
+def profile(setup: Setup, batch: int = 1, context: int = 2048, steps: int = 5,
             trace_path: str | Path | None = None) -> dict[str, Any]:
-    """Build an engine from `engine`, sized for the case (max_num_seqs = batch, context + the decode
+    """Build an engine from `setup`, sized for the case (max_num_seqs = batch, context + the decode
     steps, one graph for the batch unless the config lists sizes), and run `profile_decode` on it."""
     from sparsetune.llm import LLM
     from sparsetune.models.registry import REGISTRY
 
     _check_case(batch, context, steps)
     new = decode_tokens_needed(steps, WARMUP)
+    engine = setup.engine
     spec = REGISTRY.get(engine.model.lower())
     if spec is not None:  # fail before loading
         check_positions(spec.name, spec.config.max_position_embeddings, context, new, PROFILE)
     cfg = replace(engine, max_num_seqs=batch, max_model_len=context + new,
                   cuda_graph_batch_sizes=engine.cuda_graph_batch_sizes or (batch,))
-    llm = LLM(cfg)
+    llm = LLM(replace(setup, engine=cfg))
     return profile_decode(llm, batch, context, trace_path=trace_path, steps=steps, warmup=WARMUP, seed=engine.seed)
 
 

@@ -143,12 +143,13 @@ class EngineEvaluator:
             return self._reuse_speedup(flow, params, accuracy)
         from sparsetune.models.resolve import model_config
         from sparsetune.perf.cost import modeled_speedup
-        from sparsetune.loader import build_flow
+        from sparsetune.engine.config import EngineConfig
+        from sparsetune.setup import resolve
 
         from sparsetune.perf.cost import kv_share
 
         model, random, batch, context = self.speed_shape()
-        built = build_flow(flow, params)
+        built = resolve(EngineConfig(model=self.cfg.model), flow=flow, params=params, defaults="published").flow.build()
         # the budget on the search's model and context (report.budget_shares): recorded here, where the flow runs
         share = round(kv_share(model_config(self.cfg.model, True)[1], built, self.cfg.context), 4)
         info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context,
@@ -161,15 +162,15 @@ class EngineEvaluator:
 
         llm = self._speed_engine()
         try:
-            llm.set_flow(flow, params)
+            llm.apply(llm.setup.with_flow(flow, params, defaults="published"))
         except BaseException:
-            if not llm.has_pool:  # its pool could not be laid out again: a new engine next time
+            if not llm.engine.has_pool:  # its pool could not be laid out again: a new engine next time
                 self._speed_llm = None
             raise
         flow_s = decode_step_seconds(llm, batch, context)
-        bs = llm.kv.block_size
+        bs = llm.engine.kv.block_size
         if bs not in self._dense_step:
-            llm.set_flow(None)
+            llm.apply(llm.setup.dense())
             self._dense_step[bs] = decode_step_seconds(llm, batch, context)
         dense_s = self._dense_step[bs]
         return round(dense_s / flow_s, 4), {"kind": "measured", "device": str(llm.device), "flow_step_ms": round(1e3 * flow_s, 4),
@@ -194,11 +195,11 @@ class EngineEvaluator:
         runs: dict[str, list[float]] = {"full_recompute": [], flow: []}
         setups = (("full_recompute", None), (flow, params))
         for name, p in setups:
-            llm.set_reuse(name, p)
+            llm.use_reuse(name, p)
             reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)  # its warm-up
         for _ in range(REUSE_SPEED_REPEATS):
             for name, p in setups:
-                llm.set_reuse(name, p)
+                llm.use_reuse(name, p)
                 ttft, stats = reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)
                 runs[name].append(ttft)
         full, ttft = statistics.median(runs["full_recompute"]), statistics.median(runs[flow])
@@ -210,23 +211,28 @@ class EngineEvaluator:
             "compute_fraction": stats.get("compute_fraction"), "prompt_tokens": stats.get("prompt_tokens"),
             "segment_hits": stats.get("segment_hits"), "model": model, "random_weights": random, "context": context}
 
+    def eval_config(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int):
+        """The evaluation of a trial's point: its setup is exactly the point (published defaults under
+        its params); a reuse flow decodes with dense or its own decode flow."""
+        from sparsetune.evaluation.config import EvalConfig
+
+        cfg = self.cfg
+        flows = (dict(flow=flow or "dense", params=params) if cfg.kind == "decode" else
+                 dict(flow=None, reuse=flow, reuse_params=params))
+        return EvalConfig.of(model=cfg.model, **flows, tasks=cfg.tasks, context=cfg.context, samples=samples,
+                             batch=cfg.batch, seed=seed, mode="accuracy", device=cfg.device, dtype=cfg.dtype,
+                             defaults="published")
+
     def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
                  on_chunk: ChunkFn | None = None) -> Accuracy:
         """`evaluate` of the flow on the prompt set (`samples` per task, `seed`), relative to dense;
         `on_chunk(partial results)` after each chunk (raising `Hopeless` stops it: the partial figures
         come back, `complete` False)."""
-        from sparsetune.evaluation.config import EvalConfig
         from sparsetune.evaluation.reference import DenseReference
         from sparsetune.evaluation.results import EvalResult
         from sparsetune.evaluation.runner import evaluate
 
-        cfg = self.cfg
-        # a trial is exactly its point (published defaults); a reuse flow decodes with dense or its own decode flow
-        flows = (dict(flow=flow or "dense", params=params) if cfg.kind == "decode" else
-                 dict(flow=None, reuse=flow, reuse_params=params))
-        ecfg = EvalConfig.of(model=cfg.model, **flows, tasks=cfg.tasks, context=cfg.context, samples=samples,
-                             batch=cfg.batch, seed=seed, mode="accuracy", device=cfg.device, dtype=cfg.dtype,
-                             defaults="published")
+        ecfg = self.eval_config(flow, params, samples=samples, seed=seed)
         reference = self.references.setdefault((samples, seed), DenseReference())
         state: dict[str, Any] = {}
 
@@ -243,7 +249,7 @@ class EngineEvaluator:
                 on_chunk(partial)
 
         llm = self.llm
-        if not llm.has_pool:  # a relayout that left no pool: a new engine
+        if not llm.engine.has_pool:  # a relayout that left no pool: a new engine
             self._llm = None
             llm = self.llm
         try:
@@ -258,7 +264,7 @@ class EngineEvaluator:
 
 def _drain(llm) -> None:
     """Drop every request an interrupted evaluation left, so the engine is idle for the next trial."""
-    for seq in list(llm.scheduler.waiting) + list(llm.scheduler.running):
-        llm.abort(seq)
-    if llm.scheduler.has_work():
+    for seq in list(llm.engine.scheduler.waiting) + list(llm.engine.scheduler.running):
+        llm.engine.abort(seq)
+    if llm.engine.scheduler.has_work():
         raise SparsetuneError("the engine could not be drained after a failed trial")

@@ -24,10 +24,10 @@ TEXTS = [
 
 
 def _shuffle_free_blocks(llm: LLM, seed: int = 0) -> None:
-    free = list(llm.block_manager.free)
+    free = list(llm.engine.block_manager.free)
     random.Random(seed).shuffle(free)
-    llm.block_manager.free.clear()
-    llm.block_manager.free.extend(free)
+    llm.engine.block_manager.free.clear()
+    llm.engine.block_manager.free.extend(free)
 
 
 def test_shuffled_blocks_and_chunked_prefill_match_hf(smollm_hf):
@@ -36,7 +36,7 @@ def test_shuffled_blocks_and_chunked_prefill_match_hf(smollm_hf):
     ids = llm.encode_prompt(TEXTS[3] + " " + TEXTS[1])
     # Prefill in 32-token chunks over non-contiguous 8-token blocks; later chunks read the pool.
     assert len(ids) > 64
-    assert_logits_match(llm.prompt_logits(ids), hf_logits(smollm_hf, ids))
+    assert_logits_match(llm.engine.prompt_logits(ids), hf_logits(smollm_hf, ids))
 
 
 def test_prefill_runs_the_last_layer_on_the_logit_rows_only_like_hf(smollm_hf):
@@ -48,17 +48,17 @@ def test_prefill_runs_the_last_layer_on_the_logit_rows_only_like_hf(smollm_hf):
     prompts = [llm.encode_prompt(t) for t in TEXTS]
     seqs = [Sequence(list(ids), SamplingParams(max_tokens=1)) for ids in prompts]
     mlp_rows = []
-    hook = llm.model.model.layers[-1].mlp.register_forward_hook(lambda m, a, out: mlp_rows.append(a[0].shape[0]))
+    hook = llm.engine.model.model.layers[-1].mlp.register_forward_hook(lambda m, a, out: mlp_rows.append(a[0].shape[0]))
     try:
         for part in (0, 1):
             ns = [len(ids) // 2 if part == 0 else len(ids) - len(ids) // 2 for ids in prompts]
             for seq, n in zip(seqs, ns):
-                llm.block_manager.grow(seq, seq.num_computed + n)
-            llm.runner.skip_unused_rows = False
-            every = llm.runner.run(Batch(True, seqs, ns))  # rewrites the same KV as the next call
-            llm.runner.skip_unused_rows = True
+                llm.engine.block_manager.grow(seq, seq.num_computed + n)
+            llm.engine.runner.skip_unused_rows = False
+            every = llm.engine.runner.run(Batch(True, seqs, ns))  # rewrites the same KV as the next call
+            llm.engine.runner.skip_unused_rows = True
             mlp_rows.clear()
-            logits = llm.runner.run(Batch(True, seqs, ns))
+            logits = llm.engine.runner.run(Batch(True, seqs, ns))
             assert mlp_rows == [len(seqs)]
             for i, (seq, n) in enumerate(zip(seqs, ns)):
                 seq.num_computed += n
@@ -67,7 +67,7 @@ def test_prefill_runs_the_last_layer_on_the_logit_rows_only_like_hf(smollm_hf):
     finally:
         hook.remove()
         for seq in seqs:
-            llm.block_manager.release(seq)
+            llm.engine.block_manager.release(seq)
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores
@@ -149,25 +149,25 @@ def _hf_rows_reference(hf, ids, kc, vc, computed, keep, mlp):
 @contextmanager
 def _blocks(llm, num_tokens):
     """A block table `[blocks]` for one sequence of `num_tokens`, freed afterwards."""
-    blocks = llm.block_manager.allocate(-(-num_tokens // llm.kv.block_size))
+    blocks = llm.engine.block_manager.allocate(-(-num_tokens // llm.engine.kv.block_size))
     try:
         yield torch.tensor(blocks, dtype=torch.int32)
     finally:
-        llm.block_manager.free_blocks(blocks)
+        llm.engine.block_manager.free_blocks(blocks)
 
 
 @torch.inference_mode()
 def _row_logits(llm, ids, rows):
     """Logits of the rows a row forward ends with."""
-    return llm.model.compute_logits(llm.model(torch.tensor(ids)[rows.positions], rows=rows))
+    return llm.engine.model.compute_logits(llm.engine.model(torch.tensor(ids)[rows.positions], rows=rows))
 
 
 def test_row_forward_over_every_row_is_the_plain_forward(smollm, smollm_hf):
     ids = smollm.encode_prompt(TEXTS[3] + " " + TEXTS[1])
     t, scale = len(ids), smollm.model_config.head_dim**-0.5
     with _blocks(smollm, t) as table:
-        logits = _row_logits(smollm, ids, Rows(smollm.kv, table, t, torch.arange(t), scale))
-    torch.testing.assert_close(logits, smollm.prompt_logits(ids), rtol=1e-4, atol=1e-4)
+        logits = _row_logits(smollm, ids, Rows(smollm.engine.kv, table, t, torch.arange(t), scale))
+    torch.testing.assert_close(logits, smollm.engine.prompt_logits(ids), rtol=1e-4, atol=1e-4)
     assert_logits_match(logits, hf_logits(smollm_hf, ids))
 
 
@@ -187,10 +187,10 @@ def test_row_forward_keeps_cached_kv_narrows_rows_and_skips_mlp_like_hf(smollm, 
     mlp = torch.ones(nl, t, dtype=torch.bool)
     mlp[25:] = pos % 3 != 0
     with _blocks(llm, t) as table:
-        _row_logits(llm, ids[::-1], Rows(llm.kv, table, t, pos, scale))  # the pool's KV: another text's
+        _row_logits(llm, ids[::-1], Rows(llm.engine.kv, table, t, pos, scale))  # the pool's KV: another text's
         with torch.inference_mode():
-            kc, vc = (torch.stack(x) for x in zip(*(llm.kv.gather(li, table, t) for li in range(nl))))
-        rows = _MaskRows(llm.kv, table, scale, computed, keep, mlp)
+            kc, vc = (torch.stack(x) for x in zip(*(llm.engine.kv.gather(li, table, t) for li in range(nl))))
+        rows = _MaskRows(llm.engine.kv, table, scale, computed, keep, mlp)
         assert len(rows.runs.runs) == 1 and rows.runs.rest is not None  # rows 13.. are one causal run
         logits = _row_logits(llm, ids, rows)
     final = computed[-1].nonzero().squeeze(1)

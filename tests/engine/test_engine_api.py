@@ -19,8 +19,8 @@ def _reference(llm, prompts, params):
 
 
 def _run(llm, seqs):
-    while llm.scheduler.has_work():
-        llm.step()
+    while llm.engine.scheduler.has_work():
+        llm.engine.step()
     return [s.completion_ids for s in seqs]
 
 
@@ -35,28 +35,28 @@ def test_engine_imports_no_flow_or_reuse():
 def test_abort_waiting_and_running_requests_frees_blocks_and_keeps_the_others(smollm):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = _reference(smollm, PROMPTS, params)
-    free = smollm.block_manager.num_free
+    free = smollm.engine.block_manager.num_free
     ids = [smollm.encode_prompt(p) for p in PROMPTS]
-    seqs = [smollm.add_request(i, params) for i in ids]
-    smollm.step()  # the prefill of all three
+    seqs = [smollm.engine.add_request(i, params) for i in ids]
+    smollm.engine.step()  # the prefill of all three
     for _ in range(3):
-        smollm.step()
-    smollm.abort(seqs[1])  # mid-decode
-    late = smollm.add_request(ids[1], params)
-    smollm.abort(late)  # still waiting
+        smollm.engine.step()
+    smollm.engine.abort(seqs[1])  # mid-decode
+    late = smollm.engine.add_request(ids[1], params)
+    smollm.engine.abort(late)  # still waiting
     out = _run(smollm, seqs)
     assert out[0] == ref[0] and out[2] == ref[2]
     assert seqs[1].finish_reason == "abort" and late.finish_reason == "abort"
     assert seqs[1].status == Status.FINISHED and len(seqs[1].completion_ids) == 4
     assert late.events.scheduled is None and late.events.finished is not None
-    assert smollm.block_manager.num_free == free
-    smollm.abort(seqs[0])  # a finished request is left as it is
+    assert smollm.engine.block_manager.num_free == free
+    smollm.engine.abort(seqs[0])  # a finished request is left as it is
     assert seqs[0].finish_reason == "length"
 
 
 def test_request_events_are_ordered_and_count_every_token(smollm):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
-    seqs = [smollm.add_request(smollm.encode_prompt(p), params, arrival=0.0) for p in PROMPTS]
+    seqs = [smollm.engine.add_request(smollm.encode_prompt(p), params, arrival=0.0) for p in PROMPTS]
     _run(smollm, seqs)
     for s in seqs:
         ev = s.events
@@ -69,18 +69,18 @@ def test_request_events_are_ordered_and_count_every_token(smollm):
 def test_eager_mode_restores_the_switch(smollm):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     ref = _reference(smollm, PROMPTS[:1], params)
-    assert not smollm.eager
-    with smollm.eager_mode():
-        assert smollm.eager and not smollm.uses_graphs
+    assert not smollm.engine.eager
+    with smollm.engine.eager_mode():
+        assert smollm.engine.eager and not smollm.engine.uses_graphs
         assert _reference(smollm, PROMPTS[:1], params) == ref
-    assert not smollm.eager
+    assert not smollm.engine.eager
 
 
 def _copy_blocks(llm, src: list[int], dst: list[int]) -> None:
     s, d = torch.tensor(src), torch.tensor(dst)
-    for layer in range(llm.kv.num_layers):
-        llm.kv.k[layer][d] = llm.kv.k[layer][s]
-        llm.kv.v[layer][d] = llm.kv.v[layer][s]
+    for layer in range(llm.engine.kv.num_layers):
+        llm.engine.kv.k[layer][d] = llm.engine.kv.k[layer][s]
+        llm.engine.kv.v[layer][d] = llm.engine.kv.v[layer][s]
 
 
 @pytest.mark.parametrize("with_logits", [False, True])
@@ -90,17 +90,17 @@ def test_admit_prefilled_continues_like_a_normal_request(smollm, with_logits):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     ids = smollm.encode_prompt(PROMPTS[0])
     ref = _reference(smollm, [ids], params)[0]
-    free = smollm.block_manager.num_free
-    donor = smollm.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True))
-    smollm.step()  # prefill: the donor's blocks hold the prompt's KV
-    seq = smollm.reserve(ids, params)
+    free = smollm.engine.block_manager.num_free
+    donor = smollm.engine.add_request(ids, SamplingParams(max_tokens=4, ignore_eos=True))
+    smollm.engine.step()  # prefill: the donor's blocks hold the prompt's KV
+    seq = smollm.engine.reserve(ids, params)
     _copy_blocks(smollm, donor.block_table, seq.block_table)
-    smollm.abort(donor)
-    logits = smollm.prompt_logits(ids)[-1] if with_logits else None
-    smollm.admit_prefilled(seq, logits)
+    smollm.engine.abort(donor)
+    logits = smollm.engine.prompt_logits(ids)[-1] if with_logits else None
+    smollm.engine.admit_prefilled(seq, logits)
     assert seq.status == Status.RUNNING and seq.events.scheduled is not None
     assert _run(smollm, [seq])[0] == ref
-    assert smollm.block_manager.num_free == free
+    assert smollm.engine.block_manager.num_free == free
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_queued(smollm):
@@ -109,10 +109,10 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_nothing_is_queued(smol
     vocab = smollm.model_config.vocab_size
     params = SamplingParams(max_tokens=1)
     for bad in ([1, vocab], [-1, 2]):
-        for add in (smollm.add_request, smollm.reserve):
+        for add in (smollm.engine.add_request, smollm.engine.reserve):
             with pytest.raises(SparsetuneError, match=rf"in \[0, {vocab}\)"):
                 add(bad, params)
-    assert not smollm.scheduler.has_work()
+    assert not smollm.engine.scheduler.has_work()
     assert smollm.generate([[1, vocab - 1]], params)[0].token_ids  # the edges of the range are fine
 
 
@@ -123,27 +123,27 @@ def overlapped(smollm, monkeypatch):
     from dataclasses import replace
 
     def on():
-        monkeypatch.setattr(smollm, "config", replace(smollm.config, overlap=True))
+        monkeypatch.setattr(smollm.engine, "config", replace(smollm.engine.config, overlap=True))
 
-    assert not smollm.overlap
-    launch, ahead = smollm._launch, []
+    assert not smollm.engine.overlap
+    launch, ahead = smollm.engine._launch, []
 
     def counted(batch, t0, ids_ahead=None):
         ahead.append(ids_ahead is not None)
         return launch(batch, t0, ids_ahead)
 
-    monkeypatch.setattr(smollm, "_launch", counted)
+    monkeypatch.setattr(smollm.engine, "_launch", counted)
     yield on, ahead
-    while smollm.step() or smollm.scheduler.has_work():  # nothing left in flight for the next test
+    while smollm.engine.step() or smollm.engine.scheduler.has_work():  # nothing left in flight for the next test
         pass
-    smollm.step()
+    smollm.engine.step()
 
 
 def test_overlapped_steps_keep_tokens_and_finish_reasons(smollm, overlapped):
     """Each greedy decode step launched before the last one's tokens are read, on their device ids:
     the same tokens and finish reasons as step by step, with requests that stop on a token mid-batch
     (their one extra step dropped) and requests of other lengths; the pool ends as it began."""
-    free = smollm.block_manager.num_free
+    free = smollm.engine.block_manager.num_free
     long = [o.token_ids for o in smollm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))]
     params = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=16, stop_token_ids=(long[1][5],)),
               SamplingParams(max_tokens=16, stop_token_ids=(long[2][10],))]
@@ -189,12 +189,12 @@ def test_overlap_turned_off_mid_flight_reads_the_step_and_launches_no_other(smol
     ref = _reference(smollm, PROMPTS[:2], params)
     on, ahead = overlapped
     on()
-    seqs = [smollm.add_request(smollm.encode_prompt(p), params) for p in PROMPTS[:2]]
+    seqs = [smollm.engine.add_request(smollm.encode_prompt(p), params) for p in PROMPTS[:2]]
     for _ in range(4):
-        smollm.step()
-    assert smollm._inflight is not None
-    monkeypatch.setattr(smollm, "config", replace(smollm.config, overlap=False))
+        smollm.engine.step()
+    assert smollm.engine._inflight is not None
+    monkeypatch.setattr(smollm.engine, "config", replace(smollm.engine.config, overlap=False))
     launched = len(ahead)
-    smollm.step()
-    assert smollm._inflight is None and len(ahead) == launched
+    smollm.engine.step()
+    assert smollm.engine._inflight is None and len(ahead) == launched
     assert _run(smollm, seqs) == [r for r in ref]

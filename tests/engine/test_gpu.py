@@ -18,10 +18,10 @@ def test_gpu_engine_matches_hf(kind, extra, tmp_path):
     hf = tiny_hf(kind, tmp_path, **extra).cuda()
     llm = LLM(model=str(tmp_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4,
               max_num_batched_tokens=64, cuda_graph_batch_sizes=(1, 2, 4))
-    assert llm.runner.graphs, "decode CUDA graphs were not captured"
+    assert llm.engine.runner.graphs, "decode CUDA graphs were not captured"
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (150, 37, 90)]
-    assert_logits_match(llm.prompt_logits(prompts[0]).cpu(), hf_logits(hf, prompts[0]))
+    assert_logits_match(llm.engine.prompt_logits(prompts[0]).cpu(), hf_logits(hf, prompts[0]))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     outs = llm.generate(prompts, params)  # batch of 3 replays the size-4 graph with one padded row
     for p, o in zip(prompts, outs):
@@ -59,7 +59,7 @@ def test_gpu_overlapped_steps_keep_outputs(tmp_path):
               SamplingParams(max_tokens=30, stop_token_ids=(long[2][20],))]
     ref = one.generate(prompts, params)
     overlapped = LLM(**opts)
-    assert overlapped.overlap and not one.overlap
+    assert overlapped.engine.overlap and not one.engine.overlap
     got = overlapped.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in ref] == ["stop", "length", "stop"]
@@ -86,13 +86,13 @@ def test_gpu_flow_graphs(flow, tmp_path):
         order = synthetic_calibration(3, 2, 64)  # tiny_hf: 3 layers, 2 KV heads; head_dim 64 here
         sel = {"calibration": str(write_calibration(tmp_path / "calib.json", "tiny", order, None, 0, "synthetic"))}
     whole, few = ({"local_blocks": "64"}, {"local_blocks": "3"}) if flow == "streaming" else ({"budget_ratio": "1.0"}, {"budget": "32"})
-    full = LLM(flow=flow, flow_params={**whole, "dense_layers": "0", **sel}, **opts)
+    full = LLM(flow=flow, params={**whole, "dense_layers": "0", **sel}, **opts)
     assert [o.token_ids for o in full.generate(prompts, params)] == dense
     small = {**few, "dense_layers": "0", **sel}
-    graphed = LLM(flow=flow, flow_params=small, **opts)
-    assert graphed.runner.graphs
-    eager = LLM(flow=flow, flow_params=small, cuda_graph=False, flow_executor="reference", **opts)
-    assert graphed.backends[1].executor == "compiled" and eager.backends[1].executor == "reference"
+    graphed = LLM(flow=flow, params=small, **opts)
+    assert graphed.engine.runner.graphs
+    eager = LLM(flow=flow, params=small, cuda_graph=False, executor="reference", **opts)
+    assert graphed.engine.backends[1].executor == "compiled" and eager.engine.backends[1].executor == "reference"
     assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
 
 
@@ -104,16 +104,16 @@ def test_gpu_retune_keeps_graphs_and_decodes_like_a_fresh_engine(flow, tmp_path)
     opts, prompts, params = _flow_case(tmp_path, seed=12)
     first, second = {"budget": "48", "dense_layers": ""}, {"budget": "41", "sink_blocks": "0", "local_blocks": "1",
                                                            "dense_layers": ""}
-    llm = LLM(flow=flow, flow_params=first, **opts)
+    llm = LLM(flow=flow, params=first, **opts)
     before = [o.token_ids for o in llm.generate(prompts, params)]
-    graph = llm.decode_graph(4)
-    llm.set_flow(flow, second)
-    assert llm.decode_graph(4) is graph  # 6 blocks either way: the graphs stay
+    graph = llm.engine.decode_graph(4)
+    llm.apply(llm.setup.with_flow(flow, second))
+    assert llm.engine.decode_graph(4) is graph  # 6 blocks either way: the graphs stay
     retuned = [o.token_ids for o in llm.generate(prompts, params)]
     assert retuned != before  # the graphs read the new rule (3 scored blocks of 6, then 5)
-    assert retuned == [o.token_ids for o in LLM(flow=flow, flow_params=second, **opts).generate(prompts, params)]
-    llm.set_flow(flow, {"budget": "96", "dense_layers": ""})
-    assert llm.decode_graph(4) is not graph
+    assert retuned == [o.token_ids for o in LLM(flow=flow, params=second, **opts).generate(prompts, params)]
+    llm.apply(llm.setup.with_flow(flow, {"budget": "96", "dense_layers": ""}))
+    assert llm.engine.decode_graph(4) is not graph
 
 
 def test_gpu_eval_with_a_dense_reference_equals_one_without(tmp_path):

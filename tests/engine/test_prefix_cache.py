@@ -33,7 +33,7 @@ def test_shared_prefix_is_computed_once_and_outputs_match(cached, smollm):
     assert n0 == t0  # nothing cached yet
     shared = (len(cached.tokenizer.chat_prompt(PREFIX)) - 8) // 8 * 8  # full blocks of the common start (at least)
     assert n1 <= t1 - shared and n2 < 8  # the repeated prompt computes at most its last partial block
-    assert cached.block_manager.prefix_hits > 0
+    assert cached.engine.block_manager.prefix_hits > 0
 
 
 def test_freed_cached_block_taken_by_another_holder_is_forgotten():
@@ -59,11 +59,11 @@ def test_prefix_caching_refuses_a_decode_flow():
 def test_reuse_prefilled_prompts_are_never_prefix_hits(cached):
     doc = {"text": "The blue door code is 4417. " * 6, "reuse": True, "namespace": "kb"}
     parts = ["Notes:\n", doc, "\nWhat is the blue door code?"]
-    cached.set_reuse("pie")
+    cached.use_reuse("pie")
     try:
         out = cached.generate([parts], SamplingParams(max_tokens=2, ignore_eos=True), chat=False)[0]
     finally:
-        cached.set_reuse(None)
-    hits = cached.block_manager.prefix_hits
+        cached.use_reuse(None)
+    hits = cached.engine.block_manager.prefix_hits
     cached.generate([out.prompt_token_ids], SamplingParams(max_tokens=1))  # same ids, plain prefill
-    assert cached.block_manager.prefix_hits == hits  # the reuse flow's approximate KV was not shared
+    assert cached.engine.block_manager.prefix_hits == hits  # the reuse flow's approximate KV was not shared

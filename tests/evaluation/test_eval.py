@@ -23,7 +23,7 @@ TOP_KEYS = {"flow", "model", "params", "accuracy", "tasks", "fidelity", "speed",
 @pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_dense_reads_the_needle_at_1k(smollm, tmp_path):
     """The issue's bar: dense accuracy of the default model on niah_single at 1K >= 0.9 (8 samples)."""
-    smollm.set_flow(None)
+    smollm.apply(smollm.setup.with_flow(None))
     res = evaluate("dense", tasks=["niah_single"], context=1024, samples=8, batch=8, out=tmp_path, llm=smollm)
     assert res["tasks"]["niah_single"]["n"] == 8
     assert res["accuracy"] >= 0.9, res
@@ -44,15 +44,15 @@ def test_dense_reads_the_needle_at_1k(smollm, tmp_path):
 def test_teacher_forced_decode_equals_prefill(smollm):
     """Forced tokens through decode steps give the logits a prefill of the whole sequence gives
     (an independent path: prompt_logits runs the tokens as one prompt)."""
-    smollm.set_flow(None)
+    smollm.apply(smollm.setup.with_flow(None))
     ids = smollm.tokenizer.chat_prompt("Name three colours.")
     forced = (504, 2379, 28, 253, 1016)
-    seq = smollm.add_request(ids, SamplingParams(max_tokens=5, forced_tokens=forced, ignore_eos=True, keep_logits=True))
-    while smollm.scheduler.has_work():
-        smollm.step()
+    seq = smollm.engine.add_request(ids, SamplingParams(max_tokens=5, forced_tokens=forced, ignore_eos=True, keep_logits=True))
+    while smollm.engine.scheduler.has_work():
+        smollm.engine.step()
     assert seq.completion_ids == list(forced)
     decoded = torch.stack(seq.logits)
-    ref = smollm.prompt_logits(ids + list(forced[:-1]))[len(ids) - 1:]
+    ref = smollm.engine.prompt_logits(ids + list(forced[:-1]))[len(ids) - 1:]
     cos = torch.nn.functional.cosine_similarity(decoded.double(), ref.double(), dim=-1)
     assert cos.min() > 0.9999 and torch.equal(decoded.argmax(-1), ref.argmax(-1))
 
@@ -220,7 +220,7 @@ def test_interrupt_mid_pass_leaves_the_engine_idle(smollm, tmp_path, monkeypatch
     """Ctrl-C while a pass still has requests in flight (here in the dense pass of a flow's eval, at
     its second engine step): the interrupt propagates as itself, not as the flow switch that follows
     it, and the engine is idle, so the next eval (or a restored flow) runs."""
-    step, calls = smollm.step, []
+    step, calls = smollm.engine.step, []
 
     def interrupted_step(*args, **kwargs):
         calls.append(1)
@@ -228,11 +228,11 @@ def test_interrupt_mid_pass_leaves_the_engine_idle(smollm, tmp_path, monkeypatch
             raise KeyboardInterrupt
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(smollm, "step", interrupted_step)
+    monkeypatch.setattr(smollm.engine, "step", interrupted_step)
     with pytest.raises(KeyboardInterrupt):
         evaluate("quest", llm=smollm, tasks=["niah_single"], context=256, samples=2, batch=2, max_new_tokens=4,
                  out=tmp_path)
-    assert not smollm.scheduler.has_work()
+    assert not smollm.engine.scheduler.has_work()
 
 
 def test_the_budget_note_names_a_window_that_covers_the_context(smollm):
@@ -241,13 +241,13 @@ def test_the_budget_note_names_a_window_that_covers_the_context(smollm):
     from sparsetune.evaluation.runner import _budget_note
 
     try:
-        smollm.set_flow("streaming", {"local_blocks": "40", "dense_layers": ""})  # 1 + 40 blocks of 16 > 512 tokens
+        smollm.apply(smollm.setup.with_flow("streaming", {"local_blocks": "40", "dense_layers": ""}))  # 1 + 40 blocks of 16 > 512 tokens
         note = _budget_note(smollm, 512)
         assert note and "its sink and local blocks (1 + 40)" in note and "lower --param local_blocks" in note
         assert _budget_note(smollm, 4096) is None
-        smollm.set_flow("quest", {"budget": "64"})
+        smollm.apply(smollm.setup.with_flow("quest", {"budget": "64"}))
         assert _budget_note(smollm, 512) is None
-        smollm.set_flow("quest", {"budget": "512"})
+        smollm.apply(smollm.setup.with_flow("quest", {"budget": "512"}))
         assert "its budget (512 tokens)" in _budget_note(smollm, 500)
     finally:
-        smollm.set_flow(None)
+        smollm.apply(smollm.setup.with_flow(None))

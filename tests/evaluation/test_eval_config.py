@@ -64,8 +64,8 @@ def test_a_broken_results_file_is_one_clear_error(tmp_path):
 def test_keyword_options_split_into_engine_and_eval_fields():
     cfg = EvalConfig.of(flow="quest", params={"budget_ratio": 0.125}, model="smollm2-135m", tasks=["vt"], context=512,
                         device="cpu", seed=3, batch=2)
-    assert cfg.engine == EngineConfig(model="smollm2-135m", device="cpu", flow="quest",
-                                      flow_params={"budget_ratio": 0.125}, seed=3)
+    assert cfg.setup.engine == EngineConfig(model="smollm2-135m", device="cpu", seed=3, block_size=16)
+    assert cfg.setup.flow.name == "quest" and cfg.setup.flow.params["budget_ratio"] == 0.125
     assert cfg.tasks == ("vt",) and cfg.context == 512 and cfg.batch == 2
     with pytest.raises(TypeError, match="unknown eval option 'budget'"):
         EvalConfig.of(budget=3)
@@ -91,7 +91,7 @@ def test_config_json_of_schema_1_reads(tmp_path):
            "device": "auto", "dtype": "auto", "random_weights": False, "kv_memory": None, "flow_executor": None,
            "cuda_graph": True, "reuse": None, "reuse_params": {}, "limit": 2}
     cfg = load_resume_config(_run_dir(tmp_path, old))
-    assert cfg.engine.flow == "quest" and cfg.engine.flow_params == {"budget": "64"} and cfg.limit == 2
+    assert cfg.setup.flow.name == "quest" and cfg.setup.flow.params["budget"] == 64 and cfg.limit == 2
 
 
 def test_a_task_file_is_parsed_once(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """A model's tuned flow defaults: where they come from, which params they set, and that a run
-records them (`flow.defaults`, `models.artifacts`)."""
+records them (`setup.tuned_defaults`, `models.artifacts`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 import pytest
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.defaults import describe, with_tuned_defaults
+from sparsetune.engine.config import EngineConfig
+from sparsetune.setup import describe_defaults as describe, resolve, tuned_defaults
 from sparsetune.models.artifacts import artifact_path, read_tuned_defaults, save_tuned_defaults
 
 MODEL = "smollm2-135m"
@@ -32,22 +33,26 @@ def test_the_embedded_model_ships_its_measured_defaults(cache):
 
 
 def test_user_params_win_and_the_budget_is_one_setting(cache):
-    params, taken = with_tuned_defaults(MODEL, False, "quest", {})
+    params, taken = tuned_defaults(MODEL, False, "quest", {})
     assert params == {"block_size": "2", "budget_ratio": "0.125"} and taken["params"] == params
-    params, taken = with_tuned_defaults(MODEL, False, "quest", {"block_size": "8"})
+    params, taken = tuned_defaults(MODEL, False, "quest", {"block_size": "8"})
     assert params == {"block_size": "8", "budget_ratio": "0.125"} and taken["params"] == {"budget_ratio": "0.125"}
     # a token budget from the user replaces the tuned ratio (which would otherwise override it)
-    params, taken = with_tuned_defaults(MODEL, False, "quest", {"budget": "512"})
+    params, taken = tuned_defaults(MODEL, False, "quest", {"budget": "512"})
     assert params == {"block_size": "2", "budget": "512"}
-    # the engine's --block-size is the user's block size too
-    params, _ = with_tuned_defaults(MODEL, False, "quest", {}, block_size_set=True)
-    assert params == {"budget_ratio": "0.125"}
+    # the engine's --block-size is the user's block size too, and an explicit 16 counts
+    for size in (16, 8):
+        setup = resolve(EngineConfig(model=MODEL, block_size=size), flow="quest")
+        assert (setup.flow.params["block_size"], setup.flow.origin["block_size"], setup.page_size) == (size, "user", size)
+        assert setup.flow.params["budget_ratio"] == 0.125 and setup.flow.origin["budget_ratio"] == "tuned"
+    with pytest.raises(SparsetuneError, match="--block-size 8 disagrees with --param block_size=4; set it once"):
+        resolve(EngineConfig(model=MODEL, block_size=8), flow="quest", params={"block_size": "4"})
     # everything set by the user: nothing taken
-    assert with_tuned_defaults(MODEL, False, "quest", {"block_size": "4", "budget_ratio": "0.2"}) == (
+    assert tuned_defaults(MODEL, False, "quest", {"block_size": "4", "budget_ratio": "0.2"}) == (
         {"block_size": "4", "budget_ratio": "0.2"}, None)
-    # no flow, dense, a flow file, a flow without tuned defaults: the params as given
-    for flow in (None, "dense", "my_flow.py", "flows/x/quest", "h2o"):
-        assert with_tuned_defaults(MODEL, False, flow, {"k": "1"}) == ({"k": "1"}, None)
+    # dense, a flow file, a flow without tuned defaults: the params as given
+    for flow in ("dense", "my_flow.py", "flows/x/quest", "h2o"):
+        assert tuned_defaults(MODEL, False, flow, {"k": "1"}) == ({"k": "1"}, None)
 
 
 def test_saved_defaults_override_the_shipped_ones_flow_by_flow(cache):
@@ -59,7 +64,7 @@ def test_saved_defaults_override_the_shipped_ones_flow_by_flow(cache):
     assert got["quest"]["params"] == {"block_size": "4", "budget_ratio": "0.0625"} and got["quest"]["file"] == str(path)
     assert got["h2o"]["params"] == {"budget_ratio": "0.1"}  # the second save kept the first
     assert got["block_topk"]["params"]["block_size"] == "2"  # still the shipped one
-    _, taken = with_tuned_defaults(MODEL, False, "quest", {})
+    _, taken = tuned_defaults(MODEL, False, "quest", {})
     line = describe("quest", MODEL, taken)
     assert "block_size=4" in line and "study s (quest#7)" in line and str(path) in line
     assert "published defaults" in describe("quest", MODEL, None) and describe("dense", MODEL, None) is None
@@ -78,15 +83,15 @@ def test_a_broken_defaults_file_is_one_clear_error(cache):
 
 def test_an_eval_config_records_the_defaults_it_took(cache):
     from sparsetune.evaluation.config import EvalConfig
-    from sparsetune.evaluation.runner import _resolve_flow
 
-    e = _resolve_flow(EvalConfig.of(model=MODEL, flow="quest", params={"sink_blocks": "2"})).engine
-    assert e.flow_params == {"block_size": "2", "budget_ratio": "0.125", "sink_blocks": "2"}
-    assert e.tuned["params"] == {"block_size": "2", "budget_ratio": "0.125"}
-    e = _resolve_flow(EvalConfig.of(model=MODEL, flow="quest", defaults="published")).engine
-    assert e.flow_params == {} and e.tuned is None
+    f = EvalConfig.of(model=MODEL, flow="quest", params={"sink_blocks": "2"}).setup.flow
+    assert (f.params["block_size"], f.params["budget_ratio"], f.params["sink_blocks"]) == (2, 0.125, 2)
+    assert f.tuned["params"] == {"block_size": "2", "budget_ratio": "0.125"}
+    assert f.origin["sink_blocks"] == "user" and f.origin["block_size"] == "tuned" and f.origin["budget"] == "published"
+    f = EvalConfig.of(model=MODEL, flow="quest", defaults="published").setup.flow
+    assert f.params["block_size"] == 16 and f.params["budget_ratio"] is None and f.tuned is None
     with pytest.raises(SparsetuneError, match="--defaults 'mine': use tuned or published"):
-        EvalConfig.of(model=MODEL, flow="quest", defaults="mine").engine.check()
+        EvalConfig.of(model=MODEL, flow="quest", defaults="mine")
 
 
 def test_an_engine_runs_the_tuned_defaults_and_a_published_one_does_not(cache):
@@ -94,9 +99,9 @@ def test_an_engine_runs_the_tuned_defaults_and_a_published_one_does_not(cache):
 
     save_tuned_defaults(MODEL, True, "quest", {"block_size": "8", "budget_ratio": "0.25"}, {"study": "t"})
     llm = LLM(model=MODEL, random_weights=True, device="cpu", flow="quest", num_kv_blocks=64, cuda_graph=False)
-    assert (llm.flow.block_size, llm.flow.budget_ratio, llm.kv.block_size) == (8, 0.25, 8)
-    assert llm.config.tuned["params"] == {"block_size": "8", "budget_ratio": "0.25"}
-    llm.set_flow("quest", {"block_size": "4"})  # a switch takes them under its params too
+    assert (llm.flow.block_size, llm.flow.budget_ratio, llm.engine.kv.block_size) == (8, 0.25, 8)
+    assert llm.setup.flow.tuned["params"] == {"block_size": "8", "budget_ratio": "0.25"}
+    llm.apply(llm.setup.with_flow("quest", {"block_size": "4"}))  # a switch takes them under its params too
     assert (llm.flow.block_size, llm.flow.budget_ratio) == (4, 0.25)
     published = LLM(model=MODEL, random_weights=True, device="cpu", flow="quest", num_kv_blocks=64, defaults="published")
-    assert (published.flow.block_size, published.flow.budget_ratio, published.config.tuned) == (16, None, None)
+    assert (published.flow.block_size, published.flow.budget_ratio, published.setup.flow.tuned) == (16, None, None)

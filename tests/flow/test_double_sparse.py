@@ -136,9 +136,9 @@ def test_auto_calibration_is_the_models_default_file(calibration, smollm, tmp_pa
     prompts = ["What is the capital of France?", "Name three primary colours and say which one you like most."]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     dense = [o.token_ids for o in smollm.generate(prompts, params)]
-    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow="double_sparse", flow_params={"budget": "4096"})
+    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow="double_sparse", params={"budget": "4096"})
     assert [o.token_ids for o in llm.generate(prompts, params)] == dense
-    assert llm.backends[5].fields[5]["label"].shape[-2:] == (16, 16)  # block 16 x 16 channels, the default
+    assert llm.engine.backends[5].fields[5]["label"].shape[-2:] == (16, 16)  # block 16 x 16 channels, the default
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

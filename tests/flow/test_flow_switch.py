@@ -39,23 +39,23 @@ def _greedy(llm: LLM) -> list[int]:
 ])
 def test_retuned_backend_decodes_like_a_fresh_one(smollm, name, first, second):
     try:
-        smollm.set_flow(name, first)
-        backend = smollm.backends[5]
+        smollm.apply(smollm.setup.with_flow(name, first))
+        backend = smollm.engine.backends[5]
         assert isinstance(backend, FlowAttention)
         _greedy(smollm)  # fields and the rule tensor exist before the switch
-        smollm.set_flow(name, second)
-        assert smollm.backends[5] is backend and backend.flow.params() == smollm.flow.params()
+        smollm.apply(smollm.setup.with_flow(name, second))
+        assert smollm.engine.backends[5] is backend and backend.flow.params() == smollm.flow.params()
         dense = set(smollm.flow.dense_layers)
-        assert [i for i, b in enumerate(smollm.backends) if b is backend] == [i for i in range(30) if i not in dense]
+        assert [i for i, b in enumerate(smollm.engine.backends) if b is backend] == [i for i in range(30) if i not in dense]
         retuned = _greedy(smollm)
         retuned_selection = {layer: sel for layer, sel in backend.last_selection.items() if layer not in dense}
     finally:
-        smollm.set_flow(None)
-    fresh = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow=name, flow_params=second)
-    assert fresh.backends[5] is not backend
+        smollm.apply(smollm.setup.with_flow(None))
+    fresh = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow=name, params=second)
+    assert fresh.engine.backends[5] is not backend
     assert _greedy(fresh) == retuned
     for layer, (blocks, counts) in retuned_selection.items():  # the last decode step, layer by layer
-        want_blocks, want_counts = fresh.backends[layer].last_selection[layer]
+        want_blocks, want_counts = fresh.engine.backends[layer].last_selection[layer]
         assert torch.equal(counts, want_counts)
         assert all(set(blocks[b, h, :n].tolist()) == set(want_blocks[b, h, :n].tolist())
                    for b in range(counts.shape[0]) for h in range(counts.shape[1]) for n in [int(counts[b, h])])
@@ -64,14 +64,14 @@ def test_retuned_backend_decodes_like_a_fresh_one(smollm, name, first, second):
 def test_dense_pass_keeps_the_flow_backend(smollm):
     """An eval alternates dense and flow passes: coming back to the flow reuses its backend."""
     try:
-        smollm.set_flow("quest", {"budget": "64"})
-        backend = smollm.backends[5]
-        smollm.set_flow(None)
-        assert not any(isinstance(b, FlowAttention) for b in smollm.backends)
-        smollm.set_flow("quest", {"budget": "128"})
-        assert smollm.backends[5] is backend and backend.flow.budget == 128
+        smollm.apply(smollm.setup.with_flow("quest", {"budget": "64"}))
+        backend = smollm.engine.backends[5]
+        smollm.apply(smollm.setup.with_flow(None))
+        assert not any(isinstance(b, FlowAttention) for b in smollm.engine.backends)
+        smollm.apply(smollm.setup.with_flow("quest", {"budget": "128"}))
+        assert smollm.engine.backends[5] is backend and backend.flow.budget == 128
     finally:
-        smollm.set_flow(None)
+        smollm.apply(smollm.setup.with_flow(None))
 
 
 def test_compiled_stages_do_not_recompile_on_retune():
@@ -105,18 +105,18 @@ def test_a_flow_of_another_block_size_relays_the_pool_and_keeps_the_weights():
     blocks (same token capacity, same weight tensors), and the engine then decodes exactly like
     one built for that flow; dense attention on the new layout still matches the old one."""
     llm = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8)
-    weight = llm.model.lm_head.weight
-    ptr, tokens = weight.data_ptr(), llm.kv.num_blocks * llm.kv.block_size
+    weight = llm.engine.model.lm_head.weight
+    ptr, tokens = weight.data_ptr(), llm.engine.kv.num_blocks * llm.engine.kv.block_size
     dense = _greedy(llm)
     params = {"block_size": "4", "budget": "64"}
-    llm.set_flow("quest", params)
-    assert (llm.kv.block_size, llm.config.block_size, llm.block_manager.block_size) == (4, 4, 4)
-    assert llm.kv.num_blocks * 4 == tokens and weight.data_ptr() == ptr
+    llm.apply(llm.setup.with_flow("quest", params))
+    assert (llm.engine.kv.block_size, llm.config.block_size, llm.engine.block_manager.block_size) == (4, 4, 4)
+    assert llm.engine.kv.num_blocks * 4 == tokens and weight.data_ptr() == ptr
     got = _greedy(llm)
-    assert got == _greedy(LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow="quest", flow_params=params))
-    llm.set_flow("block_topk", {"budget": "64"})  # no block size given: the pool's
-    assert llm.flow.block_size == 4 and llm.kv.block_size == 4
-    llm.set_flow(None)
+    assert got == _greedy(LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow="quest", params=params))
+    llm.apply(llm.setup.with_flow("block_topk", {"budget": "64"}))  # no block size given: the pool's
+    assert llm.flow.block_size == 4 and llm.engine.kv.block_size == 4
+    llm.apply(llm.setup.with_flow(None))
     assert _greedy(llm) == dense
 
 
@@ -125,20 +125,20 @@ def test_a_relayout_that_does_not_fit_leaves_the_engine_as_it_was(monkeypatch):
     keeps its layout and decodes as before."""
     from sparsetune.errors import SparsetuneError
 
-    llm = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow="block_topk", flow_params={"budget": "64"})
+    llm = LLM(model="smollm2-135m", device="cpu", max_num_seqs=8, flow="block_topk", params={"budget": "64"})
     before = _greedy(llm)
-    check = llm._check_memory
+    check = llm.engine._check_memory
 
     def refuse_small_blocks(num_blocks: int) -> None:
         if llm.config.block_size == 2:
             raise SparsetuneError("the KV pool needs more memory than there is")
         check(num_blocks)
 
-    monkeypatch.setattr(llm, "_check_memory", refuse_small_blocks)
+    monkeypatch.setattr(llm.engine, "_check_memory", refuse_small_blocks)
     with pytest.raises(SparsetuneError, match="needs more memory"):
-        llm.set_flow("quest", {"block_size": "2", "budget": "64"})
-    assert llm.kv.block_size == 16 and llm.config.block_size == 16 and llm.flow.name == "block_topk"
-    assert isinstance(llm.backends[5], FlowAttention) and llm.backends[5].flow.name == "block_topk"
+        llm.apply(llm.setup.with_flow("quest", {"block_size": "2", "budget": "64"}))
+    assert llm.engine.kv.block_size == 16 and llm.config.block_size == 16 and llm.flow.name == "block_topk"
+    assert isinstance(llm.engine.backends[5], FlowAttention) and llm.engine.backends[5].flow.name == "block_topk"
     assert _greedy(llm) == before
 
 

@@ -158,7 +158,7 @@ def test_engine_generous_budget_equals_dense(smollm, flow):
     prompts = ["What is the capital of France?", "Name three primary colours and say which one you like most."]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     dense = [o.token_ids for o in smollm.generate(prompts, params)]
-    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow=flow, flow_params={"budget": "4096"})
+    llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow=flow, params={"budget": "4096"})
     assert [o.token_ids for o in llm.generate(prompts, params)] == dense
 
 
@@ -167,13 +167,13 @@ def test_engine_small_budget_really_selects(smollm):
     from sparsetune.engine.sequence import SamplingParams
 
     llm = LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, flow="block_topk",
-              flow_params={"budget": "32", "block_size": "8", "dense_layers": "0"})
+              params={"budget": "32", "block_size": "8", "dense_layers": "0"})
     llm.generate(["Describe a sunset over the ocean in two vivid sentences, please."], SamplingParams(max_tokens=4))
-    attn = llm.backends[5]
+    attn = llm.engine.backends[5]
     blocks, counts = attn.last_selection[5]
     nblocks = -(-(llm.stats.prefill_tokens + 3) // 8)
     assert int(counts.max()) == 4 < nblocks  # 32 tokens of 8 = 4 blocks out of ~8
-    assert llm.backends[0].name == "dense"
+    assert llm.engine.backends[0].name == "dense"
 
 
 @pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse"])

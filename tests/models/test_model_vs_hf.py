@@ -20,7 +20,7 @@ PROMPTS = [
 def test_smollm2_logits_match_hf(smollm, smollm_hf):
     for text in PROMPTS[:2]:
         ids = smollm.encode_prompt(text)
-        assert_logits_match(smollm.prompt_logits(ids), hf_logits(smollm_hf, ids))
+        assert_logits_match(smollm.engine.prompt_logits(ids), hf_logits(smollm_hf, ids))
 
 
 def test_smollm2_greedy_generation_matches_hf(smollm, smollm_hf):
@@ -49,7 +49,7 @@ def test_tiny_random_models_match_hf(kind, extra, tmp_path):
     llm = LLM(model=str(tmp_path), device="cpu", max_num_batched_tokens=48, num_kv_blocks=64)
     ids = torch.randint(0, 320, (150,), generator=torch.Generator().manual_seed(7)).tolist()
     # 150 tokens with a 48-token budget: the prompt is prefilled in 4 chunks through the paged pool.
-    assert_logits_match(llm.prompt_logits(ids), hf_logits(hf, ids))
+    assert_logits_match(llm.engine.prompt_logits(ids), hf_logits(hf, ids))
     [out] = llm.generate([ids[:40]], SamplingParams(max_tokens=16, ignore_eos=True))
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids[:40]]), max_new_tokens=16, min_new_tokens=16, do_sample=False)

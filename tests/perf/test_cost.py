@@ -16,7 +16,7 @@ KV_TOKEN_LAYER = 2 * 3 * 64 * 4  # K and V, float32
 
 
 def test_weights_are_the_modules_parameters(smollm):
-    held = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
+    held = sum(p.numel() * p.element_size() for p in smollm.engine.model.parameters())
     assert weight_bytes(smollm.model_config, batch=4, dtype_bytes=4) == held  # tied: the embedding is the lm_head
     qwen = REGISTRY["qwen3-8b"].config  # untied: of the embedding only the batch's rows
     emb = qwen.vocab_size * qwen.hidden_size
@@ -25,14 +25,14 @@ def test_weights_are_the_modules_parameters(smollm):
 
 def test_field_bytes_are_what_the_engine_stores(smollm):
     try:
-        smollm.set_flow("quest", {"budget": "64"})
+        smollm.apply(smollm.setup.with_flow("quest", {"budget": "64"}))
         smollm.generate(["The capital of France is"], SamplingParams(max_tokens=2))
-        backend = smollm.backends[5]
+        backend = smollm.engine.backends[5]
         assert isinstance(backend, FlowAttention)
         stored = sum(t[0].numel() * t.element_size() for t in backend.fields[5].values())  # one block, all heads
         assert field_bytes_per_block(smollm.flow, smollm.model_config, 4) == stored == 3 * 2 * 64 * 4
     finally:
-        smollm.set_flow(None)
+        smollm.apply(smollm.setup.with_flow(None))
 
 
 def test_dense_and_quest_by_hand():
@@ -76,7 +76,7 @@ def test_kv_share_is_the_context_a_step_reads_dense_layers_included():
 def test_prefill_flops_count_the_model_s_linear_weights_and_attention_pairs(smollm):
     from sparsetune.perf.cost import full_prefill_flops, prefill_flops
 
-    linear = sum(m.weight.numel() for name, m in smollm.model.named_modules()
+    linear = sum(m.weight.numel() for name, m in smollm.engine.model.named_modules()
                  if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}")  # per token, all layers
     cfg, t = smollm.model_config, 300
     per_layer = linear // cfg.num_hidden_layers

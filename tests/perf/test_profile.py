@@ -47,11 +47,11 @@ def check_common(r: dict) -> None:
     assert 0.5 * r["profiled_step_ms"] <= r["sum_ms"] <= 1.2 * r["profiled_step_ms"]
     assert r["step_ms"] > 0 and r["timing"] == "CPU time" and not r["cuda_graphs"]
     assert (r["batch"], r["context"], r["device"]) == (BATCH, CONTEXT, "cpu")
-    assert not stages.ENABLED  # the stage ranges are off again
+    assert not ranges.ENABLED  # the stage ranges are off again
 
 
 def test_dense_breakdown(llm, tmp_path):
-    llm.set_flow("dense")
+    llm.apply(llm.setup.with_flow("dense"))
     r = profile_decode(llm, BATCH, CONTEXT, trace_path=tmp_path / "trace.json", steps=2, warmup=1)
     check_common(r)
     assert r["flow"] == "dense" and r["sparse_layers"] == 0
@@ -59,15 +59,15 @@ def test_dense_breakdown(llm, tmp_path):
     assert "flow cache stage" not in r["categories"]["cache_update"]["parts"]
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert any("sparsetune::attention" == e.get("name") for e in trace["traceEvents"])
-    assert not llm.scheduler.has_work() and llm.block_manager.num_free == llm.kv.num_blocks  # engine idle again
+    assert not llm.engine.scheduler.has_work() and llm.engine.block_manager.num_free == llm.engine.kv.num_blocks  # engine idle again
 
 
 def test_quest_breakdown(llm):
-    llm.set_flow("quest", {"budget": "64"})
+    llm.apply(llm.setup.with_flow("quest", {"budget": "64"}))
     try:
         r = profile_decode(llm, BATCH, CONTEXT, steps=2, warmup=1)
     finally:
-        llm.set_flow(None)
+        llm.apply(llm.setup.with_flow(None))
     check_common(r)
     assert r["flow"] == "quest" and r["flow_params"]["budget"] == 64
     assert r["sparse_layers"] == r["layers"] - 2 and r["executor"] == "reference"

@@ -183,10 +183,10 @@ def test_engine_prefill_serves_every_request_to_its_length_and_resumes_after_an_
         (run_dir,) = tmp_path.iterdir()
         partial = json.loads((run_dir / "results.json").read_text())
         assert not partial["complete"] and [(c["flow"], c["rate"]) for c in partial["cells"]] == [("dense", 40.0)]
-        assert not smollm.scheduler.has_work()  # the interrupted cell gave its requests back
+        assert not smollm.engine.scheduler.has_work()  # the interrupted cell gave its requests back
         res = serve_benchmark(resume=run_dir, llm=smollm, on_event=lambda k, d: seen.append(k))
     finally:
-        smollm.set_flow(None)
+        smollm.apply(smollm.setup.with_flow(None))
     assert res["complete"] and res["cells"][0] == partial["cells"][0]  # the finished cell was not run again
     assert [(c["flow"], c["rate"]) for c in res["cells"]] == [(f, r) for f in ("dense", "block_topk") for r in (40.0, 400.0)]
     assert res["cells"][2]["params"]["budget"] == 64

@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from sparsetune.loader import build_flow, resolve_decode_flow
+from sparsetune.loader import build_flow
+from sparsetune.setup import resolve
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.reuse import ReuseFlow
 from sparsetune.reuse.base import LayerInputs
@@ -78,10 +79,13 @@ def test_loopserve_prefill_at_full_coverage_equals_pie(smollm):
 
 
 def test_loopserve_brings_its_decode_flow():
-    assert resolve_decode_flow(None, {}, "loopserve", {"budget": "64", "interval": "8"}) == (
-        "loopserve_decode", {"budget": "64", "interval": "8"})
-    assert resolve_decode_flow("quest", {"budget": "32"}, "loopserve", {}) == ("quest", {"budget": "32"})
-    assert resolve_decode_flow(None, {}, "sparsex", {}) == (None, {})
+    s = resolve(reuse="loopserve", reuse_params={"budget": "64", "interval": "8"})
+    assert s.flow.name == "loopserve_decode" and (s.flow.params["budget"], s.flow.params["interval"]) == (64, 8)
+    assert s.flow.origin["budget"] == "reuse" and s.reuse.params["budget"] == 64
+    s = resolve(flow="quest", params={"budget": "32"}, reuse="loopserve")
+    assert s.flow.name == "quest" and s.flow.params["budget"] == 32
+    assert resolve(reuse="sparsex").flow is None
+    assert resolve(flow="dense", reuse="loopserve").flow is None  # dense stays dense
 
 
 def test_loopserve_decode_reselects_every_interval():
@@ -218,7 +222,7 @@ def test_redknot_without_a_profile_says_which_command_to_run(smollm, tmp_path, m
 
     monkeypatch.setenv("SPARSETUNE_MODELS", str(tmp_path / "models"))
     with pytest.raises(SparsetuneError, match="sparsetune flows profile-heads --model smollm2-135m"):
-        smollm.set_reuse("redknot")
+        smollm.use_reuse("redknot")
 
 
 def test_profile_heads_matches_hf_attention_maps(smollm, tmp_path):

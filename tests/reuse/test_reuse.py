@@ -62,11 +62,11 @@ def test_realignment_in_the_engine_moves_keys_to_their_new_positions(smollm):
 def test_reuse_generation_and_pin(smollm):
     parts = reuse_parts()
     parts[1] = {**parts[1], "pin": True}
-    smollm.set_reuse("cacheblend")
+    smollm.use_reuse("cacheblend")
     try:
         outs = smollm.generate([parts, parts], SamplingParams(max_tokens=6, ignore_eos=True), chat=False)
     finally:
-        smollm.set_reuse(None)
+        smollm.use_reuse(None)
     assert outs[0].reuse["segment_hits"] + outs[0].reuse["segment_misses"] == 2
     assert outs[1].reuse["segment_hits"] == 2 and outs[1].reuse["reuse_ratio"] > 0.5
     assert outs[0].token_ids == outs[1].token_ids and len(outs[1].token_ids) == 6
@@ -77,27 +77,27 @@ def test_reuse_generation_and_pin(smollm):
 def test_reuse_prefill_fills_the_decode_flows_fields(smollm):
     """KV written by a reuse prefill gets the decode flow's cache stage (quest: channel max/min of each
     full block), and the partial last block zero fields, whatever the blocks held before."""
-    smollm.set_flow("quest", {"budget": "64"})
-    smollm.set_reuse("pie")
+    smollm.apply(smollm.setup.with_flow("quest", {"budget": "64"}))
+    smollm.use_reuse("pie")
     try:
         layout = encode_parts(smollm.tokenizer, parse_parts(reuse_parts()), chat=False)
-        attn, layer, bs = smollm.backends[5], 5, smollm.kv.block_size
+        attn, layer, bs = smollm.engine.backends[5], 5, smollm.engine.kv.block_size
         with torch.inference_mode():  # as the engine makes them: inference tensors
             attn.fields.pop(layer, None)
-            for t in attn.stores(layer, smollm.kv).values():
+            for t in attn.stores(layer, smollm.engine.kv).values():
                 t.fill_(7.0)
         seq, _ = smollm.add_reuse_request(layout, SamplingParams(max_tokens=3, ignore_eos=True))
         n, table = len(layout.token_ids), seq.block_table
         full = torch.tensor(table[: n // bs], dtype=torch.long)
-        keys = smollm.kv.k[layer][full]  # [blocks, Hkv, bs, D]
+        keys = smollm.engine.kv.k[layer][full]  # [blocks, Hkv, bs, D]
         torch.testing.assert_close(attn.fields[layer]["kmax"][full].squeeze(2), keys.amax(2))
         torch.testing.assert_close(attn.fields[layer]["kmin"][full].squeeze(2), keys.amin(2))
         assert n % bs and (attn.fields[layer]["kmax"][table[n // bs]] == 0).all()
-        while smollm.scheduler.has_work():
-            smollm.step()
+        while smollm.engine.scheduler.has_work():
+            smollm.engine.step()
     finally:
-        smollm.set_reuse(None)
-        smollm.set_flow(None)
+        smollm.use_reuse(None)
+        smollm.apply(smollm.setup.with_flow(None))
 
 
 # ---- each flow's selection rule against a direct torch implementation ------------------------------
@@ -200,9 +200,9 @@ def test_bad_segment_specs(parts, needle):
 
 def test_decode_flow_is_not_a_reuse_flow(smollm):
     with pytest.raises(SparsetuneError, match="decode flow, not a reuse flow; pass it with --flow quest"):
-        smollm.set_reuse("quest")
+        smollm.use_reuse("quest")
     with pytest.raises(SparsetuneError, match="has no parameter 'ratoi'"):
-        smollm.set_reuse("cacheblend", {"ratoi": "0.1"})
+        smollm.use_reuse("cacheblend", {"ratoi": "0.1"})
 
 
 # ---- the rag workload through sparsetune eval ----------------------------------------------------
@@ -229,7 +229,7 @@ def test_eval_rag_with_a_reuse_flow(smollm, tmp_path):
 
     res = evaluate("dense", model="smollm2-135m", tasks=["rag"], context=768, samples=2, batch=2, out=tmp_path,
                    reuse="cacheblend", reuse_params={"ratio": "0.2"}, llm=smollm)
-    smollm.set_reuse(None)
+    smollm.use_reuse(None)
     ru = res["reuse"]
     assert ru["flow"] == "cacheblend" and ru["params"]["ratio"] == 0.2 and ru["requests"] == 2
     assert ru["reuse_ratio"] > 0.8 and abs(ru["recompute_ratio"] - 0.2) < 0.01 and ru["ttft_p50_s"] > 0

@@ -49,7 +49,7 @@ def test_kernel_path_equals_the_torch_path(smollm_dev, head_file, monkeypatch, f
     monkeypatch.setattr(rows_mod, "attend_causal", counted("attend_causal", rows_mod.attend_causal))
     masked = []  # the torch path's masked calls (what the kernels replace) must not run
     monkeypatch.setattr(rows_mod, "attend_pattern", lambda *a, **kw: masked.append(1))
-    monkeypatch.setattr(llm.kv, "gather", counted("gather", llm.kv.gather))
+    monkeypatch.setattr(llm.engine.kv, "gather", counted("gather", llm.engine.kv.gather))
     got, got_stats, _, _ = reuse_logits(llm, flow, parts, params, warm=False)  # the segments are stored
 
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)

@@ -329,7 +329,7 @@ def test_confirmation_goes_on_until_every_frontier_point_left_has_held(tmp_path)
 
 @pytest.mark.tuned_defaults
 def test_save_defaults_makes_each_flows_fastest_confirmed_point_the_models_default(tmp_path, monkeypatch):
-    from sparsetune.flow.defaults import with_tuned_defaults
+    from sparsetune.setup import tuned_defaults
     from sparsetune.models.artifacts import read_tuned_defaults
 
     monkeypatch.setenv("SPARSETUNE_MODELS", str(tmp_path / "models"))  # the user's defaults file goes here
@@ -349,5 +349,5 @@ def test_save_defaults_makes_each_flows_fastest_confirmed_point_the_models_defau
         entry = read_tuned_defaults("smollm2-135m")[key]
         assert entry["params"] == best["params"] and entry["source"]["study"] == "s"
         assert entry["source"]["trial"] == best["trial"] and entry["source"]["confirmed_accuracy"] >= 0.9
-        assert with_tuned_defaults("smollm2-135m", False, key, {})[0] == best["params"]
+        assert tuned_defaults("smollm2-135m", False, key, {})[0] == best["params"]
     assert any(d["saved"] for d in saved.values())

@@ -1,0 +1,96 @@
+"""A run's setup is one value (`sparsetune.setup`): the CLI, the Python API, a search trial's record,
+an eval's config.json and an export bundle give the same one, and it is resolved in one module."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from sparsetune.engine.config import EngineConfig
+from sparsetune.errors import SparsetuneError
+from sparsetune.setup import FlowSetup, Setup, resolve
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sparsetune"
+MODEL = "smollm2-135m"
+POINT = {"budget": "64", "block_size": "8", "sink_blocks": "2"}
+
+
+def _cli_setup(*args: str) -> Setup:
+    """What the CLI resolves for `--flow quest --param ...` (cli/options → api)."""
+    from sparsetune.api import resolve_options
+    from sparsetune.cli.options import setup_options
+
+    return resolve_options(**setup_options(MODEL, flow="quest", param=list(args), defaults="published"))
+
+
+def test_the_cli_the_api_and_a_search_trial_resolve_one_value(tmp_path):
+    from sparsetune.evaluation.config import load_resume_config
+    from sparsetune.tuning.config import SearchConfig
+    from sparsetune.tuning.trial import EngineEvaluator
+
+    cli = _cli_setup(*(f"{k}={v}" for k, v in POINT.items()))
+    api = resolve(EngineConfig(model=MODEL), flow="quest", params={"budget": 64, "block_size": 8, "sink_blocks": 2},
+                  defaults="published")
+    trial = EngineEvaluator(SearchConfig(study="s", out=str(tmp_path), model=MODEL)).eval_config(
+        "quest", POINT, samples=2, seed=0)
+    run = tmp_path / "run"
+    run.mkdir()  # the trial's record, as its run folder keeps it, read back
+    (run / "config.json").write_text(json.dumps({"eval": trial.model_dump(mode="json")}))
+    recorded = load_resume_config(run).setup
+    assert cli == api == trial.setup == recorded
+    assert (api.page_size, api.flow.params["block_size"], api.flow.origin["block_size"]) == (8, 8, "user")
+    assert api.flow.origin["budget_ratio"] == "published" and api.flow.spec == "quest"
+    assert Setup.from_dict(json.loads(json.dumps(api.to_dict()))) == api
+
+
+def test_an_exported_bundle_holds_the_trials_setup(tmp_path):
+    from sparsetune.api import export
+
+    trial = resolve(EngineConfig(model=MODEL), flow="quest", params=POINT, defaults="published")
+    manifest = export(out=tmp_path / "b", flow="quest", params=POINT, model=MODEL, defaults="published")
+    assert FlowSetup.from_dict(manifest["setup"]["flow"]) == trial.flow
+    assert Setup.from_dict(manifest["setup"]).page_size == manifest["block_size"] == 8
+
+
+@pytest.mark.tuned_defaults
+def test_tuned_defaults_are_resolved_once_and_recorded():
+    s = resolve(EngineConfig(model=MODEL), flow="quest", params={"budget": "512"})
+    assert s.flow.origin["block_size"] == "tuned" and s.flow.origin["budget"] == "user"
+    assert s.flow.origin["budget_ratio"] == "published"  # the user's budget replaced the tuned ratio
+    assert s.flow.tuned["params"] == {"block_size": "2"} and s.page_size == 2
+    assert Setup.from_dict(s.to_dict()) == s
+
+
+def test_bad_setups_are_one_line():
+    with pytest.raises(SparsetuneError, match="--param needs --flow"):
+        resolve(params={"budget": "1"})
+    with pytest.raises(SparsetuneError, match="--reuse-param needs a reuse flow"):
+        resolve(reuse_params={"ratio": "0.1"})
+    with pytest.raises(SparsetuneError, match="--flow-executor 'fast'"):
+        resolve(flow="quest", executor="fast")
+    with pytest.raises(SparsetuneError, match="not a sparsetune.setup/1 object"):
+        Setup.from_dict({"schema": "x"})
+    with pytest.raises(SparsetuneError, match="layer\\(s\\) \\[40\\] out of range"):
+        resolve(flow="quest", params={"dense_layers": "40"})
+
+
+def _calls(name: str) -> set[str]:
+    """Modules of the package whose code calls `name` (as a function or an attribute)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if called == name:
+                    found.add(path.relative_to(PACKAGE.parent).as_posix())
+    return found
+
+
+def test_the_tuned_defaults_and_a_runs_flow_are_resolved_in_one_module():
+    assert _calls("read_tuned_defaults") == {"sparsetune/setup.py"}  # the lookup
+    assert _calls("tuned_defaults") == {"sparsetune/setup.py"}
+    assert _calls("build_flow") == {"sparsetune/setup.py"}  # a flow built from a name and --param values
