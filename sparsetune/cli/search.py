@@ -229,13 +229,11 @@ def show(
         emit_json(result)
         return
     _report(result, False)
-    for r in result["running"]:
-        beat = "" if r["heartbeat_age_s"] is None else f", last heartbeat {r['heartbeat_age_s']:.0f} s ago"
-        err.print(f"running: {r['trial']} {_short(r['params'] or {})} on {r['worker'] or '?'} since {r['started']}{beat}")
 
 
 def _report(s: dict[str, Any], json_out: bool) -> None:
-    """The confirmed frontier next to the defaults and dense (stderr when stdout carries JSON)."""
+    """The confirmed frontier next to the defaults and dense (stderr when stdout carries JSON), and
+    last, the command to run next."""
     from rich.table import Table
 
     from sparsetune.tuning.report import against_defaults_lines
@@ -286,8 +284,13 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
             console.print(f"[yellow]{d['flow']}: no default saved ({d['reason']})[/]")
     if s.get("candidates"):
         _candidates(console, s["candidates"])
+    for r in s.get("running", []):  # search show, while the search runs
+        beat = "" if r["heartbeat_age_s"] is None else f", last heartbeat {r['heartbeat_age_s']:.0f} s ago"
+        err.print(f"running: {r['trial']} {_short(r['params'] or {})} on {r['worker'] or '?'} since {r['started']}{beat}")
     console.print(f"[dim]{s['run_dir']}/: frontier.md, frontier.json, frontier.png, hypervolume.png, trials.jsonl"
                   f"{', candidates.json, candidates/' if s.get('candidates') else ''}[/]")
+    console.print(f"next: {s['next_step']}:", markup=False)
+    console.print(f"  {s['next_command']}", markup=False)
 
 
 def _candidates(console, c: dict[str, Any]) -> None:
