@@ -5,13 +5,27 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from sparsetune.errors import SparsetuneError
 
+if TYPE_CHECKING:
+    from rich.table import Table
+
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines are not cut at 80 columns
+out = Console(highlight=False, soft_wrap=True)  # a command's report, when stdout carries no JSON
+
+
+def print_table(console: Console, table: Table) -> None:
+    """In a terminal a table fits the window; in a log or a pipe, where rich would assume 80 columns
+    and wrap the cells into slivers, it keeps its natural width: a row per line (nothing crops it)."""
+    from rich.measure import Measurement
+
+    if not console.is_terminal:
+        table.width = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    console.print(table, crop=False, soft_wrap=False)  # soft wrap would not center the title
 
 
 def emit_json(obj: Any) -> None:

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from sparsetune.cli import options as opt
 from sparsetune.cli.options import apply_threads
-from sparsetune.cli.output import emit_json, err
+from sparsetune.cli.output import emit_json, err, out, print_table
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.params import parse_param_args
 
@@ -229,25 +229,23 @@ def show(
         emit_json(result)
         return
     _report(result, False)
-    for r in result["running"]:
-        beat = "" if r["heartbeat_age_s"] is None else f", last heartbeat {r['heartbeat_age_s']:.0f} s ago"
-        err.print(f"running: {r['trial']} {_short(r['params'] or {})} on {r['worker'] or '?'} since {r['started']}{beat}")
 
 
 def _report(s: dict[str, Any], json_out: bool) -> None:
-    """The confirmed frontier next to the defaults and dense (stderr when stdout carries JSON)."""
-    from rich.console import Console
+    """The confirmed frontier next to the defaults and dense (stderr when stdout carries JSON), and
+    last, the command to run next."""
     from rich.table import Table
 
     from sparsetune.tuning.report import against_defaults_lines
 
     if json_out:
         emit_json({k: v for k, v in s.items() if k != "records"})
-    console = err if json_out else Console(highlight=False)
+    console = err if json_out else out
     t = Table(title=f"search {s['study']}: {', '.join(s['flows'])} on {s['model']}, context {s['context']} "
                     f"(accuracy relative to dense; speed {s['speed']})")
-    for col in ("", "trial", "params", "acc.", "top-1", "speedup", "confirmed [95%]"):
-        t.add_column(col, overflow="fold", min_width=14 if col == "params" else None)
+    for col in ("", "trial", "acc.", "top-1", "speedup", "confirmed [95%]", "params"):  # params last: the long one
+        t.add_column(col, overflow="fold", min_width=14 if col == "params" else None,
+                     no_wrap=col not in ("confirmed [95%]", "params"))  # in a narrow terminal these two wrap
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.0f}%"
@@ -256,10 +254,10 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
         lo, hi = r.get("interval") or (None, None)
         conf = "-" if r.get("confirmed_accuracy") is None else (
             f"{pct(r['confirmed_accuracy'])} [{pct(lo)}, {pct(hi)}]" + ("" if r.get("holds") else " ✗"))
-        t.add_row(label, r["trial"], _short(r["params"] or {}), pct(r["relative_accuracy"]), pct(r["fidelity_top1"]),
-                  f"{r['speedup']:.2f}×", conf)
+        t.add_row(label, r["trial"], pct(r["relative_accuracy"]), pct(r["fidelity_top1"]), f"{r['speedup']:.2f}×",
+                  conf, _short(r["params"] or {}))
 
-    t.add_row("dense", "", "", "100%", "100%", "1.00×", f"(absolute accuracy {pct(s['dense']['accuracy'])})")
+    t.add_row("dense", "", "100%", "100%", "1.00×", f"(absolute accuracy {pct(s['dense']['accuracy'])})", "")
     for r in s["defaults"]:
         add("defaults", r)
     failed = {r["trial"] for r in s["not_confirmed"]}
@@ -270,15 +268,15 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
             add("unconfirmed", r)
     for r in s["not_confirmed"]:
         add("did not hold", r)
-    console.print(t)
+    print_table(console, t)
     if s["not_confirmed"] or any(not r.get("holds", True) for r in s["defaults"] if r.get("confirmed_accuracy") is not None):
         console.print("✗: below the bar on fresh prompts" if s.get("min_accuracy") else
                       "✗: the search-set figure is above the fresh prompts' 95% interval")
     for line in against_defaults_lines(s):
         console.print(f"against the defaults: {line}")
     tr = s["trials"]
-    console.print(f"{tr['finished']} trials ({tr['stopped_by_cascade']} stopped by the cascade), {tr['failed']} failed; "
-                  f"{'stopped: ' + s['stopped'] if s.get('stopped') else ''}")
+    console.print(f"{tr['finished']} trials ({tr['stopped_by_cascade']} stopped by the cascade), {tr['failed']} failed"
+                  f"{'; stopped: ' + s['stopped'] if s.get('stopped') else ''}")
     for d in s.get("saved_defaults", []):
         if d["saved"]:
             console.print(f"saved {d['flow']}'s default for {s['model']}: {_short(d['params'])} ({d['trial']}) in {d['file']}")
@@ -286,8 +284,13 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
             console.print(f"[yellow]{d['flow']}: no default saved ({d['reason']})[/]")
     if s.get("candidates"):
         _candidates(console, s["candidates"])
+    for r in s.get("running", []):  # search show, while the search runs
+        beat = "" if r["heartbeat_age_s"] is None else f", last heartbeat {r['heartbeat_age_s']:.0f} s ago"
+        err.print(f"running: {r['trial']} {_short(r['params'] or {})} on {r['worker'] or '?'} since {r['started']}{beat}")
     console.print(f"[dim]{s['run_dir']}/: frontier.md, frontier.json, frontier.png, hypervolume.png, trials.jsonl"
                   f"{', candidates.json, candidates/' if s.get('candidates') else ''}[/]")
+    console.print(f"next: {s['next_step']}:", markup=False)
+    console.print(f"  {s['next_command']}", markup=False)
 
 
 def _candidates(console, c: dict[str, Any]) -> None:
@@ -303,7 +306,7 @@ def _candidates(console, c: dict[str, Any]) -> None:
         t.add_row(r["id"], r["name"], r["proposer"], verdict, str(r["trials"]),
                   "-" if best is None else f"{100 * best['relative_accuracy']:.0f}% / {best['speedup']:.2f}×",
                   ", ".join(r["on_confirmed_frontier"]) or "-")
-    console.print(t)
+    print_table(console, t)
     d = c["diversity"]
     if d["mean_distance"] is not None:
         console.print(f"diversity of the accepted flows: mean pairwise distance {d['mean_distance']:.2f} "

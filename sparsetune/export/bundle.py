@@ -80,6 +80,11 @@ def pick_point(rows: list[dict[str, Any]], rule: str) -> dict[str, Any]:
     return (max if how == "max" else min)(ok, key=lambda r: _value(r, what))
 
 
+def default_pick(bar: float | None) -> str:
+    """The rule `--pick` takes by default: the fastest confirmed point at the search's bar."""
+    return "max speedup" + (f" where accuracy >= {bar}" if bar is not None else "")
+
+
 def _flow_source(run_dir: Path, flow: str) -> Path:
     """A built-in flow's file, or a proposed flow's from the run's candidates."""
     from sparsetune.loader import builtin_flows
@@ -114,8 +119,7 @@ def point_of_run(run_dir: Path, trial: str | None = None, pick: str | None = Non
             raise SparsetuneError(f"--trial {trial}: it did not hold on fresh prompts "
                                   f"({row.get('confirmed_accuracy')} of dense); pick a point of the confirmed frontier")
     else:
-        bar = summary.get("min_accuracy")
-        row = pick_point(held, pick or ("max speedup" + (f" where accuracy >= {bar}" if bar is not None else "")))
+        row = pick_point(held, pick or default_pick(summary.get("min_accuracy")))
     return _flow_source(run_dir, row["flow"]), row, summary
 
 

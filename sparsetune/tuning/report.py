@@ -11,11 +11,14 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
+from sparsetune.errors import SparsetuneError
+from sparsetune.export.bundle import default_pick, pick_point
 from sparsetune.records import write_json
-from sparsetune.tuning.config import SearchConfig, flow_key
+from sparsetune.tuning.config import SearchConfig, flow_key, resume_command
 from sparsetune.tuning.frontier import (Point, confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
                                        search_frontier, trial_name)
 
@@ -86,7 +89,7 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
     speed_kind = next((r["speed"]["kind"] for r in records if r.get("speed")), None)
     shares = budget_shares(cfg, records)
     defaults = [_row(r, shares) for r in records if r["role"] == "defaults" and r["state"] == "COMPLETE"]
-    return {
+    s = {
         "schema": SCHEMA, "kind": cfg.kind, "study": cfg.study, "run_dir": str(cfg.run_dir), "model": cfg.model, "flows": list(cfg.flows), "context": cfg.context,
         "samples_per_task": cfg.samples, "confirm_samples_per_task": cfg.confirm_samples, "min_accuracy": cfg.min_accuracy,
         "share_of": SHARE_OF[cfg.kind], "speed": speed_kind, "speed_note": SPEED_NOTES[cfg.kind, speed_kind or "modeled"],
@@ -101,6 +104,36 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
         "against_defaults": against_defaults(defaults, [_row(r, shares) for r in held]),
         "hypervolume": round(hypervolume(front), 6),
     }
+    s["next_step"], s["next_command"] = next_step(cfg, s)
+    return s
+
+
+def next_step(cfg: SearchConfig, s: dict[str, Any]) -> tuple[str, str]:
+    """What to do after a search, and the command that does it (the run's last line): a decode
+    search exports the point `sparsetune export` picks by default, its rule spelled out so that the
+    log says which; a reuse search measures that point with `sparsetune eval` (reuse flows do not
+    export yet); a search with no confirmed point there continues, with as many trials again once
+    its budget is spent."""
+    rule = default_pick(cfg.min_accuracy)
+    bar = "" if cfg.min_accuracy is None else f" at --min-accuracy {cfg.min_accuracy:g}"
+    try:
+        r = pick_point(s["confirmed_frontier"], rule)
+    except SparsetuneError:  # no confirmed point (that held)
+        spent = cfg.trials is not None and s["trials"]["finished"] + s["trials"]["failed"] >= cfg.trials
+        more = cfg.model_copy(update={"trials": 2 * cfg.trials}) if spent else cfg
+        return (f"no confirmed point{bar or ' held on fresh prompts'} yet; run more trials" +
+                (" (or a new --study with a lower --min-accuracy)" if bar else ""), resume_command(more))
+    what = (f"{r['trial']} ({100 * r['confirmed_accuracy']:.0f}% of dense on fresh prompts, {r['speedup']:.2f}× "
+            f"{'decode' if cfg.kind == 'decode' else 'prefill'} speed, {r['speed_kind']}), the fastest confirmed point{bar}")
+    if cfg.kind == "decode":
+        return (f"export {what}, as a bundle that runs in SGLang",
+                shlex.join(["sparsetune", "export", str(cfg.run_dir), "--pick", rule, "--out", f"bundles/{cfg.study}"]))
+    return (f"measure {what}, with sparsetune eval (reuse flows do not export yet)",
+            shlex.join(["sparsetune", "eval", "--reuse", cfg.flow_arg(r["flow"]), "--model", cfg.model,
+                        *[a for k, v in (r["params"] or {}).items() for a in ("--reuse-param", f"{k}={v}")],
+                        *[a for task in cfg.tasks or () for a in ("--task", task)],
+                        "--context", str(cfg.context), "--samples", str(cfg.confirm_samples),
+                        "--defaults", "published"]))  # as its trial ran it
 
 
 def against_defaults(defaults: list[dict[str, Any]], held: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -167,6 +200,7 @@ def markdown(s: dict[str, Any]) -> str:
     t = s["trials"]
     lines += ["", f"{t['finished']} trials finished ({t['stopped_by_cascade']} stopped by the cascade), {t['failed']} failed; "
               f"hypervolume {s['hypervolume']}; {'complete' if s['complete'] else 'stopped: ' + str(s['stopped'])}.", ""]
+    lines += ["## Next", "", f"{s['next_step'][0].upper()}{s['next_step'][1:]}:", "", f"    {s['next_command']}", ""]
     return "\n".join(lines)
 
 

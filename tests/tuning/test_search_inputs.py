@@ -1,7 +1,8 @@
 """`sparsetune search` on bad input and around interrupts, through the CLI in this process (trials by
 the synthetic evaluator): one `error:` line and exit 2 with nothing created, no storage password in
 any message or run-folder file, Ctrl-C naming the command that resumes the study, progress counting
-the trials a resumed study already has, and `search show` writing nothing."""
+the trials a resumed study already has, `search show` writing nothing, and the end of a run in a
+log (a table row per line, then the command to run next, which runs)."""
 
 from __future__ import annotations
 
@@ -200,3 +201,82 @@ def test_search_show_of_a_damaged_search_json_is_one_line(cli, tmp_path):
         (tmp_path / "s" / "search.json").write_text(text)
         code, _out, lines = cli("search", "show", str(tmp_path / "s"))
         _one_error(code, lines, "search.json")
+
+
+# ---- 7. the end of a run, in a log or a pipe -----------------------------------------------------------
+
+def _table_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("│")]
+
+
+def test_in_a_pipe_the_table_keeps_a_row_per_line_and_the_run_ends_with_the_export_command_that_works(cli, tmp_path):
+    """Not a terminal (a log, `| tee`): no cell wraps into the next line; the last line is the export
+    of the fastest confirmed point above the bar, and exactly that command exports it."""
+    from sparsetune.cli.search import _short
+
+    code, out, lines = cli(*_search(tmp_path, "--trials", "4"))
+    assert code == 0, lines
+    summary = json.loads((tmp_path / "s" / "frontier.json").read_text())
+    rows = _table_rows(out)
+    assert rows and all(not row.startswith("│   ") for row in rows), out  # a wrapped row goes on with an empty label
+    for r in summary["defaults"] + summary["confirmed_frontier"]:
+        assert any(r["trial"] in row and _short(r["params"]) in row for row in rows), (r, out)
+    said, command = out.rstrip("\n").splitlines()[-2:]
+    point = max(summary["confirmed_frontier"], key=lambda r: r["speedup"])
+    assert said.startswith(f"next: export {point['trial']} ") and "--min-accuracy 0.9" in said, said
+    args = shlex.split(command)
+    assert args[:3] == ["sparsetune", "export", str(tmp_path / "s")] and command.strip() == summary["next_command"]
+    code, _out, lines = cli(*args[1:])
+    assert code == 0, lines
+    assert json.loads((tmp_path / "bundles" / "s" / "bundle.json").read_text())["origin"]["trial"] == point["trial"]
+    code, shown, lines = cli("search", "show", str(tmp_path / "s"))  # show ends the same way
+    assert code == 0 and shown.rstrip("\n").splitlines()[-2:] == [said, command], lines
+
+
+def test_with_json_the_next_command_is_a_field_and_stdout_is_only_the_json(cli, tmp_path):
+    code, out, lines = cli(*_search(tmp_path, "--trials", "4", "--json"))
+    assert code == 0, lines
+    result = json.loads(out)  # nothing else on stdout
+    assert result["next_command"].startswith(f"sparsetune export {tmp_path / 's'} --pick ")
+    assert lines[-1].strip() == result["next_command"] and lines[-2] == f"next: {result['next_step']}:"
+    assert all(not row.startswith("│   ") for row in _table_rows("\n".join(lines)))  # the table, on stderr: no wraps
+
+
+def test_a_search_with_no_confirmed_point_above_its_bar_ends_with_the_command_that_runs_more_trials(cli, tmp_path):
+    args = [a if a != "0.9" else "0.99" for a in _search(tmp_path, "--trials", "2")]
+    code, out, lines = cli(*args)
+    assert code == 0, lines
+    said, command = out.rstrip("\n").splitlines()[-2:]
+    assert said.startswith("next: no confirmed point at --min-accuracy 0.99") and "lower --min-accuracy" in said
+    args = shlex.split(command)
+    assert args[:2] == ["sparsetune", "search"] and "--resume" in args and args[args.index("--trials") + 1] == "4"
+    code, _out, lines = cli(*args[1:])  # it continues the study with as many trials again
+    assert code == 0, lines
+    assert json.loads((tmp_path / "s" / "frontier.json").read_text())["trials"]["finished"] == 4
+
+
+def test_a_reuse_search_ends_with_the_eval_command_that_runs_its_point(cli, tmp_path, monkeypatch):
+    """Reuse flows do not export: the next step measures the point with `sparsetune eval`, whose
+    flags give the evaluation the trial's reuse flow, params, tasks and context."""
+    import sparsetune.evaluation.runner as runner
+    from sparsetune.tuning.report import next_step
+
+    cfg = SearchConfig(kind="reuse", study="r", out=str(tmp_path), flows=("cacheblend",), context=512, min_accuracy=0.9)
+    point = {"trial": "cacheblend#3", "flow": "cacheblend", "params": {"ratio": "0.07", "check_layer": "2"},
+             "confirmed_accuracy": 0.93, "speedup": 2.5, "speed_kind": "modeled"}
+    said, command = next_step(cfg, {"confirmed_frontier": [point], "trials": {"finished": 6, "failed": 0}})
+    assert said.startswith("measure cacheblend#3 ") and "do not export" in said
+    seen = {}
+
+    def evaluate(ecfg, **_kw):
+        seen["cfg"] = ecfg
+        raise SparsetuneError("stopped here")
+
+    monkeypatch.setattr(runner, "evaluate", evaluate)
+    args = shlex.split(command)
+    assert args[:2] == ["sparsetune", "eval"]
+    code, _out, lines = cli(*args[1:])
+    assert code == 2 and lines[-1] == "error: stopped here", lines
+    ecfg = seen["cfg"]
+    assert (ecfg.engine.reuse, ecfg.engine.reuse_params, ecfg.engine.defaults) == ("cacheblend", point["params"], "published")
+    assert (tuple(ecfg.tasks), ecfg.context, ecfg.samples) == (cfg.tasks, 512, cfg.confirm_samples)
