@@ -1,6 +1,9 @@
-"""The Python API (`generate`, `eval`, `list_models`); the CLI is a thin layer over these functions.
+"""The Python API: every command of the CLI is one function here (`generate`, `eval`, `profile`,
+`bench_serve`, `search`, `export`, `flows_*`, ...), and the CLI only parses options, calls it and
+prints (an import contract keeps `sparsetune.cli` to this module, `errors` and its own modules).
 
-Arguments are checked before torch and the engine are imported, so a mistake fails at once.
+Arguments are checked before torch and the engine are imported, so a mistake fails at once. A run's
+flows are resolved here, once, into a `Setup` (`setup.resolve_options`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.params import parse_param_args as parse_params  # noqa: F401 - the CLI's key=value lists
 from sparsetune.models.registry import REGISTRY, find_local_weights
+from sparsetune.records import DEFAULT_RUNS_DIR  # noqa: F401 - the CLI's default --out
 from sparsetune.reuse.parts import encode_parts, parse_parts_any
+from sparsetune.sandbox import TRUST_ENV  # noqa: F401 - the CLI's --trust-flow-code sets it
 from sparsetune.setup import Setup, describe_defaults, resolve, resolve_options  # noqa: F401 - describe_defaults: the CLI's
 
 if TYPE_CHECKING:
@@ -39,7 +44,7 @@ class GenerateResult:
     ttft_seconds: float | None
     decode_tokens_per_second: float | None
     reuse: dict[str, Any] | None = None  # the reuse flow's name, params and prefill stats (prompts as parts)
-    defaults: dict[str, Any] | None = None  # the model's tuned flow defaults the run took (`flow.defaults`)
+    defaults: dict[str, Any] | None = None  # the model's tuned flow defaults the run took (`setup.tuned_defaults`)
     attended_tokens: int | None = None  # of the prompt's tokens, what a sparse layer attends (None: dense)
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,7 +88,7 @@ def generate(
     from sparsetune.llm import LLM
     from sparsetune.engine.sequence import SamplingParams
     from sparsetune.perf.cost import attended_tokens
-    from sparsetune.perf.fit import GENERATE, check_fits
+    from sparsetune.perf.admission import GENERATE, check_fits
 
     t0 = time.perf_counter()
     if llm is None:
@@ -91,7 +96,7 @@ def generate(
     load_s = time.perf_counter() - t0
     ids = (encode_parts(llm.tokenizer, parse_parts_any(list(prompt)), chat).token_ids
            if isinstance(prompt, (list, tuple)) else llm.encode_prompt(prompt, chat))
-    check_fits(llm, 1, len(ids), 1, GENERATE)  # the prompt and one new token: refused with the limit's own fix
+    check_fits(llm.engine, 1, len(ids), 1, GENERATE)  # the prompt and one new token: refused with the limit's own fix
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     t1 = time.perf_counter()
     [out] = llm.generate([prompt], params, chat=chat, on_token=on_token)
@@ -121,16 +126,31 @@ def generate(
     )
 
 
-def eval(flow: str | None = None, *, out: str | Path | None = None, resume: str | Path | None = None,
+def eval_config(flow: str | None = None, *, resume: str | Path | None = None, **options: Any):
+    """The `EvalConfig` of an eval (`EvalConfig.of`: its setup resolved from the options), or of the
+    run folder `resume` (its config.json wins), checked as far as it can be without torch or weights
+    (`evaluation.config.check_config`: task files, the model and its context length)."""
+    from sparsetune.evaluation.config import EvalConfig, check_config, load_resume_config
+
+    if resume is not None and (flow is not None or options):
+        raise SparsetuneError("--resume continues a run with its own config; drop the other options")
+    config = load_resume_config(Path(resume)) if resume is not None else EvalConfig.of(flow=flow, **options)
+    check_config(config)
+    return config
+
+
+def eval(flow: str | None = None, *, config: Any = None, out: str | Path | None = None, resume: str | Path | None = None,
          llm: LLM | None = None, on_progress: Callable[[float, int, str], None] | None = None,
          on_start: Callable[[Path, dict[str, Any]], None] | None = None, **options: Any) -> dict[str, Any]:
-    """`sparsetune.eval`: `evaluation.runner.evaluate` with the config as keyword arguments (`EvalConfig.of`:
-    `model`, `tasks`, `context`, `params`, ... any `EvalConfig` or `EngineConfig` field); returns the
-    results.json object. `resume`: a run directory to finish (its config wins)."""
-    from sparsetune.evaluation.config import EvalConfig, load_resume_config
+    """`sparsetune.eval`: `evaluation.runner.evaluate` of `config`, or of the config the keyword options
+    make (`eval_config`: `model`, `tasks`, `context`, `params`, ... any `EvalConfig` field or setup
+    option); returns the results.json object. `resume`: a run directory to finish (its config wins)."""
     from sparsetune.evaluation.runner import evaluate
 
-    config = load_resume_config(Path(resume)) if resume is not None else EvalConfig.of(flow=flow, **options)
+    if config is None:
+        config = eval_config(flow, resume=resume, **options)
+    elif flow is not None or options:
+        raise TypeError("pass a config or options, not both")
     started = None if on_start is None else lambda run_dir, res: on_start(run_dir, res.dump())
     result = evaluate(config, out=out, resume=resume, llm=llm, on_progress=on_progress, on_start=started)
     return result.dump()
@@ -175,7 +195,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
            resume: bool = False, workers: int = 1, evaluator: Any = None, proposer: Any = None,
            on_event: Callable[[str, dict[str, Any]], None] | None = None, **options: Any) -> dict[str, Any]:
     """`sparsetune.search`: a multi-objective search over decode `flows`, or over `reuse` flows,
-    and their params (any `search.config.SearchConfig` field as a keyword: `trials`, `hours`,
+    and their params (any `tuning.config.SearchConfig` field as a keyword: `trials`, `hours`,
     `context`, `min_accuracy`, `study`, `storage`, ...); returns frontier.json's object (the
     confirmed frontier, the defaults, dense). Rerunning with the same `study` continues it;
     `resume=True` requires that it exists. `workers`: processes on this host on the one study
@@ -303,14 +323,27 @@ def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str
             "edited_since_measured": edited, "ok": not problems and not (require_sglang and sglang)}
 
 
+def serve_config(*, resume: str | Path | None = None, **options: Any):
+    """The `ServeConfig` of a serve benchmark (`ServeConfig.of`: its own fields and `EngineConfig`'s,
+    with `executor` and `defaults` for its flows), or of the run folder `resume` (its config wins),
+    checked without weights (`perf.serve.check_serve`)."""
+    from sparsetune.perf.serve import ServeConfig, check_serve, load_resume
+
+    if resume is not None and options:
+        raise SparsetuneError("--resume continues a run with its own config; drop the other options")
+    config = load_resume(Path(resume))[0] if resume is not None else ServeConfig.of(**options).with_dense()
+    check_serve(config)
+    return config
+
+
 def bench_serve(config: Any = None, *, out: str | Path | None = None, resume: str | Path | None = None,
                 llm: LLM | None = None, on_event: Callable[[str, dict[str, Any]], None] | None = None,
                 **options: Any) -> dict[str, Any]:
     """`sparsetune bench serve`: latency under load, open-loop Poisson arrivals on the engine
     (`perf.serve.serve_benchmark`), with a `ServeConfig` or its fields and `EngineConfig`'s as
-    keyword arguments (`flows`, `rates`, `requests`, `input_len`, `output_len`, `prefill`, `slo`, ...;
-    `model`, `random_weights`, `kv_memory`, ...). Returns results.json's object. `resume`: a run
-    directory to finish (its config wins)."""
+    keyword arguments (`flows`, `rates`, `requests`, `input_len`, `output_len`, `prefill`, `slo`,
+    `defaults`, `executor`, ...; `model`, `random_weights`, `kv_memory`, ...). Returns results.json's
+    object. `resume`: a run directory to finish (its config wins)."""
     from sparsetune.perf.serve import ServeConfig, serve_benchmark
 
     if resume is None and config is None:
@@ -318,3 +351,127 @@ def bench_serve(config: Any = None, *, out: str | Path | None = None, resume: st
     elif options:
         raise TypeError("pass a ServeConfig or keyword options, not both (and none with resume)")
     return serve_benchmark(config, out=out, resume=resume, llm=llm, on_event=on_event)
+
+
+def list_tasks() -> dict[str, Any]:
+    """The built-in eval tasks and the default suite."""
+    from sparsetune.evaluation.tasks import DEFAULT_SUITE, list_tasks as rows
+
+    return {"tasks": rows(), "default_suite": list(DEFAULT_SUITE)}
+
+
+def profile(flow: str = "dense", *, batch: int = 1, context: int = 2048, steps: int = 5, out: str | Path = DEFAULT_RUNS_DIR,
+            trace: str | Path | None = None, setup: Setup | None = None, **options: Any) -> dict[str, Any]:
+    """`sparsetune profile`: one decode step of `setup` (or `flow` and keyword options) broken into
+    categories (`perf.step_profile.profile`), written as a run folder under `out` (results.json,
+    env.json, profile.png); returns results.json's object (with `run_dir`)."""
+    from sparsetune import records
+
+    if setup is None:
+        setup = resolve_options(flow=flow, **options)  # before torch loads
+    elif options:
+        raise TypeError("pass a setup or options, not both")
+    from sparsetune.perf.step_profile import plot, profile as run
+
+    result = run(setup, batch=batch, context=context, steps=steps, trace_path=trace)
+    run_dir = records.new_run_dir(out, "profile", result["flow"], setup.model)
+    result["run_dir"] = str(run_dir)
+    records.write_json(run_dir / "results.json", result)
+    records.write_json(run_dir / "env.json", records.env_info(result["device"]))
+    plot(result, run_dir / "profile.png")
+    return result
+
+
+def profile_labels() -> dict[str, str]:
+    """How `profile`'s categories read in a table."""
+    from sparsetune.perf.step_profile import LABELS
+
+    return dict(LABELS)
+
+
+def against_defaults_lines(summary: dict[str, Any]) -> list[str]:
+    """How a search's confirmed points compare with each flow's defaults (`tuning.report`)."""
+    from sparsetune.tuning.report import against_defaults_lines as lines
+
+    return lines(summary)
+
+
+def sglang_range() -> tuple[str, str]:
+    """The SGLang versions a bundle runs in (`export.bundle.supported_range`)."""
+    from sparsetune.export.bundle import supported_range
+
+    return supported_range()
+
+
+# ---- flows ----------------------------------------------------------------------------------------
+
+def flows_list() -> list[dict[str, Any]]:
+    """The built-in flows: name, kind, the rule's source, file and params (type, default, space)."""
+    from sparsetune.loader import builtin_flows, flow_kind, load_file
+
+    rows = []
+    for path in builtin_flows().values():
+        cls = load_file(path)
+        rows.append({"name": cls.name, "kind": flow_kind(cls), "source": cls.source, "path": str(path),
+                     "params": {k: v.describe() for k, v in cls.param_specs().items() if k not in cls.inapplicable}})
+    return rows
+
+
+def flow_show(name: str) -> dict[str, Any]:
+    """A flow's params (type, default, space, meaning) and its file as it is (an untrusted one was only traced)."""
+    from sparsetune.flow.params import Flow
+    from sparsetune.loader import flow_kind, get_flow_class
+
+    cls = get_flow_class(name, Flow)
+    params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
+    return {"name": cls.name, "kind": flow_kind(cls), "source": cls.source, "params": params,
+            "code": Path(cls.path).read_text(errors="replace")}
+
+
+def flow_check(file: str, params: dict[str, str] | None = None) -> dict[str, Any]:
+    """`sparsetune flows check`: a decode flow's op set, params, shapes, cost and equality with dense
+    at full budget (`flow.check.check_flow`); a reuse flow's params (plain Python: what can be checked)."""
+    from sparsetune.flow.check import check_flow
+    from sparsetune.flow.params import Flow
+    from sparsetune.loader import flow_kind, get_flow_class
+
+    cls = get_flow_class(file, Flow, all_problems=True)
+    if flow_kind(cls) == "reuse":
+        return {"name": cls.name, "kind": "reuse", "ok": True, "params": cls.from_strings(params or {}).params()}
+    return {"kind": "decode", **check_flow(cls, params or {}).to_dict()}
+
+
+def flow_new(name: str, out: str | Path | None = None) -> Path:
+    """Write a commented starting file for a new decode flow (`flow.template`); returns its path."""
+    from sparsetune.flow.template import write_template
+
+    return write_template(name, Path(out) if out is not None else None)
+
+
+def calibrate_channels(model: str = "smollm2-135m", *, text: str | None = None, tokens: int = 2048,
+                       out: str | Path | None = None, random_weights: bool = False, device: str = "auto") -> dict[str, Any]:
+    """`sparsetune flows calibrate`: each layer's KV-head channels ranked by mean |q*k| (for calibrated
+    flows: double_sparse), written to the model's file (or `out`); returns where and what."""
+    from sparsetune.calibration.channels import calibrate
+
+    path = calibrate(model=model, text=text, tokens=tokens, random_weights=random_weights, device=device, out=out)
+    data = json.loads(path.read_text())
+    return {"path": str(path), **{k: data[k] for k in ("model", "tokens", "num_layers", "num_kv_heads")}}
+
+
+def profile_heads(model: str = "smollm2-135m", *, text: str | None = None, chunks: int = 4, chunk_tokens: int = 512,
+                  sink: int = 4, window: int = 512, out: str | Path | None = None, random_weights: bool = False,
+                  device: str = "auto") -> dict[str, Any]:
+    """`sparsetune flows profile-heads`: each (layer, KV head) scored for RedKnot's head classes,
+    written to the model's file (or `out`); returns where, and the layers of the global heads at 15%."""
+    import torch
+
+    from sparsetune.calibration.heads import profile_heads as run
+    from sparsetune.reuse.head_classes import global_heads
+
+    path = run(model=model, text=text, chunks=chunks, chunk_tokens=chunk_tokens, sink=sink, window=window,
+               random_weights=random_weights, device=device, out=out)
+    data = json.loads(path.read_text())
+    glob = global_heads(torch.tensor(data["scores"]), 0.15)
+    return {"path": str(path), **{k: data[k] for k in ("model", "num_layers", "num_kv_heads", "chunks", "chunk_tokens")},
+            "global_layers_at_15pct": sorted({int(i) for i in glob.nonzero()[:, 0]})}

@@ -29,10 +29,6 @@ from sparsetune.reuse.parts import ReuseLayout, encode_parts, is_parts, parse_pa
 from sparsetune.reuse.segment_cache import SegmentCache
 from sparsetune.setup import FlowSetup, Setup, resolve, resolve_options
 
-# What a setup applied to a live engine must share with it (another model or dtype needs a new `LLM`);
-# its other engine options (the pool's memory, batch limits) are the live engine's, its page size the flow's.
-_SAME_ENGINE = ("model", "random_weights", "device", "dtype")
-
 
 class LLM:
     def __init__(self, setup: Setup | EngineConfig | None = None, **options: Any) -> None:
@@ -119,13 +115,13 @@ class LLM:
         select layers recapture the graphs; another flow class or kernel param builds its backend
         (generated kernels are shared by source, so a flow seen before compiles nothing); another page
         size lays the KV pool out anew (`Engine.set_block_size`; the weights stay). The reuse flow is
-        swapped (the segment cache is kept)."""
+        swapped (the segment cache is kept). The setup must be for this engine's model, weights,
+        device and dtype; its other engine options (pool memory, batch limits) stay this engine's."""
         if self.engine.scheduler.has_work():
             raise RuntimeError("apply needs an idle engine")
-        for key in _SAME_ENGINE:
-            ours, theirs = getattr(self.setup.engine, key), getattr(setup.engine, key)
-            if ours != theirs and (key != "model" or setup.engine.check()[0] != self.resolved.name):
-                raise SparsetuneError(f"the setup is for {key} {theirs!r}; this engine runs {ours!r}: that needs a new LLM")
+        other = self._other_engine(setup.engine)
+        if other is not None:
+            raise SparsetuneError(f"the setup is for {other[0]} {other[1]!r}; this engine runs {other[2]!r}: that needs a new LLM")
         new = setup.flow.build() if setup.flow is not None else None
         if new is not None and new.block_size != self.engine.config.block_size:
             try:
@@ -141,6 +137,21 @@ class LLM:
             self._kept_reuse = (self.setup.reuse, self.reuse_flow) if self.reuse_flow is not None else kept
             self.reuse_flow = kept[1] if kept is not None and kept[0] == setup.reuse else self._build_reuse(setup)
         self.setup = replace(setup, engine=self.engine.config)
+
+    def _other_engine(self, e: EngineConfig) -> tuple[str, Any, Any] | None:
+        """What of `e` this engine does not run (option, wanted, running): another model, weights,
+        device or dtype; None: it runs `e`'s flows as it is ("auto" device and dtype match any)."""
+        from sparsetune.device import resolve_device, resolve_dtype
+
+        if e.random_weights != self.resolved.random_weights:
+            return "random_weights", e.random_weights, self.resolved.random_weights
+        if e.model != self.setup.engine.model and e.check()[0] != self.resolved.name:
+            return "model", e.model, self.resolved.name
+        if e.device is not None and resolve_device(e.device) != self.device:
+            return "device", e.device, str(self.device)
+        if e.dtype is not None and resolve_dtype(e.dtype, self.device, "bfloat16") != self.dtype:
+            return "dtype", e.dtype, str(self.dtype).removeprefix("torch.")
+        return None
 
     def set_flow(self, flow: str | None, params: dict[str, Any] | None = None) -> None:
         """Deprecated: `apply(llm.setup.with_flow(flow, params))`."""

@@ -32,14 +32,14 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.params import Flow, is_flow_file
+from sparsetune.sandbox import TRUST_ENV
 
 FlowT = TypeVar("FlowT", bound=Flow)
-TRUST_ENV = "SPARSETUNE_TRUST_FLOW_CODE"
 TRUST_HINT = f"if you trust its author, pass --trust-flow-code (or set {TRUST_ENV}=1)"
 MANIFEST = Path(__file__).parent / "data" / "builtin_flows.json"
 

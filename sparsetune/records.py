@@ -1,5 +1,6 @@
 """Run records: `runs/<timestamp>-<what>-<model>/` directories, environment facts, atomic JSON writes,
-new output files."""
+new output files, and the resumable run (config.json read back; one JSON line per finished unit of
+work, read back up to a line a hard kill cut off): eval's samples and bench serve's requests."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import stat
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sparsetune.errors import SparsetuneError
 
@@ -120,3 +121,52 @@ def env_info(device: Any = None) -> dict[str, Any]:
         pass
     info["triton_interpret"] = os.environ.get("TRITON_INTERPRET") == "1"
     return info
+
+
+# ---- a resumable run: config.json, then one JSON line per finished unit of work --------------------
+
+def read_run_config(run_dir: Path, command: str) -> Any:
+    """The parsed config.json of a run folder to resume (what is in it is the caller's to check), or
+    one error naming what is wrong (`command`: what makes such folders, for the fix)."""
+    what = f"pass a run directory made by {command}"
+    if not run_dir.is_dir():
+        raise SparsetuneError(f"--resume {run_dir}: no such directory; {what}")
+    cfg_file = run_dir / "config.json"
+    if not cfg_file.is_file():
+        raise SparsetuneError(f"--resume {run_dir}: no config.json there; {what}")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SparsetuneError(f"--resume {run_dir}: cannot read config.json ({e.strerror}); {what}") from None
+    except ValueError as e:  # not UTF-8, not JSON
+        raise SparsetuneError(f"--resume {run_dir}: config.json is not JSON ({e}); {what}") from None
+    return raw
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """A run's records, one JSON object a line (none: no file). A line cut off by a hard kill ends
+    them: the work it recorded is done again."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+def keep_lines(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:
+    """Rewrite a run's records with only those `keep` accepts (and none after a cut line), at once:
+    a crash leaves the old file or the new one."""
+    if not path.is_file():
+        return
+    records = read_lines(path)
+    kept = [r for r in records if keep(r)]
+    if len(kept) != len(path.read_text(encoding="utf-8").splitlines()):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(path)

@@ -213,6 +213,7 @@ def _allowed(name: str, value: str) -> bool:
 
 # Set in every child's environment: code that runs in it is already in the sandbox, so a flow file
 # runs there as Python (`loader.load_file`), not traced in a jail of its own (jails do not nest).
+TRUST_ENV = "SPARSETUNE_TRUST_FLOW_CODE"  # 1: the user trusts flow files (--trust-flow-code): they run as Python
 INSIDE_ENV = "SPARSETUNE_SANDBOXED"
 
 

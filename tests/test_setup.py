@@ -94,3 +94,34 @@ def test_the_tuned_defaults_and_a_runs_flow_are_resolved_in_one_module():
     assert _calls("read_tuned_defaults") == {"sparsetune/setup.py"}  # the lookup
     assert _calls("tuned_defaults") == {"sparsetune/setup.py"}
     assert _calls("build_flow") == {"sparsetune/setup.py"}  # a flow built from a name and --param values
+
+
+def test_what_llm_inherited_answers_with_a_deprecation_naming_its_place(smollm):
+    with pytest.warns(DeprecationWarning, match="use llm.engine.scheduler"):
+        assert smollm.scheduler is smollm.engine.scheduler
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+        smollm.no_such_thing  # noqa: B018
+    with pytest.warns(DeprecationWarning, match="LLM.apply"):
+        smollm.set_flow("quest", {"budget": "64"})
+    assert smollm.flow.name == "quest" and smollm.setup.flow.params["budget"] == 64
+    smollm.apply(smollm.setup.with_flow(None))
+    assert smollm.flow is None and smollm.setup.flow is None
+    other = resolve(EngineConfig(model=MODEL, dtype="float16"), flow="quest")
+    with pytest.raises(SparsetuneError, match="the setup is for dtype 'float16'.*needs a new LLM"):
+        smollm.apply(other)
+
+
+def test_an_eval_rerun_from_a_bundle_runs_the_trials_params(tmp_path, smollm):
+    """The point a search measured, exported, and evaluated again from the bundle's setup: the same
+    params in results.json (one engine for both: `llm=`)."""
+    from sparsetune.api import eval as run_eval, export
+    from sparsetune.evaluation.config import EvalConfig
+
+    small = dict(tasks=("vt",), context=256, samples=1, max_new_tokens=4, batch=1, fidelity=False, mode="accuracy")
+    trial = run_eval("quest", params=POINT, model=MODEL, device="cpu", defaults="published", out=tmp_path / "t",
+                     llm=smollm, **small)
+    manifest = export(out=tmp_path / "b", flow="quest", params=POINT, model=MODEL, defaults="published")
+    bundle = Setup.from_dict(manifest["setup"])
+    again = run_eval(config=EvalConfig(setup=bundle, **small), out=tmp_path / "again", llm=smollm)
+    assert again["params"] == trial["params"] and again["flow"] == "quest"
+    assert again["params"]["block_size"] == 8 and again["params"]["budget"] == 64

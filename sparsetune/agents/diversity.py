@@ -33,12 +33,13 @@ def _shape(node: ast.AST) -> str:
 
 def features(source: str) -> dict[str, set[str]]:
     """The three sets of a flow file (empty ones for a file that does not parse)."""
+    from sparsetune.flow.source_check import FlowSource
+
     out: dict[str, set[str]] = {"cache": set(), "ops": set(), "calls": set()}
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    parsed = FlowSource.of_text(source)  # the one reader of flow files
+    if parsed is None:
         return out
-    for node in ast.walk(tree):
+    for node in ast.walk(parsed.tree):
         op = _op(node)
         if op is not None:
             out["ops"].add(op)

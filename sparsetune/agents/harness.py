@@ -20,10 +20,8 @@ one it can write: its check.json). Every reason and detail is scrubbed of creden
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -106,20 +104,12 @@ class Candidate:
 
 
 def declared_name(source: str) -> str | None:
-    """The `name` a flow file's class declares (read from the syntax tree), if it is a plain
-    lowercase identifier; None otherwise (the static stage says what is wrong with the file)."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            for st in node.body:
-                if (isinstance(st, ast.Assign) and [getattr(t, "id", None) for t in st.targets] == ["name"]
-                        and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str)
-                        and re.fullmatch(r"[a-z][a-z0-9_]{0,63}", st.value.value)):
-                    return st.value.value
-    return None
+    """The `name` a flow file's class declares (`FlowSource.declared_name`, from the syntax tree), if it
+    is a plain lowercase identifier; None otherwise (the static stage says what is wrong with the file)."""
+    from sparsetune.flow.source_check import FlowSource
+
+    parsed = FlowSource.of_text(source)
+    return parsed.declared_name() if parsed is not None else None
 
 
 def load_candidates(root: Path) -> list[Candidate]:

@@ -77,29 +77,24 @@ def serve(
     """Latency under load: TTFT, TPOT, ITL and end-to-end latency at p50/p95/p99, throughput and
     goodput, for dense and each flow at each request rate; the P95 TPOT reduction of each flow at
     the highest rate dense keeps up with; a plot of P95 TPOT and TTFT against the rate."""
-    from sparsetune.perf.serve import ServeConfig, check_serve, load_resume
+    from sparsetune import api
 
-    if resume is not None:
-        cfg, _ = load_resume(resume)
-    else:
-        engine = opt.engine_options(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
-                                    no_cuda_graph=no_cuda_graph, seed=seed, max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=max_batched_tokens, schedule=schedule)
-        cfg = ServeConfig.of(**engine, executor=flow_executor, defaults=defaults, flows=tuple(f.strip() for f in flow.split(",") if f.strip()),
-                          params=tuple(param or ()), rates=_floats(rate, "--rate"), requests=requests,
-                          input_len=input_len, output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup,
-                          seed=seed).with_dense()
+    options = {} if resume is not None else dict(  # a resumed run's config wins
+        opt.engine_options(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
+                           no_cuda_graph=no_cuda_graph, seed=seed, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_batched_tokens, schedule=schedule),
+        executor=flow_executor, defaults=defaults, flows=tuple(f.strip() for f in flow.split(",") if f.strip()),
+        params=tuple(param or ()), rates=_floats(rate, "--rate"), requests=requests, input_len=input_len,
+        output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup, seed=seed)
     opt.check_writable(resume or out, "--resume" if resume is not None else "--out")  # where the run is written
-    check_serve(cfg)  # before torch loads
+    config = api.serve_config(resume=resume, **options)  # every check before the model loads
     apply_threads(threads)
-    from sparsetune.perf.serve import serve_benchmark
-
     live = _Live()
     with progress("bench serve", "requests") as update:
         live.update = update
-        update(0, 0, f"loading {cfg.engine.model}")
+        update(0, 0, f"loading {config.engine.model}")
         try:
-            result = serve_benchmark(None if resume is not None else cfg, out=out, resume=resume, on_event=live)
+            result = api.bench_serve(None if resume is not None else config, out=out, resume=resume, on_event=live)
         except KeyboardInterrupt:
             if live.run_dir:
                 err.print(f"[yellow]interrupted: the finished cells are on disk; continue with: "

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import typer
 
 from sparsetune.cli import options as opt
 from sparsetune.cli.options import apply_threads, progress
 from sparsetune.cli.output import emit_json, err
-
-if TYPE_CHECKING:
-    from sparsetune.evaluation.results import EvalResult
 
 
 def eval_command(
@@ -47,37 +44,32 @@ def eval_command(
     if list_tasks:
         _list_tasks(json_out)
         return
-    from sparsetune.api import describe_defaults
-    from sparsetune.evaluation.config import EvalConfig, check_config, load_resume_config
+    from sparsetune import api
 
-    options = opt.setup_options(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device,
-                               dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
-                               flow_executor=flow_executor, defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed)
-    if resume is not None:  # its config wins
-        cfg = load_resume_config(resume)
-    else:
-        cfg = EvalConfig.of(**options, tasks=task, context=context, samples=samples, batch=batch,
-                         max_new_tokens=max_new_tokens, mode=mode, fidelity=not no_fidelity, limit=limit)
-    check_config(cfg)  # before torch loads (evaluate checks it again, for Python callers)
+    options = {} if resume is not None else dict(  # a resumed run's config wins
+        opt.setup_options(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device, dtype=dtype,
+                          random_weights=random_weights, kv_memory=kv_memory, flow_executor=flow_executor,
+                          defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed),
+        tasks=task, context=context, samples=samples, batch=batch, max_new_tokens=max_new_tokens, mode=mode,
+        fidelity=not no_fidelity, limit=limit)
+    config = api.eval_config(resume=resume, **options)  # every check before the model loads
     opt.check_writable(resume or out, "--resume" if resume is not None else "--out")  # where the run is written
     apply_threads(threads)
-    from sparsetune.evaluation.runner import evaluate
-
     where: dict[str, Path] = {}
     with progress("eval", "samples") as update:
-        update(0, 0, f"loading {model} and building tasks")
+        update(0, 0, f"loading {model if resume is None else 'the run' + chr(39) + 's model'} and building tasks")
 
-        def on_start(run_dir: Path, res: EvalResult) -> None:
+        def on_start(run_dir: Path, res: dict[str, Any]) -> None:
             where["run_dir"] = run_dir
             err.print(f"[dim]run directory: {run_dir}[/]")
-            said = describe_defaults(res.flow, res.model, res.defaults)
+            said = api.describe_defaults(res["flow"], res["model"], res.get("defaults"))
             if said:
                 err.print(f"[dim]{said}[/]")
-            if res.note:
-                err.print(f"[yellow]note: {res.note}[/]")
+            if res.get("note"):
+                err.print(f"[yellow]note: {res['note']}[/]")
 
         try:
-            results = evaluate(cfg, out=out, resume=resume, on_progress=update, on_start=on_start).dump()
+            results = api.eval(config=config, out=out, resume=resume, on_progress=update, on_start=on_start)
         except KeyboardInterrupt:
             if "run_dir" in where:
                 err.print(f"[yellow]interrupted: the partial run is on disk (results.json: complete=false); "
@@ -156,11 +148,12 @@ def _summary(res: dict[str, Any], out) -> None:
 def _list_tasks(json_out: bool) -> None:
     from rich.table import Table
 
-    from sparsetune.evaluation.tasks import DEFAULT_SUITE, list_tasks
+    from sparsetune.api import list_tasks
 
-    rows = list_tasks()
+    listed = list_tasks()
+    rows, suite = listed["tasks"], listed["default_suite"]
     if json_out:
-        emit_json({"tasks": rows, "default_suite": list(DEFAULT_SUITE)})
+        emit_json(listed)
         return
     from rich.console import Console
 
@@ -174,5 +167,5 @@ def _list_tasks(json_out: bool) -> None:
     out.print(
         "Custom tasks: a .jsonl file, one object per line with `prompt` (or chat `messages`), `answers` (list), "
         "optional `metric` (all | any), `segments`, `max_new_tokens`, `id`.\n"
-        f"Default suite: {', '.join(DEFAULT_SUITE)}"
+        f"Default suite: {', '.join(suite)}"
     )

@@ -7,10 +7,10 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
+from sparsetune import api
 from sparsetune.cli import options as opt
 from sparsetune.cli.output import emit_json, err
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.params import parse_param_args
 
 
 def export(
@@ -33,7 +33,6 @@ def export(
     """Export a tuned flow as a bundle that runs inside SGLang (sglang.json, launch_sglang.sh)."""
     from sparsetune.api import check_export
     from sparsetune.api import export as export_bundle
-    from sparsetune.export.bundle import supported_range
 
     if check is not None:
         if any(x is not None for x in (run_dir, out, trial, pick, flow)) or param:
@@ -54,7 +53,7 @@ def export(
         raise SparsetuneError(f"{check} does not check: " + "; ".join(causes))
     if out is None:
         raise SparsetuneError("--out DIR: where to write the bundle")
-    m = export_bundle(run_dir, out=out, flow=flow, params=parse_param_args(param), trial=trial, pick=pick, model=model,
+    m = export_bundle(run_dir, out=out, flow=flow, params=api.parse_params(param), trial=trial, pick=pick, model=model,
                       force=force, defaults=defaults)
     if json_out:
         emit_json(m)
@@ -70,5 +69,5 @@ def export(
         acc = measured["accuracy"]
         figures = f": {acc['confirmed']:.0%} of dense on fresh prompts, {measured['speedup']:.2f}x decode ({measured.get('speed_kind')})"
     err.print(f"bundle {out}: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())}){figures}")
-    lo, hi = supported_range()
+    lo, hi = api.sglang_range()
     err.print(f"serve it: {out}/launch_sglang.sh MODEL_PATH   (needs SGLang {lo} to {hi} with sparsetune installed beside it)")

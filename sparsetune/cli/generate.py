@@ -49,7 +49,7 @@ def generate(
     dtype: str = opt.dtype_option(),
     random_weights: bool = opt.random_weights_option(),
     kv_memory: str = opt.kv_memory_option("KV pool size, e.g. 4GiB (default: 90% of free GPU memory, 2GiB on CPU)."),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    block_size: int = typer.Option(None, "--block-size", help="Tokens per KV block (default: the flow's selection block, else 16)."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Cap the context length."),
     no_cuda_graph: bool = opt.no_cuda_graph_option(),
     prefix_caching: bool = typer.Option(False, "--prefix-caching", help="Share computed blocks of common prompt prefixes."),

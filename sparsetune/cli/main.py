@@ -73,10 +73,10 @@ def one_line(text: str) -> str:
 
 
 def _lift_trust(argv: list[str]) -> list[str]:
-    """`--trust-flow-code` anywhere on the line: the opt-in of `registry` (its variable, so worker and
+    """`--trust-flow-code` anywhere on the line: the opt-in of `loader` (its variable, so worker and
     evaluator processes this one starts inherit it), taken out of the command's own arguments."""
     if TRUST_FLAG in argv:
-        from sparsetune.loader import TRUST_ENV
+        from sparsetune.api import TRUST_ENV
 
         os.environ[TRUST_ENV] = "1"
     return [a for a in argv if a != TRUST_FLAG]

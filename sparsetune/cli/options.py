@@ -18,7 +18,7 @@ import typer
 
 from sparsetune.cli.output import err, parse_size
 from sparsetune.errors import SparsetuneError
-from sparsetune.records import DEFAULT_RUNS_DIR
+from sparsetune.api import DEFAULT_RUNS_DIR
 
 THREADS_HELP = ("CPU threads for torch (default: OMP_NUM_THREADS, else torch's choice: every core). On a busy "
                 "machine fewer threads can be much faster.")

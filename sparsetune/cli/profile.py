@@ -33,25 +33,18 @@ def profile(
 ) -> None:
     """Break one decode step into attention, flow stages, GEMMs, norms, sampling, ... (GPU kernel
     time; CPU time on CPU, attributed by stage)."""
-    from sparsetune.api import resolve_options
+    from sparsetune import api
 
-    setup = resolve_options(**opt.setup_options(model, flow=flow, param=param, device=device, dtype=dtype,
-                                                random_weights=random_weights, kv_memory=kv_memory,
-                                                flow_executor=flow_executor, defaults=defaults, seed=seed))
+    options = opt.setup_options(model, flow=flow, param=param, device=device, dtype=dtype, random_weights=random_weights,
+                                kv_memory=kv_memory, flow_executor=flow_executor, defaults=defaults, seed=seed)
     opt.check_writable(out, "--out")
     if trace is not None:
         opt.check_writable(trace, "--trace", folder=False)
+    setup = api.resolve_options(**options)  # every check before the model loads
     apply_threads(threads)
-    from sparsetune import records
-    from sparsetune.perf.step_profile import plot, profile as run
-
     with err.status(f"profiling {flow} on {model}: batch {batch}, context {context} ..."):
-        result = run(setup, batch=batch, context=context, steps=steps, trace_path=trace)
-    run_dir = records.new_run_dir(out, "profile", flow, model)
-    result["run_dir"] = str(run_dir)
-    records.write_json(run_dir / "results.json", result)
-    records.write_json(run_dir / "env.json", records.env_info(result["device"]))
-    plot(result, run_dir / "profile.png")
+        result = api.profile(setup=setup, batch=batch, context=context, steps=steps, out=out, trace=trace)
+    run_dir = result["run_dir"]
     if json_out:
         emit_json(result)
         err.print(table(result))
@@ -66,9 +59,9 @@ def table(result: dict):
     """The rich table: category, ms, % of the summed time, the largest ops/kernels in it."""
     from rich.table import Table
 
-    from sparsetune.perf.step_profile import LABELS
+    from sparsetune.api import profile_labels
 
-    r = result
+    r, labels = result, profile_labels()
     params = ", ".join(f"{k}={v}" for k, v in r["flow_params"].items())
     t = Table(
         title=f"{r['model']} / {r['flow']}: one decode step, batch {r['batch']}, context {r['context']}, "
@@ -81,7 +74,7 @@ def table(result: dict):
     t.add_column("% of step", justify="right")
     t.add_column("largest ops / kernels")
     for cat, v in r["categories"].items():
-        label = LABELS.get(cat, cat)
+        label = labels.get(cat, cat)
         if len(v.get("parts", {})) > 1:
             label += " (" + ", ".join(f"{p} {ms:.3g}" for p, ms in v["parts"].items()) + ")"
         top = ", ".join(_short(name) for name in list(v["top"])[:2])

@@ -14,7 +14,6 @@ from sparsetune.cli import options as opt
 from sparsetune.cli.options import apply_threads
 from sparsetune.cli.output import emit_json, err, out, print_table
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.params import parse_param_args
 
 app = typer.Typer(help="Search flows and their params for the accuracy/speed frontier (Optuna, multi-objective).",
                   invoke_without_command=True, no_args_is_help=False, rich_markup_mode=None)
@@ -177,7 +176,7 @@ def search(
     from sparsetune import api
 
     options = dict(model=model, tasks=task, context=context, batch=batch,
-                   **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=parse_param_args(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
+                   **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=api.parse_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
                    study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
                    speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,
                    agent=agent, agent_budget_usd=agent_budget_usd, agent_model=agent_model, agent_endpoint=agent_endpoint,
@@ -236,7 +235,7 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
     last, the command to run next."""
     from rich.table import Table
 
-    from sparsetune.tuning.report import against_defaults_lines
+    from sparsetune.api import against_defaults_lines
 
     if json_out:
         emit_json({k: v for k, v in s.items() if k != "records"})

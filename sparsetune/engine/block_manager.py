@@ -69,9 +69,13 @@ class BlockManager:
             self.reclaim(missing)
         return need <= len(self.free)
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: the pool's admission rule (`perf.admission` checks runs by it)."""
+        return -(-num_tokens // self.block_size)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks `seq` needs to hold `num_tokens` tokens in total."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can grow to `num_tokens`; may reclaim (evict idle segments) to make it so."""

@@ -8,13 +8,13 @@ engine or creates a run directory, so a refused run leaves nothing on disk.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from sparsetune.errors import SparsetuneError
+from sparsetune.records import read_run_config
 from sparsetune.setup import FLOW_OPTIONS, ENGINE_FIELDS, Setup, resolve, resolve_options, setup_field
 
 MODES = ("auto", "accuracy", "speed", "all")
@@ -110,17 +110,7 @@ def load_resume_config(run_dir: Path) -> EvalConfig:
     from pydantic import ValidationError
 
     what = "pass a run directory made by sparsetune eval"
-    if not run_dir.is_dir():
-        raise SparsetuneError(f"--resume {run_dir}: no such directory; {what}")
-    cfg_file = run_dir / "config.json"
-    if not cfg_file.is_file():
-        raise SparsetuneError(f"--resume {run_dir}: no config.json there; {what}")
-    try:
-        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SparsetuneError(f"--resume {run_dir}: cannot read config.json ({e.strerror}); {what}") from None
-    except ValueError as e:  # not UTF-8, not JSON
-        raise SparsetuneError(f"--resume {run_dir}: config.json is not JSON ({e}); {what}") from None
+    raw = read_run_config(run_dir, "sparsetune eval")
     block = raw.get("eval") if isinstance(raw, dict) else None
     if not isinstance(block, dict):
         raise SparsetuneError(f"--resume {run_dir}: config.json is not an eval run's config (it has no \"eval\" "

@@ -101,7 +101,7 @@ class EvalResult(_Part):
     device: str
     dtype: str
     note: str | None
-    defaults: dict[str, Any] | None = None  # the model's tuned flow defaults the run took (`flow.defaults`)
+    defaults: dict[str, Any] | None = None  # the model's tuned flow defaults the run took (`setup.tuned_defaults`)
     reuse: ReuseResult | None = None
     accuracy: float | None
     dense_accuracy: float | None

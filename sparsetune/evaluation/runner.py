@@ -32,9 +32,9 @@ from sparsetune.evaluation.results import SCHEMA, EvalResult
 from sparsetune.evaluation.samples import Sample, prompt_ids, prompt_layout
 from sparsetune.evaluation.scoring import score_turns
 from sparsetune.perf.cost import attended_tokens, forced_only
-from sparsetune.perf.fit import EVAL, SAMPLE, check_fits
+from sparsetune.perf.admission import EVAL, SAMPLE, check_fits
 from sparsetune.perf.speed import measure_speed
-from sparsetune.records import env_info, new_run_dir, write_json
+from sparsetune.records import env_info, new_run_dir, read_lines, write_json
 from sparsetune.setup import Setup
 
 # on_progress(done, total, what): called as work completes; may raise KeyboardInterrupt to stop.
@@ -123,7 +123,7 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
             else:
                 params.append(SamplingParams(max_tokens=cfg.max_new_tokens or s.max_new_tokens, keep_logits=keep_logits))
         for ids, p in zip(prompts, params):
-            check_fits(llm, 1, len(ids), p.max_tokens)
+            check_fits(llm.engine, 1, len(ids), p.max_tokens)
         for layout in layouts:  # stage 1: cache-building requests store each segment on its own
             if layout is not None:
                 llm.cache_segments(layout)
@@ -303,16 +303,8 @@ def summarize_reuse(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "samples.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut off by a hard kill: that sample is redone
-            break
-    return records
+    """The finished samples of a run (`records.read_lines`: a cut-off last line is redone)."""
+    return read_lines(run_dir / "samples.jsonl")
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -324,7 +316,7 @@ def _check_samples_fit(llm: LLM, samples: list[Sample], cfg: EvalConfig) -> None
         ids = prompt_layout(llm.tokenizer, s).token_ids if s.segments else prompt_ids(llm.tokenizer, s, 0, [])
         from_file = "line" in s.meta  # a task file's sample: its prompt, not --context, is the fix
         try:
-            check_fits(llm, 1, len(ids), cfg.max_new_tokens or s.max_new_tokens, SAMPLE if from_file else EVAL)
+            check_fits(llm.engine, 1, len(ids), cfg.max_new_tokens or s.max_new_tokens, SAMPLE if from_file else EVAL)
         except SparsetuneError as e:
             where = f"{s.task} sample {s.index}" + (f" (line {s.meta['line']})" if from_file else "")
             raise SparsetuneError(f"{where}: {e}") from None
@@ -397,7 +389,7 @@ def evaluate(
             reference.bind((llm.resolved.name, llm.resolved.random_weights, str(llm.dtype), tuple(task_names),
                             cfg.context, cfg.samples, e.seed, cfg.limit, cfg.max_new_tokens, cfg.fidelity))
     if speed_on:
-        check_fits(llm, cfg.batch, cfg.context, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS)
+        check_fits(llm.engine, cfg.batch, cfg.context, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS)
 
     flow_name = llm.flow_name
     flow_params = llm.flow.params() if llm.flow is not None else {}

@@ -1,7 +1,7 @@
 """A decode flow as data: its stages traced into op graphs, and the flow rebuilt from them.
 
 An untrusted flow file (not a shipped built-in, not opted in with `--trust-flow-code`) never runs
-in the host process. A sandboxed child (`registry`) imports it, and `describe` turns it into JSON:
+in the host process. A sandboxed child (`loader`) imports it, and `describe` turns it into JSON:
 
 - the class: `name` (an identifier), the published rule, the traits the runtime reads
   (`uses_keys`, `calibrated`, `full_attention`), `inapplicable`, and every `Param` declaration as

@@ -145,6 +145,22 @@ class FlowSource:
         except (OSError, ValueError) as e:
             return None, [Problem(1, f"cannot read the flow file ({e}); pass a Python source file")]
 
+    @classmethod
+    def of_text(cls, source: str | bytes) -> FlowSource | None:
+        """A flow's source text parsed (None: it does not parse; `check_file` says why)."""
+        return cls.parse(Path("flow.py"), source)[0]
+
+    def declared_name(self) -> str | None:
+        """The `name` the file's class declares, if it is a plain lowercase identifier (None otherwise)."""
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.ClassDef):
+                for st in node.body:
+                    if (isinstance(st, ast.Assign) and [getattr(t, "id", None) for t in st.targets] == ["name"]
+                            and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str)
+                            and re.fullmatch(r"[a-z][a-z0-9_]{0,63}", st.value.value)):
+                        return st.value.value
+        return None
+
     # ---- what the imports bind ------------------------------------------------------------------
 
     def _resolves_to(self, name: str, module: str | tuple[str, ...], symbol: str | None) -> bool:

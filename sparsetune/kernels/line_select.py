@@ -10,7 +10,7 @@ line per key j and a slash line per distance d (the entries pos[r] - j = d).
   better rank of its two lines), `[H, 2T + 1]` float64 (bin k + 1: covered once k lines are taken).
   One program per (head, row, run of keys) adds its entries into the bins (float64 atomics); the
   torch twin builds the `[H, n, T]` rank map and a float64 copy of the map, in rounds of heads.
-`reuse.flow.slash_masses` / `reuse.flow.cover_histogram` run them on CUDA for `flows/loopserve` (issue #18: the selection's torch ops cost about
+`reuse.base.slash_masses` / `reuse.base.cover_histogram` run them on CUDA for `flows/loopserve` (issue #18: the selection's torch ops cost about
 a third of LoopServe's prefill at 32K).
 """
 

@@ -424,12 +424,10 @@ def _cell_key(flow: str, rate: float) -> str:
 def load_resume(run_dir: Path) -> tuple[ServeConfig, dict[str, Any]]:
     """An interrupted benchmark's config and its results so far."""
     what = "pass a run directory made by sparsetune bench serve"
-    if not (run_dir / "config.json").is_file():
-        raise SparsetuneError(f"--resume {run_dir}: no config.json there; {what}")
+    raw = records.read_run_config(run_dir, "sparsetune bench serve")
     try:
-        raw = json.loads((run_dir / "config.json").read_text())
-        if raw.get("schema") != CONFIG_SCHEMA:
-            raise ValueError(f"schema {raw.get('schema')!r}, not {CONFIG_SCHEMA}")
+        if not isinstance(raw, dict) or raw.get("schema") != CONFIG_SCHEMA:
+            raise ValueError(f"schema {raw.get('schema') if isinstance(raw, dict) else None!r}, not {CONFIG_SCHEMA}")
         cfg = ServeConfig.model_validate(raw["serve"])
         results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").is_file() else {}
     except (OSError, ValueError, TypeError, KeyError) as e:
@@ -457,7 +455,7 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     inp, outl = cfg.lengths()
     if llm is None:
         llm = LLM(cfg.setup("dense"))
-    from sparsetune.perf.fit import SERVE, check_fits
+    from sparsetune.perf.admission import SERVE, check_fits
 
     if resume is None:
         run_dir = records.new_run_dir(out, "serve", cfg.engine.model)
@@ -465,7 +463,8 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
         records.write_json(run_dir / "env.json", records.env_info(llm.device))
     cells: list[dict[str, Any]] = list(results.get("cells", []))
     done = {_cell_key(c["flow"], c["rate"]) for c in cells}
-    _keep_request_lines(run_dir / "requests.jsonl", done)
+    # request lines of cells that did not finish go (a crash between a cell's two writes leaves them)
+    records.keep_lines(run_dir / "requests.jsonl", lambda rec: _cell_key(rec["flow"], rec["rate"]) in done)
     reqs = draw_requests(cfg.requests, inp, outl, cfg.seed)
     warm = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS)) for r in draw_requests(cfg.warmup, inp, outl, cfg.seed + 1)]
     ids = prompt_ids(reqs, llm.model_config.vocab_size, cfg.seed)
@@ -487,7 +486,7 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     for index, (flow, rate) in enumerate(todo):
         if flow != current:
             llm.apply(cfg.setup(flow))
-            check_fits(llm, 1, inp.max, outl.max, SERVE)
+            check_fits(llm.engine, 1, inp.max, outl.max, SERVE)
             current = flow
             if warm:
                 emit("warmup", {"flow": flow})
@@ -512,19 +511,6 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
 def _rounded(rec: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v, 6) if isinstance(v, float) else [round(x, 6) for x in v] if isinstance(v, list) else v)
             for k, v in rec.items()}
-
-
-def _keep_request_lines(path: Path, done: set[str]) -> None:
-    """Drop request lines of cells that did not finish (an interrupted cell wrote none, but a crash
-    between the two writes could leave its lines without its figures)."""
-    if not path.is_file():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    keep = [ln for ln, rec in zip(lines, map(json.loads, lines)) if _cell_key(rec["flow"], rec["rate"]) in done]
-    if len(keep) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        tmp.replace(path)
 
 
 def plot(result: dict[str, Any], path: Path | str) -> Path:

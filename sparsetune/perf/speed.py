@@ -19,7 +19,7 @@ import torch
 from sparsetune.llm import LLM
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.errors import SparsetuneError
-from sparsetune.perf.fit import check_fits
+from sparsetune.perf.admission import check_fits
 from sparsetune.perf.timing import percentile, time_call
 
 
@@ -60,7 +60,7 @@ def measure_speed(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int
     """TTFT, decode tokens/s, TPOT p50/p95 and peak memory for `batch` × `context` prompts."""
     if batch < 1 or context < 1 or gen_tokens < 2:
         raise SparsetuneError("speed needs --batch >= 1, --context >= 1 and --max-new-tokens >= 2")
-    check_fits(llm, batch, context, gen_tokens)
+    check_fits(llm.engine, batch, context, gen_tokens)
     preempted = llm.engine.scheduler.num_preemptions
     _run(llm, batch, min(context, 256), 4, seed + 1)  # warm-up: compilation, graph capture, allocator
     cuda = llm.device.type == "cuda"
@@ -89,7 +89,7 @@ def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int = 16, war
 
     if llm.engine.scheduler.has_work():
         raise RuntimeError("decode_step_seconds needs an idle engine")
-    check_fits(llm, batch, context, warmup + steps + 1)
+    check_fits(llm.engine, batch, context, warmup + steps + 1)
     g = torch.Generator().manual_seed(seed)
     vocab = llm.model_config.vocab_size
     params = SamplingParams(max_tokens=warmup + steps + 2, ignore_eos=True)

@@ -39,7 +39,7 @@ from torch.autograd import DeviceType
 from sparsetune.engine.ranges import PREFIX, stage_ranges
 from sparsetune.setup import Setup
 from sparsetune.errors import SparsetuneError
-from sparsetune.perf.fit import PROFILE, check_fits, check_positions
+from sparsetune.perf.admission import PROFILE, check_fits, check_positions
 from sparsetune.perf.timing import sync, time_call, time_calls
 
 # Display order; keys of `result["categories"]`.
@@ -292,7 +292,7 @@ def profile_decode(
         raise SparsetuneError(f"--batch {batch} exceeds the engine's max_num_seqs ({llm.config.max_num_seqs}); "
                               "build the engine with max_num_seqs >= batch")
     new = decode_tokens_needed(steps, warmup)
-    check_fits(llm, batch, context, new, PROFILE)
+    check_fits(llm.engine, batch, context, new, PROFILE)
 
     vocab = llm.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)

@@ -9,8 +9,12 @@ search's progress over time.
 from __future__ import annotations
 
 import math
+import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
+
+from sparsetune.errors import SparsetuneError
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,41 @@ def confirmed_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def confirmed_frontier(records: list[dict[str, Any]]) -> list[Point]:
     """The frontier of the confirmed points that held, by their confirmed figures."""
     return pareto(point_of(r, confirmed=True) for r in confirmed_records(records) if r["confirm"]["holds"])
+
+
+# ---- choosing a point of a search --------------------------------------------------------------
+
+_PICK = re.compile(r"^\s*(max|min)\s+(speedup|accuracy|share)\s*(?:where\s+(.+?))?\s*$")
+_COND = re.compile(r"^\s*(speedup|accuracy|share)\s*(>=|<=|>|<)\s*([0-9.]+)\s*$")
+_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
+PICK_HELP = ('write "max|min speedup|accuracy|share [where accuracy|speedup|share >=|<=|>|< NUMBER [and ...]]", '
+             'e.g. "max speedup where accuracy >= 0.95"')
+
+
+def _value(row: dict[str, Any], what: str) -> float:
+    """A confirmed point's figure: accuracy is the confirmed one (fresh prompts), relative to dense."""
+    return {"speedup": row["speedup"], "accuracy": row["confirmed_accuracy"], "share": row.get("share")}[what]
+
+
+def pick_point(rows: list[dict[str, Any]], rule: str) -> dict[str, Any]:
+    """The confirmed point a `--pick` rule chooses, e.g. "max speedup where accuracy >= 0.95"."""
+    m = _PICK.match(rule)
+    if not m:
+        raise SparsetuneError(f"--pick {rule!r}: {PICK_HELP}")
+    how, what, where = m.groups()
+    conds = []
+    for part in re.split(r"\s+and\s+", where) if where else []:
+        c = _COND.match(part)
+        if not c:
+            raise SparsetuneError(f"--pick {rule!r}: cannot read {part.strip()!r}; {PICK_HELP}")
+        conds.append((c.group(1), _OPS[c.group(2)], float(c.group(3))))
+    ok = [r for r in rows if all(_value(r, k) is not None and op(_value(r, k), x) for k, op, x in conds)]
+    if not ok:
+        raise SparsetuneError(f"--pick {rule!r}: no confirmed point meets it (confirmed: "
+                              f"{', '.join(r['trial'] for r in rows) or 'none'}); loosen it or pass --trial")
+    return (max if how == "max" else min)(ok, key=lambda r: _value(r, what))
+
+
+def default_pick(bar: float | None) -> str:
+    """The rule `--pick` takes by default: the fastest confirmed point at the search's bar."""
+    return "max speedup" + (f" where accuracy >= {bar}" if bar is not None else "")

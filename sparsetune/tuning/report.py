@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.export.bundle import default_pick, pick_point
 from sparsetune.records import write_json
 from sparsetune.tuning.config import SearchConfig, flow_key, resume_command
-from sparsetune.tuning.frontier import (Point, confirmed_frontier, confirmed_records, eligible, hypervolume, point_of,
-                                       search_frontier, trial_name)
+from sparsetune.tuning.frontier import (Point, confirmed_frontier, confirmed_records, default_pick, eligible, hypervolume,
+                                       pick_point, point_of, search_frontier, trial_name)
 
 SCHEMA = "sparsetune.search/1"
 SPEED_NOTES = {
@@ -42,7 +41,8 @@ def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str,
     prefill's token-layers its evaluation computed."""
     from sparsetune.models.resolve import model_config
     from sparsetune.perf.cost import kv_share
-    from sparsetune.loader import build_flow
+    from sparsetune.engine.config import EngineConfig
+    from sparsetune.setup import resolve
 
     if cfg.kind == "reuse":
         return {trial_name(r): ((r.get("accuracy") or {}).get("reuse") or {}).get("compute_fraction") for r in records}
@@ -58,7 +58,9 @@ def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str,
             seen[key] = None
         elif key not in seen:
             try:
-                seen[key] = round(kv_share(mcfg, build_flow(cfg.flow_arg(r["flow"]), dict(key[1])), cfg.context), 4)
+                point = resolve(EngineConfig(model=cfg.model), flow=cfg.flow_arg(r["flow"]), params=dict(key[1]),
+                                defaults="published").flow
+                seen[key] = round(kv_share(mcfg, point.build(), cfg.context), 4)
             except Exception:  # a flow file gone since the trial ran: no figure, not a broken report
                 seen[key] = None
         out[trial_name(r)] = seen[key]

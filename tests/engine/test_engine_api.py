@@ -151,7 +151,7 @@ def test_overlapped_steps_keep_tokens_and_finish_reasons(smollm, overlapped):
     assert [o.finish_reason for o in ref] == ["length", "stop", "stop"]
     on, ahead = overlapped
     on()
-    engine = smollm
+    engine = smollm.engine
     got = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in ref]
@@ -167,7 +167,7 @@ def test_overlapped_steps_with_an_abort_and_a_late_request(smollm, overlapped):
     ref = _reference(smollm, PROMPTS, params)
     on, ahead = overlapped
     on()
-    engine = smollm
+    engine = smollm.engine
     ids = [engine.encode_prompt(p) for p in PROMPTS]
     seqs = [engine.add_request(i[:], params) for i in ids[:2]]
     for _ in range(5):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.perf.fit import EVAL, PROFILE, check_fits, check_positions
+from sparsetune.engine.block_manager import BlockManager
+from sparsetune.perf.admission import EVAL, PROFILE, check_fits, check_positions
 from sparsetune.perf.timing import percentile, time_call, time_calls
 
 NAP = 0.02  # seconds each timed call sleeps
@@ -63,7 +64,7 @@ def engine(max_model_len: int = 1000, positions: int = 2048, blocks: int = 100, 
     return SimpleNamespace(max_model_len=max_model_len, resolved=SimpleNamespace(name="tiny"),
                            model_config=SimpleNamespace(max_position_embeddings=positions),
                            config=SimpleNamespace(block_size=block_size),
-                           block_manager=SimpleNamespace(num_blocks=blocks))
+                           block_manager=BlockManager(blocks, block_size))  # the engine's own block rule
 
 
 def refusal(*args) -> str:

@@ -65,7 +65,7 @@ class _SteppedEngine:
 
     def __init__(self, clock: _Clock, dt: float = 0.1) -> None:
         self.clock, self.dt, self.live = clock, dt, []
-        self.scheduler = self
+        self.scheduler = self.engine = self  # an LLM's `engine` and its scheduler, in one
 
     def has_work(self) -> bool:
         return bool(self.live)

@@ -157,6 +157,10 @@ class SparsetuneBackend(AttentionBackend):
         self.dense = ATTENTION_BACKENDS[dense](model_runner)
         self.dense_name = dense
         self.executor = executor or ("compiled" if cuda else "reference")
+        # The engine's rule for which layers a flow runs on (its layer params checked against the model's)
+        layers = getattr(getattr(model_runner, "model_config", None), "num_hidden_layers", None)
+        pool = self.token_to_kv_pool
+        self.sparse = frozenset(self.flow.sparse_layers(layers or getattr(pool, "end_layer", pool.layer_num - 1) + 1))
         self.pool = PagedPool(self.token_to_kv_pool, page)
         self.attn: FlowAttention | None = None  # built at the first layer (its scaling)
         self.meta: AttentionMetadata | None = None
@@ -186,7 +190,7 @@ class SparsetuneBackend(AttentionBackend):
     # ---- attention -------------------------------------------------------------------------------
 
     def is_sparse(self, layer) -> bool:
-        return layer.layer_id not in self.flow.dense_layers
+        return layer.layer_id in self.sparse
 
     def flow_attention(self, layer) -> FlowAttention:
         if self.attn is None:

@@ -3,7 +3,7 @@
 `batch` requests of `context` prompt tokens plus `new_tokens` generated ones fit when the model has
 the positions, the engine's context holds them (its KV pool may cap it below the model's) and the
 pool has the blocks. That is the engine's own rule: a request of P + M tokens runs to its end when
-P + M <= `max_model_len`, in ceil((P + M) / block_size) blocks. Checked before a run, so a case that
+P + M <= `max_model_len`, in `BlockManager.blocks_for(P + M)` blocks. Checked before a run, so a case that
 cannot run is refused with the fix instead of being preempted (and timed recomputing).
 """
 
@@ -90,6 +90,6 @@ def check_fits(engine, batch: int, context: int, new_tokens: int, words: FitWord
         capped = words.cap is not None and limit == engine.config.max_model_len  # the user's cap, not the pool
         raise SparsetuneError((words.cap if capped else words.context).format(
             limit=limit, context=context, new=new_tokens, need=need))
-    blocks, pool = batch * -(-need // engine.config.block_size), engine.block_manager.num_blocks
+    blocks, pool = batch * engine.block_manager.blocks_for(need), engine.block_manager.num_blocks
     if blocks > pool:
         raise SparsetuneError(words.blocks.format(batch=batch, context=context, need=need, blocks=blocks, pool=pool))
