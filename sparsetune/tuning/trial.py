@@ -20,19 +20,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.protocols import ChunkFn, Hopeless
 
 REUSE_SPEED_REPEATS = 5  # timed requests of full recompute and of the flow, alternately
-
-# A partial result after each chunk of samples: may raise `Hopeless` to stop the trial there.
-ChunkFn = Callable[[dict[str, Any]], None]
-
-
-class Hopeless(Exception):
-    """The cascade stopped a trial: its figures so far cannot reach the frontier's bar."""
 
 
 @dataclass

@@ -12,7 +12,8 @@ import pytest
 from sparsetune.evaluation.config import EvalConfig
 from sparsetune.evaluation.runner import evaluate
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import open_flows, run_search, trial_records
+from sparsetune.tuning.run import run_search
+from sparsetune.tuning.studies import open_flows, trial_records
 from sparsetune.tuning.trial import EngineEvaluator
 from helpers import run
 
