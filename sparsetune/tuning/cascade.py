@@ -4,9 +4,11 @@ Multi-objective studies cannot prune, so a trial stops itself: (1) speed first, 
 model or the GPU: a point not faster than dense (speedup <= 1) cannot be on the frontier and
 stops there (a reuse flow's modeled speed is what its evaluation computed, so it comes after (2)
 and (3)); (2) accuracy on the first chunk of samples: below `quick_floor` x the bar
-(min-accuracy, or dense) it stops (the evaluator's `on_chunk` raises `Hopeless`); (3) the rest of
-the samples. Stopped trials are told with the figures they have and a violated "cascade"
-constraint (`tell`), so the sampler learns from them and the frontier never holds them.
+(min-accuracy, or dense) it stops; (3) the rest of the samples. Stage (2) decides from the figures
+the evaluation hands over after each chunk, in process (the evaluator's `on_chunk`): below the
+floor it raises `Hopeless` and the evaluator returns the figures so far. Stopped trials are told
+with the figures they have and a violated "cascade" constraint (`tell`), so the sampler learns
+from them and the frontier never holds them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def run_trial(cfg: SearchConfig, evaluator: TrialEvaluator, flow: str, params: d
     bar = cfg.min_accuracy or 1.0
     floor = cfg.quick_floor * bar
 
-    def on_chunk(partial: dict[str, Any]) -> None:
+    def on_chunk(partial: dict[str, Any]) -> None:  # the figures so far, from the evaluation in process
         rel = partial.get("relative_accuracy")
         if rel is not None and rel < floor:
             raise Hopeless(f"relative accuracy {rel:.3f} on the first {partial.get('samples_done')} samples < {floor:.3f}")

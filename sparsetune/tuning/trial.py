@@ -207,8 +207,8 @@ class EngineEvaluator:
     def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
                  on_chunk: ChunkFn | None = None) -> Accuracy:
         """`evaluate` of the flow on the prompt set (`samples` per task, `seed`), relative to dense;
-        `on_chunk(partial results)` after each chunk (raising `Hopeless` stops it: the partial figures
-        come back, `complete` False)."""
+        `on_chunk(partial results)` after each chunk but the last, as the evaluation hands them over
+        (raising `Hopeless` stops it: the partial figures come back, `complete` False)."""
         from sparsetune.evaluation.config import EvalConfig
         from sparsetune.evaluation.reference import DenseReference
         from sparsetune.evaluation.results import EvalResult
@@ -222,32 +222,25 @@ class EngineEvaluator:
                              batch=cfg.batch, seed=seed, mode="accuracy", device=cfg.device, dtype=cfg.dtype,
                              defaults="published")
         reference = self.references.setdefault((samples, seed), DenseReference())
-        state: dict[str, Any] = {}
+        so_far: list[EvalResult] = []  # the partial results the evaluation handed over last
 
-        def started(run_dir: Path, _res: EvalResult) -> None:
-            state["run_dir"] = run_dir
-
-        def progress(done: float, total: int, what: str) -> None:
-            results = state["run_dir"] / "results.json"
-            if on_chunk is None or what != "samples" or not 0 < done < total or not results.is_file():
-                return
-            partial = EvalResult.read(results).dump()
-            if partial.get("samples_done", 0) > state.get("seen", 0):  # a chunk's records are written
-                state["seen"] = partial["samples_done"]
-                on_chunk(partial)
+        def chunk(partial: EvalResult) -> None:
+            so_far[:] = [partial]
+            if on_chunk is not None and (partial.samples_done or 0) < (partial.samples_total or 0):
+                on_chunk(partial.dump())
 
         llm = self.llm
         if not llm.has_pool:  # a relayout that left no pool: a new engine
             self._llm = None
             llm = self.llm
         try:
-            result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_start=started, on_progress=progress).dump()
-        except Hopeless:
-            result = EvalResult.read(state["run_dir"]).dump()
+            result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_chunk=chunk)
+        except Hopeless:  # the cascade stopped it after a chunk: the figures up to there
+            result = so_far[-1]
         except BaseException:
             _drain(llm)
             raise
-        return accuracy_of(result)
+        return accuracy_of(result.dump())
 
 
 def _drain(llm) -> None:

@@ -39,6 +39,30 @@ def test_trials_share_one_engine_and_match_sparsetune_eval(tmp_path):
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_the_cascade_stops_a_trial_on_the_figures_the_evaluation_hands_over(tmp_path, monkeypatch):
+    """The evaluation hands each chunk's partial results to the evaluator in process; a `Hopeless`
+    after the first chunk returns those figures without reading results.json back (it is written,
+    for a resume, with the same figures)."""
+    from sparsetune.evaluation.results import EvalResult
+    from sparsetune.tuning.protocols import Hopeless
+
+    cfg = SearchConfig(study="c", out=str(tmp_path), flows=("quest",), device="cpu", **{**SMALL, "batch": 1})
+    seen = []
+
+    def hopeless(partial):
+        seen.append(partial)
+        raise Hopeless("below the floor")
+
+    with monkeypatch.context() as m:
+        m.setattr(EvalResult, "read", classmethod(lambda cls, path: pytest.fail(f"read back {path}")))
+        acc = EngineEvaluator(cfg).accuracy("quest", {}, samples=2, seed=0, out=tmp_path / "t", on_chunk=hopeless)
+    assert [p["samples_done"] for p in seen] == [1] and seen[0]["samples_total"] == 2  # a chunk of batch 1, not the last
+    assert not acc.complete and acc.samples == 1 and acc.relative == seen[0]["relative_accuracy"]
+    on_disk = EvalResult.read(acc.run_dir).dump()
+    assert (on_disk["samples_done"], on_disk["relative_accuracy"], on_disk["complete"]) == (1, acc.relative, False)
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_search_cli_prints_the_frontier_as_json_and_the_trials_as_it_goes(tmp_path):
     proc = run("search", "--flow", "block_topk", "--task", "niah_single", "--context", "256", "--samples", "1",
                "--confirm-samples", "1", "--batch", "4", "--trials", "2", "--study", "cli", "--out", str(tmp_path),
