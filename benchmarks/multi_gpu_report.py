@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sparsetune.tuning.report import summary
 from sparsetune.tuning.storage import open_storage, stored_config
-from sparsetune.tuning.study import open_flows, trial_records
+from sparsetune.tuning.studies import open_flows, trial_records
 
 
 def trials_per_hour(done: list[dict]) -> float | None:

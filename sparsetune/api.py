@@ -233,7 +233,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
         agent = Agent(cfg, proposer or make_proposer(cfg))
     if evaluator is None:  # the engine's tasks (a custom evaluator measures its own way)
         check_prompts(cfg)
-    from sparsetune.tuning.study import run_search
+    from sparsetune.tuning.run import run_search
 
     return run_search(cfg, evaluator, on_event, workers=workers, agent=agent)
 
@@ -241,7 +241,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
 def search_worker(study: str, storage: str, *, out: str | None = None, evaluator: Any = None,
                   on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Join a running search (its config is in `storage`) and run trials until its budget is spent."""
-    from sparsetune.tuning.study import run_worker
+    from sparsetune.tuning.run import run_worker
 
     return run_worker(study, storage, out, evaluator, on_event)
 
@@ -249,7 +249,7 @@ def search_worker(study: str, storage: str, *, out: str | None = None, evaluator
 def search_show(run_dir: str | Path | None = None, *, study: str | None = None, storage: str | None = None) -> dict[str, Any]:
     """A search's frontier and trials as its studies hold them now."""
     from sparsetune.agents.loop import show_candidates
-    from sparsetune.tuning.study import show
+    from sparsetune.tuning.run import show
 
     result = show(run_dir, study=study, storage=storage)
     cands = show_candidates(result["run_dir"], result["records"], result["confirmed_frontier"], result["min_accuracy"])

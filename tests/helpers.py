@@ -165,9 +165,10 @@ def plain_logits(llm, layout: ReuseLayout) -> torch.Tensor:
 
 
 class SyntheticEvaluator:
-    """A search evaluator without an engine, for the study loop's own tests: speed is the real cost
-    model (modeled); accuracy a fixed function of the params (small blocks and larger budgets keep
-    more), reported in two chunks so the cascade can stop a trial after the first. `fail`: params
+    """A search evaluator without an engine (a `tuning.protocols.TrialEvaluator`), for the study
+    loop's own tests: speed is the real cost model (modeled); accuracy a fixed function of the params
+    (small blocks and larger budgets keep more), reported in two chunks so the cascade can stop a
+    trial after the first. `fail`: params
     for which a trial raises (a crash); `sleep`: seconds per trial; `calls`: every point evaluated."""
 
     def __init__(self, cfg, fail=None, sleep: float = 0.0) -> None:
@@ -181,7 +182,10 @@ class SyntheticEvaluator:
         ratio = float(params.get("budget_ratio", 0.125))
         return round(max(0.0, min(1.02, 1.05 - 0.12 * math.log2(bs) * (0.125 / ratio) ** 0.5 + 0.01 * int(params.get("local_blocks", 2)))), 4)
 
-    def speedup(self, flow, params):
+    def speed_after_accuracy(self) -> bool:
+        return False
+
+    def speedup(self, flow, params, accuracy=None):
         from sparsetune.models.resolve import model_config
         from sparsetune.perf.cost import modeled_speedup
         from sparsetune.loader import build_flow
@@ -192,7 +196,8 @@ class SyntheticEvaluator:
     def accuracy(self, flow, params, *, samples, seed, out, on_chunk=None):
         import time as _time
 
-        from sparsetune.tuning.trial import Accuracy, Hopeless
+        from sparsetune.tuning.protocols import Hopeless
+        from sparsetune.tuning.trial import Accuracy
 
         self.calls.append((flow, dict(params), samples, seed))
         if self.fail is not None and self.fail(params):

@@ -1,6 +1,6 @@
 """`sparsetune search --agent NAME`: the search with a proposer writing new flows into it.
 
-`Agent` plugs into `search.study.run_search` (its `agent` hooks). Every trial and confirmation,
+`Agent` plugs into `tuning.run.run_search` (its `agent` hooks, `tuning.protocols.AgentHooks`). Every trial and confirmation,
 of built-in and proposed flows alike, runs in one sandboxed evaluator (`sandbox.SandboxEvaluator`),
 so the figures of every flow come from the same engine and no candidate code runs in this
 process: it runs isolated (`sparsetune.sandbox`: its own PID, user, mount and network namespaces,
@@ -16,7 +16,7 @@ through the harness:
    GATE_SEED_OFFSET + its number`), in the sandbox; it passes at `quick_floor` x the weakest
    search-set accuracy of the searched flows' defaults (relative to dense; before one is measured,
    `quick_floor` x the bar);
-4. **study**: its Optuna study joins the search (`search.study.add_flow`, seeded with its
+4. **study**: its Optuna study joins the search (`tuning.studies.add_flow`, seeded with its
    defaults alone), and it competes for trials and the frontier like any flow (the round-robin
    warm-up gives it `WARM_TRIALS` first).
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparsetune.agents.diversity import diversity
 from sparsetune.agents.harness import CHECK_LIMITS, Candidate, Stage, declared_name, load_candidates, validate
@@ -50,6 +50,11 @@ from sparsetune.tuning.config import SearchConfig, flow_key
 from sparsetune.tuning.frontier import eligible, search_frontier, trial_name
 from sparsetune.tuning.space import spec_class
 from sparsetune.tuning.storage import trial_count
+
+if TYPE_CHECKING:
+    from sparsetune.tuning.policy import Budget
+    from sparsetune.tuning.protocols import EventFn
+    from sparsetune.tuning.studies import Studies
 
 PROPOSE_EVERY = 8  # trials between two proposals
 REJECTS_IN_A_ROW = 3  # proposals one after another while each is rejected
@@ -102,7 +107,7 @@ def _through(cand: Candidate) -> bool:
 
 
 class Agent:
-    """The `agent` of `run_search` (module docstring)."""
+    """The `agent` of `run_search` (module docstring; its hooks: `tuning.protocols.AgentHooks`)."""
 
     def __init__(self, cfg: SearchConfig, proposer: Proposer, limits: Limits | None = None,
                  check_limits: Limits = CHECK_LIMITS, propose_every: int = PROPOSE_EVERY,
@@ -125,7 +130,7 @@ class Agent:
     def run_trial(self, cfg, evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
         return self.evaluator.run_trial(cfg, evaluator, flow, params, out)
 
-    def attach(self, flows, budget, emit) -> None:
+    def attach(self, flows: Studies, budget: Budget, emit: EventFn) -> None:
         """The search's studies are open: add the accepted candidates' (a resumed search)."""
         self.flows, self.budget, self.emit = flows, budget, emit
         for cand in self.candidates:
@@ -177,7 +182,7 @@ class Agent:
     def _due(self) -> bool:
         from optuna.trial import TrialState
 
-        from sparsetune.tuning.study import confirm_reserve
+        from sparsetune.tuning.confirm import confirm_reserve
 
         flows, budget, cfg = self.flows, self.budget, self.cfg
         if self.stopped is None and cfg.agent_budget_usd is not None and self.spent_usd() >= cfg.agent_budget_usd:
@@ -205,7 +210,7 @@ class Agent:
         return not self.candidates or trial_count(flows.studies) - self._last >= self.propose_every
 
     def context(self) -> Context:
-        from sparsetune.tuning.study import trial_records
+        from sparsetune.tuning.studies import trial_records
 
         records = trial_records(self.flows)
         by_name = {trial_name(r): r for r in records}
@@ -242,7 +247,7 @@ class Agent:
             self._join(cand)
 
     def gate_bar(self) -> float:
-        from sparsetune.tuning.study import trial_records
+        from sparsetune.tuning.studies import trial_records
 
         builtin = {flow_key(f) for f in self.cfg.flows}
         accs = [r["accuracy"]["relative_accuracy"] for r in trial_records(self.flows)
@@ -267,7 +272,7 @@ class Agent:
 
     def _join(self, cand: Candidate) -> None:
         """Harness step 4: its study joins the search."""
-        from sparsetune.tuning.study import add_flow
+        from sparsetune.tuning.studies import add_flow
 
         spec = next(s for s in cand.stages if s.name == "check").detail["spec"]
         add_flow(self.cfg, self.flows, str(cand.path(self.root)), spec_class(spec), create=True, foreign=True)
@@ -277,7 +282,7 @@ class Agent:
     def write(self, result: dict[str, Any] | None = None) -> dict[str, Any]:
         """candidates.json: each candidate's verdict and where it landed; the accepted ones' diversity."""
         from sparsetune.records import write_json
-        from sparsetune.tuning.study import trial_records
+        from sparsetune.tuning.studies import trial_records
 
         records = trial_records(self.flows) if self.flows is not None else []
         rows = (result or {}).get("confirmed_frontier") or []

@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparsetune.sandbox import (  # noqa: F401 - the names this module has always had
     IsolationRefused,
@@ -47,6 +47,10 @@ from sparsetune.sandbox import (  # noqa: F401 - the names this module has alway
     scrub,
     scrub_file,
 )
+
+if TYPE_CHECKING:
+    from sparsetune.tuning.protocols import ChunkFn
+    from sparsetune.tuning.trial import Accuracy
 
 
 def python_cmd(*args: str) -> list[str]:
@@ -110,11 +114,13 @@ class SandboxEvaluator:
     def _proc(self) -> subprocess.Popen | None:
         return self._box.proc if self._box is not None else None
 
-    # the search's evaluator interface (`search.trial.EngineEvaluator`), through the child
+    # the search's evaluator interface (`tuning.protocols.Evaluator`, and a trial as `tuning.cascade.run_trial`), through the child
     def run_trial(self, cfg, _evaluator, flow: str, params: dict[str, str], out: Path) -> dict[str, Any]:
         return self.request({"op": "trial", "flow": flow, "params": params, "out": str(out)})["record"]
 
-    def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path, on_chunk=None):
+    def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
+                 on_chunk: ChunkFn | None = None) -> Accuracy:
+        """The point's accuracy from the child (`on_chunk` is not called: a trial's cascade runs there)."""
         from sparsetune.tuning.trial import accuracy_from_dict
 
         ans = self.request({"op": "accuracy", "flow": flow, "params": params, "samples": samples, "seed": seed,
@@ -247,7 +253,7 @@ def _check(path: str) -> dict[str, Any]:
 def _serve(config: str) -> int:
     """Answer the parent's requests (`SandboxEvaluator`) until its end of stdin closes."""
     from sparsetune.tuning.config import SearchConfig
-    from sparsetune.tuning.study import run_trial
+    from sparsetune.tuning.cascade import run_trial
     from sparsetune.tuning.trial import EngineEvaluator
 
     cfg = SearchConfig.model_validate_json(Path(config).read_text())

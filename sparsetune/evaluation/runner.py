@@ -343,6 +343,7 @@ def evaluate(
     llm: LLM | None = None,
     on_progress: ProgressFn | None = None,
     on_start: Callable[[Path, EvalResult], None] | None = None,
+    on_chunk: Callable[[EvalResult], None] | None = None,
     reference: DenseReference | None = None,
 ) -> EvalResult:
     """Evaluate `config`; returns its `results.json` record (also written to the run directory under `out`).
@@ -352,7 +353,9 @@ def evaluate(
     flows are switched to the config's; engine options (device, dtype, batch limits, KV memory) are
     then the engine's own. `reference`: a `DenseReference` kept across evaluations of `llm` on the
     same prompts (a search's trials): the dense pass runs once and decode flows start from the
-    stored prompt KV. Everything is checked before an engine is built or a run directory is created.
+    stored prompt KV. `on_chunk(partial)`: the results so far after each chunk of samples (what
+    results.json then holds), in process; raising stops the run there, results.json left partial.
+    Everything is checked before an engine is built or a run directory is created.
     """
     check_config(config)
     if resume is None:
@@ -465,7 +468,10 @@ def evaluate(
                     f.write(json.dumps(r, default=str) + "\n")
                 f.flush()
                 records.extend(new)
-                results(False).write(run_dir / "results.json")
+                so_far = results(False)
+                so_far.write(run_dir / "results.json")
+                if on_chunk:
+                    on_chunk(so_far)
                 if on_progress:
                     on_progress(len(records), total, "samples")
         if speed_on and state["speed"] is None:

@@ -20,19 +20,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.protocols import ChunkFn, Hopeless
 
 REUSE_SPEED_REPEATS = 5  # timed requests of full recompute and of the flow, alternately
-
-# A partial result after each chunk of samples: may raise `Hopeless` to stop the trial there.
-ChunkFn = Callable[[dict[str, Any]], None]
-
-
-class Hopeless(Exception):
-    """The cascade stopped a trial: its figures so far cannot reach the frontier's bar."""
 
 
 @dataclass
@@ -226,40 +220,33 @@ class EngineEvaluator:
     def accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
                  on_chunk: ChunkFn | None = None) -> Accuracy:
         """`evaluate` of the flow on the prompt set (`samples` per task, `seed`), relative to dense;
-        `on_chunk(partial results)` after each chunk (raising `Hopeless` stops it: the partial figures
-        come back, `complete` False)."""
+        `on_chunk(partial results)` after each chunk but the last, as the evaluation hands them over
+        (raising `Hopeless` stops it: the partial figures come back, `complete` False)."""
         from sparsetune.evaluation.reference import DenseReference
         from sparsetune.evaluation.results import EvalResult
         from sparsetune.evaluation.runner import evaluate
 
         ecfg = self.eval_config(flow, params, samples=samples, seed=seed)
         reference = self.references.setdefault((samples, seed), DenseReference())
-        state: dict[str, Any] = {}
+        so_far: list[EvalResult] = []  # the partial results the evaluation handed over last
 
-        def started(run_dir: Path, _res: EvalResult) -> None:
-            state["run_dir"] = run_dir
-
-        def progress(done: float, total: int, what: str) -> None:
-            results = state["run_dir"] / "results.json"
-            if on_chunk is None or what != "samples" or not 0 < done < total or not results.is_file():
-                return
-            partial = EvalResult.read(results).dump()
-            if partial.get("samples_done", 0) > state.get("seen", 0):  # a chunk's records are written
-                state["seen"] = partial["samples_done"]
-                on_chunk(partial)
+        def chunk(partial: EvalResult) -> None:
+            so_far[:] = [partial]
+            if on_chunk is not None and (partial.samples_done or 0) < (partial.samples_total or 0):
+                on_chunk(partial.dump())
 
         llm = self.llm
         if not llm.engine.has_pool:  # a relayout that left no pool: a new engine
             self._llm = None
             llm = self.llm
         try:
-            result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_start=started, on_progress=progress).dump()
-        except Hopeless:
-            result = EvalResult.read(state["run_dir"]).dump()
+            result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_chunk=chunk)
+        except Hopeless:  # the cascade stopped it after a chunk: the figures up to there
+            result = so_far[-1]
         except BaseException:
             _drain(llm)
             raise
-        return accuracy_of(result)
+        return accuracy_of(result.dump())
 
 
 def _drain(llm) -> None:

@@ -11,7 +11,8 @@ import optuna
 from sparsetune.agents.loop import FAILURES_IN_A_ROW, Agent
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import Budget, Studies
+from sparsetune.tuning.policy import Budget
+from sparsetune.tuning.studies import Studies
 
 
 class Down:

@@ -11,7 +11,7 @@ import pytest
 
 from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import run_trial
+from sparsetune.tuning.cascade import run_trial
 from sparsetune.tuning.trial import EngineEvaluator
 
 SMALL = dict(model="smollm2-135m", tasks=("niah_single",), context=256, samples=1, batch=4, confirm_samples=1)

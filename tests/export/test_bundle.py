@@ -14,7 +14,7 @@ from sparsetune.export.bundle import MANIFEST, check_bundle, export_run, pick_po
 from sparsetune.records import file_sha256
 from sparsetune.loader import build_flow, flow_path
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import run_search
+from sparsetune.tuning.run import run_search
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import pytest
 from sparsetune.evaluation.config import EvalConfig
 from sparsetune.evaluation.runner import evaluate
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import open_flows, run_search, trial_records
+from sparsetune.tuning.run import run_search
+from sparsetune.tuning.studies import open_flows, trial_records
 from sparsetune.tuning.trial import EngineEvaluator
 from helpers import run
 
@@ -35,6 +36,30 @@ def test_trials_share_one_engine_and_match_sparsetune_eval(tmp_path):
     alone = alone.dump()
     assert (alone["relative_accuracy"], alone["fidelity"]) == (rec["accuracy"]["relative_accuracy"], rec["accuracy"]["fidelity"])
     assert ev.llm is llm and rec["speed"]["kind"] == "modeled"
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_the_cascade_stops_a_trial_on_the_figures_the_evaluation_hands_over(tmp_path, monkeypatch):
+    """The evaluation hands each chunk's partial results to the evaluator in process; a `Hopeless`
+    after the first chunk returns those figures without reading results.json back (it is written,
+    for a resume, with the same figures)."""
+    from sparsetune.evaluation.results import EvalResult
+    from sparsetune.tuning.protocols import Hopeless
+
+    cfg = SearchConfig(study="c", out=str(tmp_path), flows=("quest",), device="cpu", **{**SMALL, "batch": 1})
+    seen = []
+
+    def hopeless(partial):
+        seen.append(partial)
+        raise Hopeless("below the floor")
+
+    with monkeypatch.context() as m:
+        m.setattr(EvalResult, "read", classmethod(lambda cls, path: pytest.fail(f"read back {path}")))
+        acc = EngineEvaluator(cfg).accuracy("quest", {}, samples=2, seed=0, out=tmp_path / "t", on_chunk=hopeless)
+    assert [p["samples_done"] for p in seen] == [1] and seen[0]["samples_total"] == 2  # a chunk of batch 1, not the last
+    assert not acc.complete and acc.samples == 1 and acc.relative == seen[0]["relative_accuracy"]
+    on_disk = EvalResult.read(acc.run_dir).dump()
+    assert (on_disk["samples_done"], on_disk["relative_accuracy"], on_disk["complete"]) == (1, acc.relative, False)
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores

@@ -16,7 +16,7 @@ import pytest
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning import config
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import run_search, show, write_json_config
+from sparsetune.tuning.run import run_search, show, write_json_config
 from helpers import SyntheticEvaluator
 
 PASSWORD = "s3cretPW"

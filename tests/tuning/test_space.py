@@ -113,7 +113,7 @@ def _reuse(name: str):
 def test_reuse_flows_search_their_layers_as_single_layers_capped_at_the_model():
     """A reuse flow's boundary or check layer is one layer ("index"): an integer in its range, capped
     at the model's last layer; a None default (sparsex: 15% of the layers) seeds the layer it stands for."""
-    from sparsetune.tuning.study import default_trial_params
+    from sparsetune.tuning.studies import default_trial_params
 
     dims = {d.name: d for d in dimensions(_reuse("sparsex"), LAYERS)}
     assert list(dims) == ["ratio", "boundary_layer", "overflow", "tail"]
@@ -148,7 +148,7 @@ def test_a_flow_class_crosses_a_process_boundary_as_its_params(flow):
 
     from sparsetune.flow.params import Flow
     from sparsetune.tuning.space import spec_class, spec_dicts
-    from sparsetune.tuning.study import seed_trials
+    from sparsetune.tuning.studies import seed_trials
 
     cls = get_flow_class(flow, Flow)
     spec = spec_class(json.loads(json.dumps(spec_dicts(cls))))

@@ -17,8 +17,12 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.loader import get_flow_class
 from sparsetune.tuning.config import SearchConfig
 from sparsetune.tuning.space import suggest
-from sparsetune.tuning.study import (CONFIRM_SEED_OFFSET, LEASE_S, Budget, ask, confirm_reserve, default_trial_params,
-                                     expire_stale, open_flows, run_search, run_trial, to_confirm, trial_records)
+from sparsetune.tuning.cascade import run_trial
+from sparsetune.tuning.confirm import CONFIRM_SEED_OFFSET, confirm_reserve, to_confirm
+from sparsetune.tuning.policy import Budget
+from sparsetune.tuning.run import run_search
+from sparsetune.tuning.studies import default_trial_params, open_flows, trial_records
+from sparsetune.tuning.workers import LEASE_S, ask, expire_stale
 from helpers import SyntheticEvaluator
 
 
@@ -197,7 +201,7 @@ def test_a_worker_waits_for_the_last_trial_of_a_worker_that_dies_and_runs_it_aga
 
 def test_running_trials_name_their_point_worker_and_heartbeat(tmp_path):
     """What `search show` adds while a search runs: the trials in flight (finished ones are records)."""
-    from sparsetune.tuning.study import running_trials
+    from sparsetune.tuning.workers import running_trials
 
     flows = open_flows(_cfg(tmp_path), create=True)
     assert running_trials(flows) == []
@@ -266,7 +270,7 @@ def test_trials_failing_in_a_row_stop_the_search_with_the_reason(tmp_path):
 
 def test_sparsetune_search_is_the_python_api(tmp_path):
     import sparsetune
-    import sparsetune.tuning.study  # noqa: F401  (the package stays callable once its modules are loaded)
+    import sparsetune.tuning.run  # noqa: F401  (the package stays callable once its modules are loaded)
 
     cfg = _cfg(tmp_path, trials=3)
     out = sparsetune.search("quest,block_topk", evaluator=SyntheticEvaluator(cfg), study="s", out=str(tmp_path),
@@ -280,7 +284,7 @@ def test_sparsetune_search_is_the_python_api(tmp_path):
 
 
 def test_a_confirmed_point_holds_unless_fresh_prompts_put_it_below_the_bar_or_its_search_figure():
-    from sparsetune.tuning.study import confirmation
+    from sparsetune.tuning.confirm import confirmation
 
     fresh = {"relative_accuracy": 0.8, "accuracy": 0.4, "dense_accuracy": 0.5, "samples": 40}
     lo, hi = confirmation(fresh, {"relative_accuracy": 0.9}, None)["interval"]
@@ -303,7 +307,8 @@ class LuckyOnSmallBudgets(SyntheticEvaluator):
 
 
 def test_confirmation_goes_on_until_every_frontier_point_left_has_held(tmp_path):
-    from sparsetune.tuning.study import Budget, confirm, to_confirm, work
+    from sparsetune.tuning.confirm import confirm
+    from sparsetune.tuning.run import work
 
     cfg = _cfg(tmp_path, trials=16, min_accuracy=0.8)
     ev = LuckyOnSmallBudgets(cfg)

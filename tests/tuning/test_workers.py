@@ -18,7 +18,8 @@ from optuna.trial import TrialState
 
 from sparsetune.tuning.config import SearchConfig
 from sparsetune.tuning.report import summary
-from sparsetune.tuning.study import open_flows, trial_records, write_json_config
+from sparsetune.tuning.run import write_json_config
+from sparsetune.tuning.studies import open_flows, trial_records
 from sparsetune.tuning.storage import trial_count
 
 from helpers import sigint_default
@@ -29,7 +30,7 @@ TESTS = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, sys
 from helpers import SyntheticEvaluator
-from sparsetune.tuning.study import run_worker
+from sparsetune.tuning.run import run_worker
 from sparsetune.tuning.storage import open_storage, stored_config
 study, storage, out, sleep, log = sys.argv[1:6]
 cfg = stored_config(open_storage(storage), study)
@@ -45,7 +46,7 @@ SEARCH = """
 import sys
 from helpers import SyntheticEvaluator
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.study import run_search
+from sparsetune.tuning.run import run_search
 cfg = SearchConfig.model_validate_json(sys.argv[1])
 run_search(cfg, SyntheticEvaluator(cfg, sleep=float(sys.argv[2])))
 """
