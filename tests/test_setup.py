@@ -117,7 +117,8 @@ def test_an_eval_rerun_from_a_bundle_runs_the_trials_params(tmp_path, smollm):
     from sparsetune.api import eval as run_eval, export
     from sparsetune.evaluation.config import EvalConfig
 
-    small = dict(tasks=("vt",), context=256, samples=1, max_new_tokens=4, batch=1, fidelity=False, mode="accuracy")
+    small = dict(tasks=("niah_single",), context=256, samples=1, max_new_tokens=4, batch=1, fidelity=False,
+                 mode="accuracy")
     trial = run_eval("quest", params=POINT, model=MODEL, device="cpu", defaults="published", out=tmp_path / "t",
                      llm=smollm, **small)
     manifest = export(out=tmp_path / "b", flow="quest", params=POINT, model=MODEL, defaults="published")

@@ -11,7 +11,7 @@ Before each trial, `step` decides whether a proposal is due and, if so, takes on
 through the harness:
 
 1. **static** and 2. **check** (`harness.validate`: the syntax tree, then `flows check` in a
-   sandboxed subprocess, which also reports the flow's params: `search.space.spec_dicts`);
+   sandboxed subprocess, which also reports the flow's params: `tuning.space.spec_dicts`);
 3. **gate**: the candidate at its defaults on prompts drawn for it alone (seed `seed +
    GATE_SEED_OFFSET + its number`), in the sandbox; it passes at `quick_floor` x the weakest
    search-set accuracy of the searched flows' defaults (relative to dense; before one is measured,

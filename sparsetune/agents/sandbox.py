@@ -9,7 +9,7 @@ agent's children and the evaluator that talks to one:
 candidate flow file (the static source check runs again, in the child, before any of it executes)
 and runs `flows check` semantics on it (`flow.check.check_flow`: shapes, field bytes, indexer
 work, the compiled paths, equality with dense at full budget), then writes the report and the
-flow's params (`search.space.spec_dicts`: what the search needs of it) or the reason it failed to
+flow's params (`tuning.space.spec_dicts`: what the search needs of it) or the reason it failed to
 OUT (in its scratch folder, `candidates/<id>/check/`).
 
 `SandboxEvaluator` is the search's evaluator in a long-lived child (`... serve CONFIG`): its

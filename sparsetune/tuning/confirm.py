@@ -81,7 +81,7 @@ def confirm_reserve(cfg: SearchConfig, flows: Studies, budget: Budget) -> float:
 
 def save_defaults(cfg: SearchConfig, result: dict[str, Any]) -> list[dict[str, Any]]:
     """`--save-defaults`: per flow, the fastest point of the confirmed frontier that kept
-    `--min-accuracy` on fresh prompts becomes the model's tuned default for it (`flow.defaults`),
+    `--min-accuracy` on fresh prompts becomes the model's tuned default for it (`setup.tuned_defaults`),
     with the study it came from; a flow without one keeps what it had, and says why."""
     from datetime import datetime, timezone
 

@@ -246,7 +246,9 @@ class EngineEvaluator:
         except BaseException:
             _drain(llm)
             raise
-        return accuracy_of(result.dump())
+        acc = accuracy_of(result.dump())
+        acc.extra["setup"] = ecfg.setup.to_dict()  # the point as one value: what eval, export and serve read back
+        return acc
 
 
 def _drain(llm) -> None:

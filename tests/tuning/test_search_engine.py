@@ -36,6 +36,14 @@ def test_trials_share_one_engine_and_match_sparsetune_eval(tmp_path):
     alone = alone.dump()
     assert (alone["relative_accuracy"], alone["fidelity"]) == (rec["accuracy"]["relative_accuracy"], rec["accuracy"]["fidelity"])
     assert ev.llm is llm and rec["speed"]["kind"] == "modeled"
+    # The trial's record holds its setup, the value a re-run of the point resolves to from the command line
+    from sparsetune.api import resolve_options
+    from sparsetune.cli.options import setup_options
+    from sparsetune.setup import Setup
+
+    cli = resolve_options(**setup_options("smollm2-135m", flow="quest", param=[f"{k}={v}" for k, v in rec["params"].items()],
+                                          device="cpu", defaults="published"))
+    assert Setup.from_dict(rec["accuracy"]["setup"]) == cli
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores

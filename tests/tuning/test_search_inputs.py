@@ -278,5 +278,6 @@ def test_a_reuse_search_ends_with_the_eval_command_that_runs_its_point(cli, tmp_
     code, _out, lines = cli(*args[1:])
     assert code == 2 and lines[-1] == "error: stopped here", lines
     ecfg = seen["cfg"]
-    assert (ecfg.engine.reuse, ecfg.engine.reuse_params, ecfg.engine.defaults) == ("cacheblend", point["params"], "published")
+    reuse = ecfg.setup.reuse
+    assert (reuse.name, reuse.user_params(), ecfg.setup.defaults) == ("cacheblend", {"ratio": 0.07, "check_layer": 2}, "published")
     assert (tuple(ecfg.tasks), ecfg.context, ecfg.samples) == (cfg.tasks, 512, cfg.confirm_samples)
