@@ -116,10 +116,6 @@ class Setup:
         """Tokens per KV block (the engine's block size; SGLang's page size)."""
         return self.engine.block_size or DEFAULT_BLOCK_SIZE
 
-    @property
-    def flow_name(self) -> str:
-        return self.flow.name if self.flow is not None else "dense"
-
     def to_dict(self) -> dict[str, Any]:
         return {"schema": self.schema, "engine": asdict(self.engine),
                 "flow": None if self.flow is None else self.flow.to_dict(),
@@ -156,10 +152,6 @@ class Setup:
     def dense(self) -> Setup:
         """Full attention and no reuse flow, on this setup's pool (its page size kept)."""
         return replace(self, flow=None, reuse=None)
-
-    def describe_defaults(self) -> str | None:
-        """One line on which defaults the decode flow used and where they came from (None: dense)."""
-        return None if self.flow is None else describe_defaults(self.flow.name, self.model, self.flow.tuned)
 
 
 def describe_defaults(flow: str | None, model: str, tuned: dict[str, Any] | None) -> str | None:

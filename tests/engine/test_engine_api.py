@@ -175,7 +175,7 @@ def test_overlapped_steps_with_an_abort_and_a_late_request(smollm, overlapped):
     assert engine._inflight is not None and any(ahead)
     engine.abort(seqs[1])
     late = engine.add_request(ids[2], params)
-    out = _run(engine, seqs + [late])
+    out = _run(smollm, seqs + [late])
     assert out[0] == ref[0] and out[2] == ref[2]
     assert seqs[1].finish_reason == "abort" and out[1] == ref[1][: len(out[1])]
 
