@@ -420,9 +420,10 @@ def flows_list() -> list[dict[str, Any]]:
 def flow_show(name: str) -> dict[str, Any]:
     """A flow's params (type, default, space, meaning) and its file as it is (an untrusted one was only traced)."""
     from sparsetune.flow.params import Flow
-    from sparsetune.loader import flow_kind, get_flow_class
+    from sparsetune.loader import flow_kind
+    from sparsetune.setup import lookup_flow_class
 
-    cls = get_flow_class(name, Flow)
+    cls = lookup_flow_class(name, Flow)
     params = {k: {"describe": v.describe(), "doc": v.doc} for k, v in cls.param_specs().items()}
     return {"name": cls.name, "kind": flow_kind(cls), "source": cls.source, "params": params,
             "code": Path(cls.path).read_text(errors="replace")}
@@ -433,9 +434,10 @@ def flow_check(file: str, params: dict[str, str] | None = None) -> dict[str, Any
     at full budget (`flow.check.check_flow`); a reuse flow's params (plain Python: what can be checked)."""
     from sparsetune.flow.check import check_flow
     from sparsetune.flow.params import Flow
-    from sparsetune.loader import flow_kind, get_flow_class
+    from sparsetune.loader import flow_kind
+    from sparsetune.setup import lookup_flow_class
 
-    cls = get_flow_class(file, Flow, all_problems=True)
+    cls = lookup_flow_class(file, Flow, all_problems=True)
     if flow_kind(cls) == "reuse":
         return {"name": cls.name, "kind": "reuse", "ok": True, "params": cls.from_strings(params or {}).params()}
     return {"kind": "decode", **check_flow(cls, params or {}).to_dict()}

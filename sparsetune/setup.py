@@ -84,10 +84,7 @@ class FlowSetup:
     def build(self, kind: type | None = None) -> Flow:
         """The flow instance (its class found by `spec`; params checked again as the class declares
         them, so a setup read from a file is validated like a `--param`)."""
-        from sparsetune.flow.base import DecodeFlow
-        from sparsetune.loader import get_flow_class
-
-        cls = get_flow_class(self.spec, kind or DecodeFlow)
+        cls = lookup_flow_class(self.spec, kind)
         specs = cls.param_specs()
         unknown = [k for k in self.params if k not in specs]
         if unknown:
@@ -237,6 +234,16 @@ def _flow_setup(spec: str, raw: dict[str, Any], given: dict[str, str], tuned: di
     if builtin_hashes().get(digest) == f"{built.name}.py":  # a built-in, wherever its copy lies (a bundle's)
         spec = built.name
     return FlowSetup(spec, built.name, built.params(), where, digest), built
+
+
+def lookup_flow_class(spec: str, kind: type | None = None, *, all_problems: bool = False) -> type:
+    """The flow class `spec` names (a built-in's name or a file; `loader.get_flow_class`: trusted,
+    traced in the sandbox, or refused), of `kind` (default: a decode flow; `Flow`: either kind):
+    the one lookup every layer above uses (listing, checking, search spaces, serve cells)."""
+    from sparsetune.flow.base import DecodeFlow
+    from sparsetune.loader import get_flow_class
+
+    return get_flow_class(spec, kind or DecodeFlow, all_problems=all_problems)
 
 
 def tuned_defaults(model: str, random_weights: bool, flow: str, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:

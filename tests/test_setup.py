@@ -53,6 +53,14 @@ def test_an_exported_bundle_holds_the_trials_setup(tmp_path):
     manifest = export(out=tmp_path / "b", flow="quest", params=POINT, model=MODEL, defaults="published")
     assert FlowSetup.from_dict(manifest["setup"]["flow"]) == trial.flow
     assert Setup.from_dict(manifest["setup"]).page_size == manifest["block_size"] == 8
+    from sparsetune.export.bundle import MANIFEST, check_bundle
+
+    assert check_bundle(tmp_path / "b") == []
+    path = tmp_path / "b" / MANIFEST  # a setup that is not one
+    broken = json.loads(path.read_text())
+    broken["setup"]["schema"] = "sparsetune.setup/0"
+    path.write_text(json.dumps(broken))
+    assert any("setup is not a sparsetune.setup/1 object" in p for p in check_bundle(tmp_path / "b"))
 
 
 @pytest.mark.tuned_defaults
@@ -94,6 +102,8 @@ def test_the_tuned_defaults_and_a_runs_flow_are_resolved_in_one_module():
     assert _calls("read_tuned_defaults") == {"sparsetune/setup.py"}  # the lookup
     assert _calls("tuned_defaults") == {"sparsetune/setup.py"}
     assert _calls("build_flow") == {"sparsetune/setup.py"}  # a flow built from a name and --param values
+    # the class a name or file means: the loader's own lookup, called from the setup alone
+    assert _calls("get_flow_class") - {"sparsetune/loader.py"} == {"sparsetune/setup.py"}
 
 
 def test_what_llm_inherited_answers_with_a_deprecation_naming_its_place(smollm):

@@ -301,6 +301,13 @@ def check_bundle(path: Path) -> list[str]:
                         "export again with them")
     if str(m.get("block_size")) != resolved.get("block_size"):
         problems.append(f"block_size {m.get('block_size')!r} differs from the flow's {resolved.get('block_size')!r}")
+    if m.get("setup") is not None:  # the setup it was exported as (params edited since are named apart)
+        from sparsetune.setup import Setup
+
+        try:
+            Setup.from_dict(m["setup"], f"{MANIFEST}'s setup")
+        except SparsetuneError as e:
+            problems.append(f"{e}; export again")
     try:
         served = json.loads((path / SGLANG_CONFIG).read_text())["server_args"]
     except (OSError, ValueError, KeyError, TypeError):

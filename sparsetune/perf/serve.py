@@ -231,7 +231,8 @@ def check_serve(cfg: ServeConfig) -> None:
     """The checks that need no weights: the engine options, the model and its positions, each flow's
     kind and params (and its layers against the model's: a flow is switched in after dense has run)."""
     from sparsetune.flow.params import Flow
-    from sparsetune.loader import flow_kind, get_flow_class
+    from sparsetune.loader import flow_kind
+    from sparsetune.setup import lookup_flow_class
 
     name, mcfg = cfg.engine.check()
     inp, out = cfg.lengths()
@@ -243,7 +244,7 @@ def check_serve(cfg: ServeConfig) -> None:
             if params:
                 raise SparsetuneError(f"--param dense:{next(iter(params))}=...: dense has no params")
             continue
-        cls = get_flow_class(flow, Flow)
+        cls = lookup_flow_class(flow, Flow)
         if flow_kind(cls) != "decode":
             raise SparsetuneError(f"--flow {flow}: a {flow_kind(cls)} flow; bench serve runs decode flows")
         specs = cls.param_specs()

@@ -91,7 +91,7 @@ def seed_trials(cls: type, num_layers: int, fixed: dict[str, str]) -> list[tuple
 def open_flows(cfg: SearchConfig, *, create: bool) -> Studies:
     """Every flow's study in the search's storage; `create`: make missing ones (the coordinator),
     each seeded with its defaults, and refuse a stored search whose figures depend on other settings."""
-    from sparsetune.loader import get_flow_class
+    from sparsetune.setup import lookup_flow_class
     from sparsetune.reuse.base import ReuseFlow
 
     storage = open_storage(cfg.storage_url(), create=create)
@@ -102,7 +102,7 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Studies:
                               f"rerun with the same ones, or pass a new --study name")
     flows = Studies({}, {}, _num_layers(cfg.model))
     for flow in cfg.flows:
-        cls = get_flow_class(flow, ReuseFlow) if cfg.kind == "reuse" else get_flow_class(flow)
+        cls = lookup_flow_class(flow, ReuseFlow if cfg.kind == "reuse" else None)
         add_flow(cfg, flows, flow, cls, storage=storage, create=create)
     return flows
 
