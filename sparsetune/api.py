@@ -294,9 +294,10 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
     params, tuned = dict(params or {}), None
     if model is not None:  # the flow as `eval --model` runs it: the model's tuned defaults under the params
         from sparsetune.engine.config import EngineConfig
+        from sparsetune.models.resolve import model_name
 
-        model = EngineConfig(model=model).check()[0]
         chosen = resolve(EngineConfig(model=model), flow=flow, params=params, defaults=defaults).flow
+        model = model_name(model)
         if chosen is not None:
             tuned = chosen.tuned
             params = {k: v for k, v in chosen.params.items() if chosen.origin[k] != "published"}

@@ -46,7 +46,7 @@ class LLM:
                              capture=False)
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
-        self._install_flow(self.flow)
+        self._install_flow(self.flow, setup.executor)
         self._attach_segments()
         self.reuse_flow = self._build_reuse(setup)
         self._kept_reuse: tuple | None = None  # (setup, flow) of the reuse flow before the current one
@@ -128,7 +128,7 @@ class LLM:
                 self._relayout(new)
             except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
                 if self.engine.has_pool:
-                    self._install_flow(self.flow)
+                    self._install_flow(self.flow, self.setup.executor)
                 raise
         self._install_flow(new, setup.executor)
         self.flow = new
@@ -159,7 +159,7 @@ class LLM:
                       stacklevel=2)
         self.apply(self.setup.with_flow(flow, params))
 
-    def _install_flow(self, flow: DecodeFlow | None, executor: str | None = None) -> None:
+    def _install_flow(self, flow: DecodeFlow | None, executor: str | None) -> None:
         """Route attention through `flow` (None: full attention), then capture decode graphs.
 
         The flow is attached before capture, so its indexer and selection are in the graphs. What
@@ -175,7 +175,8 @@ class LLM:
         if flow is not None:
             sparse = flow.sparse_layers(self.model_config.num_hidden_layers)
             attn = self._flow_backend
-            if attn is not None and attn.flow.kernel_key() == flow.kernel_key() and attn.executor == self._executor(executor):
+            executor = executor or ("compiled" if self.device.type == "cuda" else "reference")  # None: by device
+            if attn is not None and attn.flow.kernel_key() == flow.kernel_key() and attn.executor == executor:
                 attn.retune(flow)
             else:
                 attn = self._flow_backend = self._new_flow_backend(flow, executor)
@@ -207,11 +208,7 @@ class LLM:
             if self.engine.has_pool:
                 self._attach_segments()
 
-    def _executor(self, executor: str | None = None) -> str:
-        executor = executor or self.setup.executor
-        return executor or ("compiled" if self.device.type == "cuda" else "reference")
-
-    def _new_flow_backend(self, flow: DecodeFlow, executor: str | None = None):
+    def _new_flow_backend(self, flow: DecodeFlow, executor: str):
         from sparsetune.flow.attention import FlowAttention
 
         calibration = None
@@ -219,8 +216,7 @@ class LLM:
             mcfg, res = self.model_config, self.resolved
             calibration = resolve_calibration(flow.calibration, flow.name, res.name, res.random_weights,
                                               mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim)
-        return FlowAttention(flow, self.model_config.head_dim**-0.5, executor=self._executor(executor),
-                             calibration=calibration)
+        return FlowAttention(flow, self.model_config.head_dim**-0.5, executor=executor, calibration=calibration)
 
     # ---- the reuse flow ----------------------------------------------------------------------------
 

@@ -162,7 +162,7 @@ def _import(path: Path, source: bytes, digest: str) -> type[Flow]:
     if not cls.name:
         raise SparsetuneError(f"{path}: the flow class {cls.__name__} needs a `name`")
     check_name(cls.name)
-    cls.path = path  # type: ignore[attr-defined]
+    cls.path, cls.sha256 = path, digest  # type: ignore[attr-defined] - the file and the bytes it was loaded from
     return cls
 
 
@@ -191,7 +191,7 @@ def _traced(path: Path, source: bytes, digest: str) -> type[Flow]:
 
     desc = _describe(path, source, digest, {})
     cls = flow_class(desc, fetch=fetch, origin=f"traced from {path}")
-    cls.path = path  # type: ignore[attr-defined]
+    cls.path, cls.sha256 = path, digest  # type: ignore[attr-defined]
     return cls
 
 

@@ -62,11 +62,9 @@ class FlowSetup:
     @classmethod
     def of(cls, flow: Flow) -> FlowSetup:
         """The setup of a flow instance built elsewhere (a test's own, an agent's candidate)."""
-        from sparsetune.records import file_sha256
-
         path = getattr(type(flow), "path", None)
         return cls(str(path) if path else flow.name, flow.name, flow.params(), {k: "user" for k in flow.params()},
-                   file_sha256(path) if path else None)
+                   getattr(type(flow), "sha256", None))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -224,13 +222,12 @@ def _flow_setup(spec: str, raw: dict[str, Any], given: dict[str, str], tuned: di
                 kind: type) -> tuple[FlowSetup, Any]:
     """`spec` built with `raw` (the loader finds its class: trusted, traced or refused), as a
     `FlowSetup` with each param's origin, and the instance."""
-    from sparsetune.loader import build_flow, builtin_hashes, flow_path
-    from sparsetune.records import file_sha256
+    from sparsetune.loader import build_flow, builtin_hashes
 
     built = build_flow(spec, raw, kind)
     taken = set(tuned.get("params", {}))
     where = {k: given.get(k, "tuned" if k in taken else "user" if k in raw else "published") for k in built.params()}
-    digest = file_sha256(flow_path(spec))
+    digest = type(built).sha256  # the bytes the loader loaded (not the file read again)
     if builtin_hashes().get(digest) == f"{built.name}.py":  # a built-in, wherever its copy lies (a bundle's)
         spec = built.name
     return FlowSetup(spec, built.name, built.params(), where, digest), built

@@ -121,11 +121,15 @@ def test_what_llm_inherited_answers_with_a_deprecation_naming_its_place(smollm):
         smollm.apply(other)
 
 
-def test_an_eval_rerun_from_a_bundle_runs_the_trials_params(tmp_path, smollm):
+def test_an_eval_rerun_from_a_bundle_runs_the_trials_params(tmp_path):
     """The point a search measured, exported, and evaluated again from the bundle's setup: the same
-    params in results.json (one engine for both: `llm=`)."""
+    params in results.json (one engine for both: `llm=`; its own, as the point lays its pool out
+    in 8-token blocks)."""
     from sparsetune.api import eval as run_eval, export
     from sparsetune.evaluation.config import EvalConfig
+    from sparsetune.llm import LLM
+
+    smollm = LLM(model=MODEL, device="cpu", max_num_seqs=8)
 
     small = dict(tasks=("niah_single",), context=256, samples=1, max_new_tokens=4, batch=1, fidelity=False,
                  mode="accuracy")
@@ -136,3 +140,21 @@ def test_an_eval_rerun_from_a_bundle_runs_the_trials_params(tmp_path, smollm):
     again = run_eval(config=EvalConfig(setup=bundle, **small), out=tmp_path / "again", llm=smollm)
     assert again["params"] == trial["params"] and again["flow"] == "quest"
     assert again["params"]["block_size"] == 8 and again["params"]["budget"] == 64
+
+
+def test_a_flow_file_cannot_pass_for_a_built_in_in_its_setup(tmp_path):
+    """The setup records the bytes the loader loaded: a file that names itself `quest` and declares
+    quest's hash and path (traced, untrusted) is recorded as itself."""
+    import hashlib
+
+    from sparsetune.loader import builtin_hashes
+
+    quest = next(h for h, name in builtin_hashes().items() if name == "quest.py")
+    path = tmp_path / "fake.py"
+    path.write_text(
+        "from sparsetune.flow import DecodeFlow\nfrom sparsetune.flow import ops as F\n\n\n"
+        f"class Quest(DecodeFlow):\n    name = \"quest\"\n    sha256 = \"{quest}\"\n    path = \"flows/quest.py\"\n\n"
+        "    def cache(self, k, v):\n        return {\"c\": F.mean(k, dim=1)}\n\n"
+        "    def index(self, q, fields):\n        return F.topk(F.max(F.gemm(fields[\"c\"], q), dim=2))\n")
+    flow = resolve(flow=str(path), params={"budget": "64"}).flow
+    assert flow.spec == str(path) and flow.source_sha256 == hashlib.sha256(path.read_bytes()).hexdigest() != quest

@@ -80,29 +80,25 @@ def seed_option(help: str):
     return typer.Option(0, help=help)
 
 
-def setup_options(model: str, *, flow: str | None = None, param: list[str] | None = None, reuse: str | None = None,
-                  reuse_param: list[str] | None = None, device: str = "auto", dtype: str = "auto",
-                  random_weights: bool = False, kv_memory: str | None = None, flow_executor: str | None = None,
-                  no_cuda_graph: bool = False, seed: int = 0, defaults: str = "tuned", **fields: Any) -> dict[str, Any]:
-    """The setup options a command was given, as the API's keyword options (`setup.resolve_options`:
-    key=value lists and the size parsed, "auto" as None); `fields`: other `EngineConfig` fields the
-    command sets. The API resolves them into one `Setup`."""
-    from sparsetune.api import parse_params
-
-    return dict(model=model, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
-                random_weights=random_weights, flow=flow, params=parse_params(param), reuse=reuse,
-                reuse_params=parse_params(reuse_param), kv_memory=parse_size(kv_memory, "--kv-memory"),
-                executor=flow_executor, cuda_graph=not no_cuda_graph, seed=seed, defaults=defaults, **fields)
-
-
 def engine_options(model: str, *, device: str = "auto", dtype: str = "auto", random_weights: bool = False,
                    kv_memory: str | None = None, no_cuda_graph: bool = False, seed: int = 0, **fields: Any) -> dict[str, Any]:
-    """The engine options alone (a command whose flows come another way: bench serve's --flow list)."""
-    opts = setup_options(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
-                         no_cuda_graph=no_cuda_graph, seed=seed, **fields)
-    for key in ("flow", "params", "reuse", "reuse_params", "executor", "defaults"):
-        opts.pop(key)
-    return opts
+    """The engine options a command was given, as the API's keyword options (the size parsed, "auto"
+    as None); `fields`: other `EngineConfig` fields the command sets. Alone for a command whose flows
+    come another way (bench serve's --flow list)."""
+    return dict(model=model, device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype,
+                random_weights=random_weights, kv_memory=parse_size(kv_memory, "--kv-memory"),
+                cuda_graph=not no_cuda_graph, seed=seed, **fields)
+
+
+def setup_options(model: str, *, flow: str | None = None, param: list[str] | None = None, reuse: str | None = None,
+                  reuse_param: list[str] | None = None, flow_executor: str | None = None, defaults: str = "tuned",
+                  **engine: Any) -> dict[str, Any]:
+    """The setup options a command was given: `engine_options` and the flows (key=value lists parsed),
+    as the API's keyword options, which it resolves into one `Setup` (`setup.resolve_options`)."""
+    from sparsetune.api import parse_params
+
+    return dict(engine_options(model, **engine), flow=flow, params=parse_params(param), reuse=reuse,
+                reuse_params=parse_params(reuse_param), executor=flow_executor, defaults=defaults)
 
 
 # ---- output and CPU -------------------------------------------------------------------------------

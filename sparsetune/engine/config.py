@@ -47,7 +47,7 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
         """From its JSON object (`asdict`); keys it does not have are dropped (older records)."""
-        d = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
+        d = {k: v for k, v in d.items() if k in ENGINE_FIELDS}
         if d.get("cuda_graph_batch_sizes") is not None:
             d["cuda_graph_batch_sizes"] = tuple(d["cuda_graph_batch_sizes"])
         return cls(**d)

@@ -41,8 +41,7 @@ def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str,
     prefill's token-layers its evaluation computed."""
     from sparsetune.models.resolve import model_config
     from sparsetune.perf.cost import kv_share
-    from sparsetune.engine.config import EngineConfig
-    from sparsetune.setup import resolve
+    from sparsetune.setup import lookup_flow_class
 
     if cfg.kind == "reuse":
         return {trial_name(r): ((r.get("accuracy") or {}).get("reuse") or {}).get("compute_fraction") for r in records}
@@ -58,9 +57,8 @@ def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str,
             seen[key] = None
         elif key not in seen:
             try:
-                point = resolve(EngineConfig(model=cfg.model), flow=cfg.flow_arg(r["flow"]), params=dict(key[1]),
-                                defaults="published").flow
-                seen[key] = round(kv_share(mcfg, point.build(), cfg.context), 4)
+                point = lookup_flow_class(cfg.flow_arg(r["flow"])).from_strings(dict(key[1]))
+                seen[key] = round(kv_share(mcfg, point, cfg.context), 4)
             except Exception:  # a flow file gone since the trial ran: no figure, not a broken report
                 seen[key] = None
         out[trial_name(r)] = seen[key]

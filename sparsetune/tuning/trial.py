@@ -136,14 +136,11 @@ class EngineEvaluator:
         if self.cfg.kind == "reuse":
             return self._reuse_speedup(flow, params, accuracy)
         from sparsetune.models.resolve import model_config
-        from sparsetune.perf.cost import modeled_speedup
-        from sparsetune.engine.config import EngineConfig
-        from sparsetune.setup import resolve
-
-        from sparsetune.perf.cost import kv_share
+        from sparsetune.perf.cost import kv_share, modeled_speedup
+        from sparsetune.setup import lookup_flow_class
 
         model, random, batch, context = self.speed_shape()
-        built = resolve(EngineConfig(model=self.cfg.model), flow=flow, params=params, defaults="published").flow.build()
+        built = lookup_flow_class(flow).from_strings(params)  # the point as the trial ran it (published defaults)
         # the budget on the search's model and context (report.budget_shares): recorded here, where the flow runs
         share = round(kv_share(model_config(self.cfg.model, True)[1], built, self.cfg.context), 4)
         info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context,
