@@ -49,9 +49,9 @@ def main() -> None:
     extra = parse_flow_param_args(args.param)
     rows = []
     for ctx in [int(c) for c in args.contexts.split(",")]:
-        # The pool holds the batch's prompts and every stored document.
+        # The pool holds the batch's prompts and the documents they reuse.
         llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-                  kv_memory=eval_kv_memory(args.model, 2 * args.batch, ctx, 64, args.device, args.dtype))
+                  kv_memory=eval_kv_memory(args.model, args.batch, ctx, 64, args.device, args.dtype, segments=True))
         for flow in args.flows.split(","):
             params = {**budget(flow, args.ratio, ctx, args.task), **extra.get(flow, {})}
             res = sparsetune.eval(model=args.model, tasks=[args.task], context=ctx, samples=args.samples,

@@ -19,7 +19,7 @@ import torch
 
 from sparsetune.engine.config import EngineConfig
 from sparsetune.engine.engine import Completion, Engine
-from sparsetune.engine.sequence import SamplingParams, Sequence
+from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.models.artifacts import resolve_calibration
@@ -46,6 +46,7 @@ class LLM:
                              capture=False)
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
+        self._check_sharing(self.flow, setup.engine.prefix_caching)
         self._install_flow(self.flow, setup.executor)
         self._attach_segments()
         self.reuse_flow = self._build_reuse(setup)
@@ -98,9 +99,9 @@ class LLM:
         eng = self.engine
         self.segments = SegmentCache(eng.block_manager, eng.config.block_size,
                                      salt=f"{eng.resolved.name}|random={eng.config.random_weights}|{eng.dtype}",
-                                     watermark=eng.config.segment_watermark)
-        mcfg = eng.model_config
-        self.reuse_executor = ReuseExecutor(eng.model, eng.kv, self.segments, mcfg.rope_scaling, mcfg.rope_theta)
+                                     watermark=eng.config.segment_watermark,
+                                     cap=int(eng.config.segment_cap * eng.block_manager.num_blocks))
+        self.reuse_executor = ReuseExecutor(eng.model_config, eng.kv, self.segments)
 
     # ---- the setup ---------------------------------------------------------------------------------
 
@@ -115,14 +116,17 @@ class LLM:
         select layers recapture the graphs; another flow class or kernel param builds its backend
         (generated kernels are shared by source, so a flow seen before compiles nothing); another page
         size lays the KV pool out anew (`Engine.set_block_size`; the weights stay). The reuse flow is
-        swapped (the segment cache is kept). The setup must be for this engine's model, weights,
-        device and dtype; its other engine options (pool memory, batch limits) stay this engine's."""
+        swapped (the segment cache is kept), and prefix caching turned on or off as the setup says.
+        The setup must be for this engine's model, weights, device and dtype; its other engine
+        options (pool memory, batch limits) stay this engine's."""
         if self.engine.scheduler.has_work():
             raise RuntimeError("apply needs an idle engine")
         other = self._other_engine(setup.engine)
         if other is not None:
             raise SparsetuneError(f"the setup is for {other[0]} {other[1]!r}; this engine runs {other[2]!r}: that needs a new LLM")
         new = setup.flow.build() if setup.flow is not None else None
+        self._check_sharing(new, setup.engine.prefix_caching)
+        self.engine.set_prefix_caching(setup.engine.prefix_caching)
         if new is not None and new.block_size != self.engine.config.block_size:
             try:
                 self._relayout(new)
@@ -153,6 +157,20 @@ class LLM:
             return "dtype", e.dtype, str(self.dtype).removeprefix("torch.")
         return None
 
+    def _check_sharing(self, flow: DecodeFlow | None, prefix_caching: bool) -> None:
+        """Prefix caching shares blocks, and with them a decode flow's per-block fields: a function of
+        the block's keys, so any flow may share them, but not state an indexer saves (F.save: h2o's
+        running totals belong to one request)."""
+        if not prefix_caching or flow is None:
+            return
+        from sparsetune.flow.shapes import index_traits
+
+        head_dim = self.model_config.head_dim
+        if index_traits(flow, head_dim, flow.const_dims(head_dim)).saves_state:
+            raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r}: its indexer "
+                                  "saves per-request state in its blocks (F.save); drop --prefix-caching or pick a "
+                                  "flow without F.save")
+
     def set_flow(self, flow: str | None, params: dict[str, Any] | None = None) -> None:
         """Deprecated: `apply(llm.setup.with_flow(flow, params))`."""
         warnings.warn("LLM.set_flow is replaced by LLM.apply(llm.setup.with_flow(flow, params))", DeprecationWarning,
@@ -167,10 +185,6 @@ class LLM:
         (kernels, stores and calibration kept), and graphs are recaptured only when the routing or
         the selection width (a shape inside them) changed."""
         eng = self.engine
-        if eng.config.prefix_caching and flow is not None:
-            # Shared blocks would share a flow's per-block fields and state (h2o's running totals).
-            raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r} yet "
-                                  "(its per-block state would be shared between requests); drop one of them")
         route, attn, sparse = None, None, []
         if flow is not None:
             sparse = flow.sparse_layers(self.model_config.num_hidden_layers)
@@ -184,6 +198,9 @@ class LLM:
             route = (id(attn), tuple(sparse), tuple(flow.select_layers), width)
         if self._route is not False and route == self._route:
             return  # same kernels on the same layers with the same shapes: the graphs stay valid
+        # Cached prefix blocks hold the fields of the attention that computed them (none under dense
+        # attention, another flow's, other layers'): a new routing starts the prefix index afresh.
+        eng.block_manager.forget_prefixes()
         eng.set_attention(eng.dense_attention())
         if attn is not None:
             eng.set_attention(attn, sparse)
@@ -246,34 +263,43 @@ class LLM:
         self.setup = replace(self.setup, reuse=reuse)
         self.reuse_flow = self._build_reuse(self.setup)
 
-    def cache_segments(self, layout: ReuseLayout) -> int:
-        """Stage 1 of the reuse protocol: store every segment of `layout` that the cache lacks, each
-        prefilled on its own at position 0 (a cache-building request); returns how many were new."""
-        stats = ReuseStats()
-        for seg in self.reuse_executor.fetch_segments(layout, stats):
-            self.segments.release(seg)
+    def cache_segments(self, layouts: ReuseLayout | Seq[ReuseLayout]) -> int:
+        """Stage 1 of the reuse protocol: store every segment of `layouts` that the cache lacks, each
+        prefilled alone at position 0 (cache-building requests, batched by the scheduler and run now
+        with whatever else the engine holds); returns how many were new."""
+        stats, segs, fills = ReuseStats(), [], []
+        try:
+            for layout in [layouts] if isinstance(layouts, ReuseLayout) else layouts:
+                got, new = self.reuse_executor.lookup(layout, stats)
+                segs += got
+                fills += new
+        except BaseException:  # nothing queued: what was taken goes back
+            for seg in segs:
+                self.segments.release(seg)
+            for f in fills:
+                f.plan.cancel()
+            raise
+        try:
+            for f in fills:
+                self.engine.scheduler.add(f)
+            while any(f.status != Status.FINISHED for f in fills):
+                self.engine.step()
+        finally:
+            for seg in segs:
+                self.segments.release(seg)
         return stats.segment_misses
 
     # ---- admission ---------------------------------------------------------------------------------
 
     def add_reuse_request(self, layout: ReuseLayout, params: SamplingParams,
                           arrival: float | None = None) -> tuple[Sequence, ReuseStats]:
-        """Prefill a prompt with segments by the reuse flow's plan now, sample its first token, and
-        hand it to the scheduler to decode with the others (`engine.step` runs it from there)."""
+        """Queue a prompt with segments: the scheduler prefills it by the reuse flow's plan (its
+        segment misses filled first), batched with other requests, then it decodes with the others.
+        The stats fill in when its prefill step runs."""
         if self.reuse_flow is None:
             raise SparsetuneError("no reuse flow is set; pass --reuse NAME (or LLM(reuse=...))")
-        done: list[ReuseStats] = []
-
-        def write(table: torch.Tensor) -> torch.Tensor:
-            logits, stats = self.reuse_executor.prefill(self.reuse_flow, layout, table)
-            done.append(stats)
-            return logits
-
-        seq = self._admit(layout.token_ids, params, arrival, write)
-        self.segments.enforce_watermark()  # idle segments above the watermark go, pinned ones last
-        self.stats.prefill_tokens += len(layout.token_ids)
-        self.stats.prefill_seconds += done[0].seconds
-        return seq, done[0]
+        plan = self.reuse_executor.request(self.reuse_flow, layout)
+        return self.engine.add_request(layout.token_ids, params, arrival, plan=plan), plan.stats
 
     def add_prefilled(self, token_ids: list[int], params: SamplingParams, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                       logits: torch.Tensor | None = None, arrival: float | None = None) -> Sequence:
@@ -282,29 +308,19 @@ class LLM:
         last position's `logits`; without `kv`, the KV is taken to be whatever its blocks hold (speed
         measurements, where the bytes a step reads matter and not their values) and its first step
         recomputes the last prompt token. Either way the decode flow's fields are built over the
-        blocks and it decodes with the others. For decode flows this is the prefill they would run
-        (theirs is dense)."""
-        def write(table: torch.Tensor) -> torch.Tensor | None:
-            if kv is not None:
-                slots = self.engine.kv.slots(table, torch.arange(len(token_ids), device=self.device))
-                with torch.inference_mode():
-                    for layer in range(self.model_config.num_hidden_layers):
-                        self.engine.kv.store(layer, kv[0][layer].transpose(0, 1), kv[1][layer].transpose(0, 1), slots)
-            return logits
-
-        return self._admit(token_ids, params, arrival, write)
-
-    def _admit(self, token_ids: list[int], params: SamplingParams, arrival: float | None,
-               write: Callable[[torch.Tensor], torch.Tensor | None]) -> Sequence:
-        """The one admission path of a prompt whose KV is written outside the step loop: reserve its
-        blocks, `write(table)` its KV (returning the last position's logits, or None), rebuild the
-        decode flow's fields over them, and hand it to the scheduler (aborted on any failure)."""
+        blocks and it decodes with the others (an eval's stored dense prefill, the search's measured
+        decode steps, `bench serve --prefill disaggregated`). For decode flows this is the prefill
+        they would run (theirs is dense)."""
         eng = self.engine
         seq = eng.reserve(token_ids, params, arrival)
         try:
             table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
-            logits = write(table)
-            self.rebuild_fields(table, len(token_ids))
+            if kv is not None:
+                slots = eng.kv.slots(table, torch.arange(len(token_ids), device=self.device))
+                with torch.inference_mode():
+                    for layer in range(self.model_config.num_hidden_layers):
+                        eng.kv.store(layer, kv[0][layer].transpose(0, 1), kv[1][layer].transpose(0, 1), slots)
+            eng.rebuild_fields(table, len(token_ids))
         except BaseException:
             eng.abort(seq)
             raise
@@ -321,16 +337,6 @@ class LLM:
         kv = [self.engine.kv.gather(layer, table, n) for layer in range(self.model_config.num_hidden_layers)]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
-    def rebuild_fields(self, table: torch.Tensor, num_tokens: int) -> None:
-        """The decode flow's per-block fields of a prompt whose KV was written outside the step loop
-        (`table`: its block table on the device)."""
-        from sparsetune.flow.attention import FlowAttention
-
-        with torch.inference_mode():  # the field stores are inference tensors
-            for layer, backend in enumerate(self.engine.backends):
-                if isinstance(backend, FlowAttention):
-                    backend.rebuild_fields(layer, self.engine.kv, table, num_tokens)
-
     def generate(
         self,
         prompts: Seq[str | list[int] | list],
@@ -340,19 +346,26 @@ class LLM:
     ) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in prompt order. A prompt given
         as parts (text and reusable segments) is prefilled by the reuse flow when one is set."""
-        reuse: dict[int, dict] = {}
+        reuse: list[ReuseStats | None] = []  # per prompt, in order: its reuse prefill's stats
 
         def admit(prompt, p: SamplingParams, t0: float, chat: bool) -> tuple[list[int], Sequence]:
+            stats = None
             if not is_parts(prompt):
-                return self.engine.admit_prompt(prompt, p, t0, chat)
-            layout = encode_parts(self.tokenizer, parse_parts_any(prompt), chat)
-            if self.reuse_flow is None:  # segments as plain text
-                return layout.token_ids, self.engine.add_request(layout.token_ids, p, t0)
-            seq, stats = self.add_reuse_request(layout, p, t0)
-            reuse[seq.seq_id] = stats.to_dict()
-            return layout.token_ids, seq
+                ids, seq = self.engine.admit_prompt(prompt, p, t0, chat)
+            else:
+                layout = encode_parts(self.tokenizer, parse_parts_any(prompt), chat)
+                ids = layout.token_ids
+                if self.reuse_flow is None:  # segments as plain text
+                    seq = self.engine.add_request(ids, p, t0)
+                else:
+                    seq, stats = self.add_reuse_request(layout, p, t0)
+            reuse.append(stats)
+            return ids, seq
 
-        return self.engine.generate(prompts, params, chat, on_token, admit=admit, reuse=reuse)
+        outs = self.engine.generate(prompts, params, chat, on_token, admit=admit)
+        for out, stats in zip(outs, reuse):
+            out.reuse = None if stats is None else stats.to_dict()
+        return outs
 
 
 def _flow_elems_per_block(flow: DecodeFlow | None, mcfg) -> int:

@@ -144,20 +144,26 @@ def reuse_parts(first_plain: bool = True):
 
 
 def reuse_logits(llm, flow: str, parts, params: dict[str, str] | None = None, warm: bool = True):
-    """Last-token logits of a reuse prefill (after a cache-building pass when `warm`), plus stats."""
+    """Last-token logits of a reuse prefill run by the scheduler (after a cache-building pass when
+    `warm`), its stats, its layout and its layer-0 keys."""
     layout = encode_parts(llm.tokenizer, parse_parts(parts), chat=False)
     llm.use_reuse(flow, params)
-    if warm:  # the two-stage protocol: the first request stores the segments
-        llm.generate([parts], SamplingParams(max_tokens=1), chat=False)
-    seq_table = llm.engine.block_manager.allocate(-(-layout.num_tokens // llm.engine.kv.block_size))
     try:
-        table = torch.tensor(seq_table, dtype=torch.int32, device=llm.engine.kv.k.device)
-        logits, stats = llm.reuse_executor.prefill(llm.reuse_flow, layout, table)
-        layer0_k = llm.engine.kv.gather(0, table, layout.num_tokens)[0].clone()
+        if warm:  # the two-stage protocol: the first request stores the segments
+            llm.generate([parts], SamplingParams(max_tokens=1), chat=False)
+        seq, stats = llm.add_reuse_request(layout, SamplingParams(max_tokens=2, ignore_eos=True, keep_logits=True))
+        try:
+            while not seq.logits:
+                llm.engine.step()
+            table = torch.tensor(seq.block_table, dtype=torch.int32, device=llm.engine.kv.k.device)
+            layer0_k = llm.engine.kv.gather(0, table, layout.num_tokens)[0].clone()
+        finally:
+            llm.engine.abort(seq)
+            while llm.engine.scheduler.has_work():
+                llm.engine.step()
     finally:
-        llm.engine.block_manager.free_blocks(seq_table)
         llm.use_reuse(None)
-    return logits, stats, layout, layer0_k
+    return seq.logits[0], stats, layout, layer0_k
 
 
 def plain_logits(llm, layout: ReuseLayout) -> torch.Tensor:

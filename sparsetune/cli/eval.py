@@ -34,6 +34,7 @@ def eval_command(
     flow_executor: str = opt.flow_executor_option(),
     defaults: str = opt.defaults_option(),
     no_cuda_graph: bool = opt.no_cuda_graph_option(),
+    prefix_caching: bool = opt.prefix_caching_option(),
     out: Path = opt.out_option("Directory for run records.", "-o"),
     resume: Path = typer.Option(None, "--resume", help="Continue an interrupted run directory (its config wins)."),
     list_tasks: bool = typer.Option(False, "--list-tasks", help="Describe the built-in tasks and exit."),
@@ -49,7 +50,7 @@ def eval_command(
     options = {} if resume is not None else dict(  # a resumed run's config wins
         opt.setup_options(model, flow=flow, param=param, reuse=reuse, reuse_param=reuse_param, device=device, dtype=dtype,
                           random_weights=random_weights, kv_memory=kv_memory, flow_executor=flow_executor,
-                          defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed),
+                          defaults=defaults, no_cuda_graph=no_cuda_graph, seed=seed, prefix_caching=prefix_caching),
         tasks=task, context=context, samples=samples, batch=batch, max_new_tokens=max_new_tokens, mode=mode,
         fidelity=not no_fidelity, limit=limit)
     config = api.eval_config(resume=resume, **options)  # every check before the model loads

@@ -52,7 +52,7 @@ def generate(
     block_size: int = typer.Option(None, "--block-size", help="Tokens per KV block (default: the flow's selection block, else 16)."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Cap the context length."),
     no_cuda_graph: bool = opt.no_cuda_graph_option(),
-    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="Share computed blocks of common prompt prefixes."),
+    prefix_caching: bool = opt.prefix_caching_option(),
     flow: str = opt.flow_option(),
     param: list[str] = opt.param_option(),
     flow_executor: str = opt.flow_executor_option(),

@@ -76,6 +76,11 @@ def no_cuda_graph_option():
     return typer.Option(False, "--no-cuda-graph", help="Run decode eagerly on GPU.")
 
 
+def prefix_caching_option():
+    return typer.Option(False, "--prefix-caching", help="Share computed KV blocks of common prompt prefixes between "
+                        "requests (stored segments of the default namespace are prefixes too).")
+
+
 def seed_option(help: str):
     return typer.Option(0, help=help)
 

@@ -91,6 +91,10 @@ class AttentionBackend:
         """Each sequence's last token `[B, Hq, D]` over all its keys in the pool, as the prefill would."""
         raise NotImplementedError
 
+    def rebuild_fields(self, layer: int, kv: KVCache, block_table: torch.Tensor, num_tokens: int) -> None:
+        """What the backend keeps per KV block (a decode flow's fields), over a sequence's first
+        `num_tokens` tokens whose KV was written without it (a planned prefill, an admitted one)."""
+
 
 # cuDNN attention prefills ~1.7x faster than the flash backend on H200 at 32K tokens
 # (587 vs 345 TFLOP/s, benchmarks/bench_prefill_attention.py); torch falls through the

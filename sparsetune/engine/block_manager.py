@@ -12,14 +12,17 @@ Prefix caching (`prefix_caching=True`): every full block a sequence has computed
 sequence whose prompt starts with the same blocks takes those blocks (reference-counted) instead
 of computing them again. A block whose last holder finishes goes back to the free list but keeps
 its hash until it is handed out again, so a later request can still find it (LRU by free order).
-Segments (`sparsetune.reuse`) live in blocks without a hash, so the two never mix.
+The chain starts from the sequence's `cache_salt` (a namespace: prompts of different salts never
+share blocks, as SGLang's `cache_salt`). A stored segment's fill (`sparsetune.reuse`) is a prefill at
+position 0 salted by its namespace, so its full blocks are found as a prefix too; KV a reuse flow
+approximated is never hashed (`Sequence.cacheable`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -104,7 +107,7 @@ class BlockManager:
         At least the prompt's last token is left to compute (its logits give the first output)."""
         if not self.prefix_caching or seq.block_table or seq.num_computed:
             return 0
-        bs, prev = self.block_size, b""
+        bs, prev = self.block_size, seq.cache_salt
         for i in range((seq.num_tokens - 1) // bs):
             h = self._chain(prev, seq.token_ids[i * bs : (i + 1) * bs])
             block = self.by_hash.get(h)
@@ -117,8 +120,14 @@ class BlockManager:
             seq.block_hashes.append(h)
             prev = h
         self.prefix_hits += len(seq.block_table)
-        seq.num_computed = len(seq.block_table) * bs
+        seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * bs
         return seq.num_computed
+
+    def forget_prefixes(self, keep: Collection[int] = ()) -> None:
+        """Drop the hash of every block but those in `keep` (the blocks stay where they are): no later
+        prompt finds them."""
+        self.block_hash = {b: h for b, h in self.block_hash.items() if b in keep}
+        self.by_hash = {h: b for h, b in self.by_hash.items() if b in keep}
 
     def commit(self, seq: Sequence) -> None:
         """Hash the sequence's newly computed full blocks so later prompts can find them (not those
@@ -126,7 +135,7 @@ class BlockManager:
         if not self.prefix_caching or not seq.cacheable:
             return
         bs = self.block_size
-        prev = seq.block_hashes[-1] if seq.block_hashes else b""
+        prev = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
         for i in range(len(seq.block_hashes), min(seq.num_computed, seq.num_tokens) // bs):
             h = self._chain(prev, seq.token_ids[i * bs : (i + 1) * bs])
             block = seq.block_table[i]

@@ -40,6 +40,7 @@ class EngineConfig:
     # overlaps the GPU's; `Engine.step`). None: on where decode replays CUDA graphs.
     overlap: bool | None = None
     segment_watermark: float = 0.9  # pool use above which pinned segments may be evicted
+    segment_cap: float = 1.0  # share of the pool stored segments may hold (idle ones beyond it go, LRU first)
     prefix_caching: bool = False  # share computed full blocks between prompts with the same prefix
     random_weights: bool = False
     seed: int = 0
@@ -67,8 +68,10 @@ class EngineConfig:
                                  ("--kv-memory", self.kv_memory, 1), ("num_kv_blocks", self.num_kv_blocks, 1)):
             if value is not None and value < low:
                 raise SparsetuneError(f"{flag} must be at least {low} (got {value})")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise SparsetuneError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        for name, share in (("gpu_memory_utilization", self.gpu_memory_utilization),
+                            ("segment_watermark", self.segment_watermark), ("--segment-cap", self.segment_cap)):
+            if not 0 < share <= 1:
+                raise SparsetuneError(f"{name} must be in (0, 1] (got {share})")
         check_device_name(self.device)
         check_dtype_name(self.dtype)
         if self.schedule not in SCHEDULES:

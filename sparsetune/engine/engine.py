@@ -30,6 +30,7 @@ from sparsetune.engine.block_manager import BlockManager
 from sparsetune.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.model import CausalLM
+from sparsetune.engine.rows import PlannedPrefill
 from sparsetune.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from sparsetune.engine.sampler import sample
 from sparsetune.engine.scheduler import Batch, Scheduler
@@ -78,6 +79,7 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     first_token_seconds: list[float] = field(default_factory=list)
+    planned_batches: list[int] = field(default_factory=list)  # per step with plans: the requests planned in it (fills not counted)
 
 
 class Engine:
@@ -180,6 +182,17 @@ class Engine:
                 raise SparsetuneError(f"the KV pool in blocks of {block_size} did not fit ({e}) and the old "
                                       "one could not be rebuilt; start a new engine") from None
             raise
+
+    def set_prefix_caching(self, on: bool) -> None:
+        """Share computed prompt blocks between requests (`EngineConfig.prefix_caching`), or stop: an
+        idle engine only; the prefix index starts empty either way."""
+        if on == self.config.prefix_caching:
+            return
+        if self.scheduler.has_work():
+            raise RuntimeError("set_prefix_caching needs an idle engine")
+        self.config = replace(self.config, prefix_caching=on)
+        self.block_manager.prefix_caching = on
+        self.block_manager.forget_prefixes()
 
     # ---- attention and graphs ----------------------------------------------------------------------
 
@@ -285,13 +298,22 @@ class Engine:
             raise SparsetuneError("the prompt is empty")
         return list(prompt)
 
-    def add_request(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None) -> Sequence:
-        """Queue a prompt; `arrival` (perf_counter seconds, default now) is its first event."""
+    def add_request(self, token_ids: list[int], params: SamplingParams, arrival: float | None = None,
+                    plan: PlannedPrefill | None = None, cache_salt: bytes = b"") -> Sequence:
+        """Queue a prompt; `arrival` (perf_counter seconds, default now) is its first event. `plan`: its
+        prefill is that plan of rows (a reuse request, `engine/rows.py`); `cache_salt`: its prefix-cache
+        namespace (prompts share cached blocks only with prompts of the same salt)."""
         self._check_prompt(token_ids)
-        seq = Sequence(list(token_ids), params)
+        seq = Sequence(list(token_ids), params, plan=plan, cache_salt=cache_salt)
         seq.events.arrival = time.perf_counter() if arrival is None else arrival
         self.scheduler.add(seq)
         return seq
+
+    def rebuild_fields(self, block_table: torch.Tensor, num_tokens: int) -> None:
+        """The attention backends' per-block fields of a prompt whose KV was written outside the step
+        loop (`block_table`: its block table on the device)."""
+        with torch.inference_mode():  # the field stores are inference tensors
+            self.runner.rebuild_fields(block_table, num_tokens)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if len(token_ids) + 1 > self.max_model_len:
@@ -372,13 +394,20 @@ class Engine:
         if not batch.is_prefill and self.overlap and self._greedy_only(batch.seqs):
             self._inflight = self._launch(batch, t0)
             return []
-        logits = self.runner.run(batch)
-        sampling = [i for i in range(len(batch.seqs)) if not batch.is_prefill or batch.completes_prefill(i)]
+        planned = [s for s in batch.seqs if s.plan is not None]
+        logits = self.runner.run_rows(batch) if planned else self.runner.run(batch)
+        sampling = [i for i in range(len(batch.seqs)) if (not batch.is_prefill or batch.completes_prefill(i))
+                    and not (batch.seqs[i].plan is not None and batch.seqs[i].plan.cache_only)]
         sampled: dict[int, int] = {}
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
             toks = self._sample(seqs, logits if not batch.is_prefill else logits[sampling])
             sampled = {s.seq_id: t for s, t in zip(seqs, toks)}
+        if planned:
+            self.stats.planned_batches.append(sum(not s.plan.cache_only for s in planned))
+            for s in planned:
+                s.plan.done()
+                s.cacheable = s.cacheable and s.plan.cache_only  # a plan's KV is not a prefill's: never a prefix hit
         t1 = self._last_read = time.perf_counter()
         self._account(batch, t1 - t0)
         finished = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, self.max_model_len)
@@ -486,12 +515,10 @@ class Engine:
         chat: bool = True,
         on_token: Callable[[int], None] | None = None,
         admit: Callable[..., tuple[list[int], Sequence]] | None = None,
-        reuse: dict[int, dict] | None = None,
     ) -> list[Completion]:
         """Run prompts (text or token ids) to completion with continuous batching; results in prompt
         order. `admit(prompt, params, arrival, chat)` → (token ids, request): how a prompt enters
-        (default `admit_prompt`; `LLM` admits prompts with reusable segments its own way, recording
-        their reuse stats in `reuse` by request id)."""
+        (default `admit_prompt`; `LLM` admits prompts with reusable segments its own way)."""
         params_list = self._params_list(prompts, params)
         t0 = time.perf_counter()
         encoded, seqs = [], []
@@ -499,7 +526,7 @@ class Engine:
             ids, seq = (admit or self.admit_prompt)(prompt, p, t0, chat)
             encoded.append(ids)
             seqs.append(seq)
-        return self.run_to_completion(encoded, seqs, on_token, reuse)
+        return self.run_to_completion(encoded, seqs, on_token)
 
     def admit_prompt(self, prompt: str | list[int], params: SamplingParams, arrival: float | None = None,
                      chat: bool = True) -> tuple[list[int], Sequence]:
@@ -516,7 +543,6 @@ class Engine:
 
     def run_to_completion(
         self, encoded: list[list[int]], seqs: list[Sequence], on_token: Callable[[int], None] | None = None,
-        reuse: dict[int, dict] | None = None,
     ) -> list[Completion]:
         """Step until the engine is idle; `on_token(n)`: `n` new tokens of `seqs` after each step.
         Each request's time to first token (from its arrival) goes to `stats.first_token_seconds`."""
@@ -527,12 +553,9 @@ class Engine:
                 on_token(sum(s.num_tokens for s in seqs) - before)
         self.stats.first_token_seconds += [s.events.first_token - s.events.arrival for s in seqs
                                            if s.events.first_token is not None]
-        reuse = reuse or {}
         return [
-            Completion(
-                ids, s.completion_ids, self.tokenizer.decode(s.completion_ids) if self.tokenizer else None,
-                s.finish_reason, reuse.get(s.seq_id),
-            )
+            Completion(ids, s.completion_ids, self.tokenizer.decode(s.completion_ids) if self.tokenizer else None,
+                       s.finish_reason)
             for ids, s in zip(encoded, seqs)
         ]
 

@@ -20,6 +20,12 @@ RoPE at `positions`, the model's layer calls
 The hooks return None by default: every row goes on, stores fresh KV, attends causally and runs the
 MLP, so a `Rows` over all of a sequence's tokens is a plain prefill. The reuse executor's plan
 (`reuse/executor.py`) overrides them.
+
+`RowsBatch` runs several sequences' `Rows` in one forward: their rows are packed, so the projections
+and the MLP run once for all of them; each member stores its KV, narrows and attends over its own
+sequence. This is how the scheduler runs a prefill step that holds a `PlannedPrefill` (a request
+whose prefill is a plan of rows: a reuse request, or a cache-building fill of a stored segment)
+beside other plans and plain prompts' chunks.
 """
 
 from __future__ import annotations
@@ -197,12 +203,91 @@ class Rows:
                               pairs=None if structured else self.attention_pairs)
 
     def mlp(self, layer: int, mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        m = self.mlp_rows(layer)
-        if m is None:
+        return masked_mlp(mlp, h, self.mlp_rows(layer))
+
+
+class PlannedPrefill:
+    """A request prefilled by a plan of rows instead of in full (`Sequence.plan`): the engine's side of a
+    reuse request (`reuse/executor.py`), so the engine schedules one without knowing what it reuses.
+
+    The scheduler calls `admit()` once, when it first reaches the request: the plan takes what it
+    reuses (acquired so nothing evicts it) and returns the cache-building requests that must run first
+    (themselves `PlannedPrefill`s with `cache_only`), or None when the pool has no room yet. It runs
+    the request once `ready()`, whole in one prefill step (never chunked: a plan's selection may need
+    every row of a layer), costing `num_rows()` of the step's token budget. `rows(table)` writes the
+    reused KV into the request's blocks and returns the rows to compute; `done()` follows the step.
+    `cancel()` gives back what `admit` took (an aborted request)."""
+
+    cache_only: bool = False  # True: fills blocks it does not own (a stored segment's); samples no token
+
+    def admit(self) -> list | None:
+        return []
+
+    def ready(self) -> bool:
+        return True
+
+    def num_rows(self) -> int:
+        raise NotImplementedError
+
+    def rows(self, block_table: torch.Tensor) -> Rows:
+        raise NotImplementedError
+
+    def done(self) -> None:
+        """After the step that ran `rows` (its logits sampled)."""
+
+    def cancel(self) -> None:
+        """The request is aborted: give back what `admit` took."""
+
+
+class RowsBatch:
+    """Several sequences' `Rows` run as one forward (see the module docstring): the packed rows go
+    through the projections and the MLP together; KV stores, narrowing and attention are per member."""
+
+    def __init__(self, members: list[Rows]) -> None:
+        self.members = members
+        self._sizes = [m.positions.numel() for m in members]
+        self._positions: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            self._positions = torch.cat([m.positions for m in self.members])
+        return self._positions
+
+    def last_rows(self) -> list[int]:
+        """Each member's last row among the packed rows the forward ends with."""
+        ends = np.cumsum(self._sizes)
+        return [int(e) - 1 for e in ends]
+
+    def write_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qs, rs = [], []
+        for m, qi, ki, vi, ri in zip(self.members, *(x.split(self._sizes) for x in (q, k, v, residual))):
+            qi, ri = m.write_kv(layer, qi, ki, vi, ri)
+            qs.append(qi)
+            rs.append(ri)
+        self._sizes = [m.positions.numel() for m in self.members]
+        self._positions = None
+        return torch.cat(qs), torch.cat(rs)
+
+    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m.attention(layer, qi) for m, qi in zip(self.members, q.split(self._sizes))])
+
+    def mlp(self, layer: int, mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        masks = [m.mlp_rows(layer) for m in self.members]
+        if all(x is None for x in masks):
             return mlp(h)
-        out, sub = torch.zeros_like(h), m.to(h.device).nonzero().squeeze(1)  # the rest: a zero MLP output
-        out[sub] = mlp(h[sub])
-        return out
+        return masked_mlp(mlp, h, torch.cat([torch.ones(n, dtype=torch.bool, device=h.device) if x is None
+                                             else x.to(h.device) for n, x in zip(self._sizes, masks)]))
+
+
+def masked_mlp(mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The MLP of the rows `keep` names (None: all); the others take the residual path (a zero output)."""
+    if keep is None:
+        return mlp(h)
+    out, sub = torch.zeros_like(h), keep.to(h.device).nonzero().squeeze(1)
+    out[sub] = mlp(h[sub])
+    return out
 
 
 @dataclass

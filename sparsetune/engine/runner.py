@@ -7,6 +7,7 @@ import torch
 from sparsetune.engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.model import CausalLM
+from sparsetune.engine.rows import Rows, RowsBatch
 from sparsetune.engine.scheduler import Batch
 
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -94,6 +95,36 @@ class ModelRunner:
                 and all(b.attends_last_rows for b in self.backends))
         hidden = self.model(input_ids, self.context(meta), last=last if skip else None)
         return self.model.compute_logits(hidden if last is None or skip else hidden[last])
+
+    @torch.inference_mode()
+    def run_rows(self, batch: Batch) -> torch.Tensor:
+        """A prefill step holding planned prefills (`Sequence.plan`), as one `RowsBatch` forward: each
+        plan's rows (its reused KV written first) beside the plain prompts' chunks → logits `[B, V]`
+        at each sequence's last row. The attention backends do not see this step, so each sequence's
+        per-block fields (a decode flow's) are rebuilt over what it wrote."""
+        scale = self.model.config.head_dim**-0.5
+        members, tables = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            table = torch.tensor(seq.block_table, dtype=torch.int32, device=self.device)
+            end = seq.num_computed + n
+            if seq.plan is not None:
+                members.append(seq.plan.rows(table))
+            else:
+                members.append(Rows(self.kv, table, end, torch.arange(seq.num_computed, end, device=self.device), scale))
+            tables.append((table, end))
+        rows = RowsBatch(members)
+        ids = torch.cat([torch.tensor(seq.token_ids, device=self.device)[m.positions] for seq, m in zip(batch.seqs, members)])
+        hidden = self.model(ids, rows=rows)
+        logits = self.model.compute_logits(hidden[rows.last_rows()])
+        for table, end in tables:
+            self.rebuild_fields(table, end)
+        return logits
+
+    def rebuild_fields(self, table: torch.Tensor, num_tokens: int) -> None:
+        """Every backend's per-block fields over a sequence's first `num_tokens` tokens (`table`: its
+        block table on the device), once its KV was written outside the backends."""
+        for layer, backend in enumerate(self.backends):
+            backend.rebuild_fields(layer, self.kv, table, num_tokens)
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------
 

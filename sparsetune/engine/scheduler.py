@@ -9,6 +9,15 @@ Preemption is by recompute: when a decode step cannot get a block, the most
 recently admitted running sequence gives up its blocks and goes back to the
 front of the waiting queue with all its tokens (prompt + generated) as its new
 prompt. Its KV is recomputed later; nothing already generated changes.
+
+A request with a plan (`Sequence.plan`, a `PlannedPrefill`: a reuse request) is admitted in the same
+queue. When the scheduler first reaches it, the plan takes what it reuses and may return
+cache-building requests (a stored segment's fill), queued just before it; the request runs once they
+have. It is never chunked: it takes its whole prompt's blocks and `num_rows()` of the step's token
+budget, shares the step with other plans and plain chunks while the budget lasts, and runs alone in
+a step when its rows exceed the budget (a 32K prompt whose plan computes every row of a layer). A
+planned request only runs in one prefill step, so it is never preempted mid-prefill; preempted while
+decoding, it is recomputed in full like any other (its KV then exact, not the plan's).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from dataclasses import dataclass
 
 from sparsetune.engine.block_manager import BlockManager
 from sparsetune.engine.sequence import Sequence, Status
+from sparsetune.errors import SparsetuneError
 
 
 @dataclass
@@ -63,9 +73,33 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.max_num_batched_tokens
-        for seq in self.waiting:
+        i = 0
+        while i < len(self.waiting):
+            seq = self.waiting[i]
             if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
                 break
+            plan = seq.plan
+            if plan is not None:
+                if not seq.admitted:
+                    fills = plan.admit()
+                    if fills is None:  # no room for what it must store yet
+                        break
+                    seq.admitted = True
+                    for f in reversed(fills):  # they run first, from this step on
+                        self.waiting.insert(i, f)
+                    continue
+                if not plan.ready():  # its segments are still being filled
+                    i += 1
+                    continue
+                rows = plan.num_rows()
+                if (seqs and rows > budget) or not self.blocks.can_grow(seq, seq.num_tokens):
+                    break
+                self.blocks.grow(seq, seq.num_tokens)
+                seqs.append(seq)
+                counts.append(seq.num_tokens)
+                budget = max(0, budget - rows)
+                i += 1
+                continue
             if not seq.block_table:  # a new (or preempted) sequence: take the blocks of a cached prefix
                 self.blocks.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed
@@ -78,6 +112,7 @@ class Scheduler:
             budget -= chunk
             if chunk < remaining:  # a chunked prompt occupies the rest of this step
                 break
+            i += 1
         return Batch(True, seqs, counts) if seqs else None
 
     def _decode_with_room(self) -> Batch:
@@ -109,13 +144,14 @@ class Scheduler:
         if not seqs and self.waiting and not self.running:
             # Everything was preempted: the head of the queue must fit on its own.
             head = self.waiting[0]
-            raise RuntimeError(
-                f"sequence of {head.num_tokens} tokens does not fit in {self.blocks.num_blocks} KV blocks"
-            )
+            what = " with the segments it reuses" if head.plan is not None else ""
+            raise SparsetuneError(f"a {head.num_tokens}-token request{what} does not fit in the KV pool "
+                                  f"({self.blocks.num_blocks} blocks of {self.blocks.block_size}); raise --kv-memory")
         return Batch(False, seqs, [1] * len(seqs))
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        seq.cacheable = True  # recomputed in full: exact KV, whatever wrote it before
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -130,6 +166,14 @@ class Scheduler:
             self.blocks.commit(seq)
             if batch.is_prefill and not done_prefill:
                 continue  # mid-prompt chunk: nothing sampled yet
+            if seq.plan is not None:
+                plan, seq.plan = seq.plan, None
+                if plan.cache_only:  # a fill: its blocks are the cache's now, nothing to sample
+                    self.waiting.remove(seq)
+                    seq.block_table = []
+                    seq.status = Status.FINISHED
+                    seq.finish_reason = "stored"
+                    continue
             if batch.is_prefill:
                 self.waiting.remove(seq)
                 self.running.append(seq)
@@ -153,6 +197,11 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+        if seq.plan is not None:  # aborted before its planned prefill ran
+            if seq.plan.cache_only:
+                seq.block_table = []  # the cache's blocks: `cancel` gives them back
+            seq.plan.cancel()
+            seq.plan = None
         self.blocks.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"

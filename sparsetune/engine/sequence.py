@@ -5,6 +5,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparsetune.engine.rows import PlannedPrefill
 
 _ids = itertools.count()
 
@@ -66,6 +70,10 @@ class Sequence:
     logits: list = field(default_factory=list)  # per generated position, when params.keep_logits
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of computed full blocks (prefix caching)
     cacheable: bool = True  # False: its KV must not be found by other prompts (reuse-flow prefill)
+    num_cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache
+    cache_salt: bytes = b""  # seeds its prefix-cache hashes: prompts find only blocks of the same salt
+    plan: PlannedPrefill | None = None  # prefilled by a plan of rows (a reuse request); None once it ran
+    admitted: bool = False  # its plan has taken what it reuses (`PlannedPrefill.admit`)
     events: RequestEvents = field(default_factory=RequestEvents)
 
     def __post_init__(self) -> None:

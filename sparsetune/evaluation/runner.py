@@ -48,17 +48,18 @@ def _resolve_mode(cfg: EvalConfig, device: torch.device) -> str:
 
 
 def eval_kv_memory(model: str, batch: int, context: int, gen_tokens: int = 512, device: str | None = None,
-                   dtype: str | None = None, random_weights: bool = False) -> int:
-    """KV pool bytes for `batch` requests of `context` tokens (+10% sizing slack, turns and replies).
-    A pool sized to the work (rather than to free GPU memory) leaves room for flow fields, which
-    a flow switched on later allocates per block of the pool."""
+                   dtype: str | None = None, random_weights: bool = False, segments: bool = False) -> int:
+    """KV pool bytes for `batch` requests of `context` tokens (+10% sizing slack, turns and replies),
+    and with `segments` (a reuse flow) the segments those prompts reuse beside them (a request
+    holds its segments while its own blocks fill). A pool sized to the work (rather than to free GPU
+    memory) leaves room for flow fields, which a flow switched on later allocates per block of the pool."""
     from sparsetune.device import resolve_device, resolve_dtype
     from sparsetune.models.resolve import resolve_model
 
     resolved = resolve_model(model, True)
     gpu_dtype = resolved.spec.gpu_dtype if resolved.spec else "bfloat16"
     elem = resolve_dtype(dtype, resolve_device(device), gpu_dtype).itemsize
-    tokens = batch * (int(context * 1.1) + gen_tokens)
+    tokens = batch * ((2 if segments else 1) * int(context * 1.1) + gen_tokens)
     return tokens * resolved.config.kv_bytes_per_token(elem)
 
 
@@ -69,7 +70,7 @@ def run_engine_config(cfg: EvalConfig) -> Setup:
     kv_memory = e.kv_memory
     if kv_memory is None:
         kv_memory = eval_kv_memory(e.model, cfg.batch, cfg.context, max(512, cfg.max_new_tokens or DEFAULT_SPEED_TOKENS),
-                                   e.device, e.dtype, e.random_weights)
+                                   e.device, e.dtype, e.random_weights, segments=cfg.setup.reuse is not None)
     return replace(cfg.setup, engine=replace(e, kv_memory=kv_memory, max_num_seqs=cfg.batch,
                                              cuda_graph_batch_sizes=graph_batch_sizes(cfg.batch)))
 
@@ -127,7 +128,7 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
         for layout in layouts:  # stage 1: cache-building requests store each segment on its own
             if layout is not None:
                 llm.cache_segments(layout)
-        seqs = []
+        seqs, reuse_stats = [], []
         try:  # interrupted (Ctrl-C, a stopped trial): its requests leave the engine idle
             for i, ids, p, layout in zip(rows, prompts, params, layouts):
                 stored = reference.prompt(ids) if reference is not None and not record else None
@@ -135,10 +136,10 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
                     seqs.append(llm.add_prefilled(ids, p, (stored.k, stored.v), stored.logits))  # decode flows prefill densely
                 elif layout is None:  # queued: the scheduler admits it when blocks are free
                     seqs.append(llm.engine.add_request(ids, p))
-                else:  # stage 2: the measured request reuses them (prefilled now, decoded with the rest)
+                else:  # stage 2: the measured request reuses them (prefilled by the scheduler with the rest)
                     seq, stats = llm.add_reuse_request(layout, p)
                     seqs.append(seq)
-                    out.reuse[i] = stats.to_dict()
+                    reuse_stats.append((i, stats))
             pending = list(seqs)
             unrecorded = [(q, ids) for q, ids, layout in zip(seqs, prompts, layouts)
                           if record and keep_logits and layout is None and reference.wants(ids)]
@@ -155,6 +156,8 @@ def _run_pass(llm: LLM, samples: list[Sample], cfg: EvalConfig, keep_logits: boo
             for q in seqs:
                 llm.engine.abort(q)  # a finished one is left as it is
             raise
+        for i, stats in reuse_stats:
+            out.reuse[i] = stats.to_dict()
         for i, ids, s in zip(rows, prompts, seqs):
             out.prompts[i].append(ids)
             out.tokens[i].append(s.completion_ids)

@@ -1,13 +1,18 @@
-"""Executes a reuse flow's recompute plan for one request: the engine side of `ReuseFlow`.
+"""Executes a reuse flow's recompute plan: the engine side of `ReuseFlow`, as requests the engine's
+scheduler runs (`ReuseRequest`, an `engine/rows.py` `PlannedPrefill`).
 
-1. Every reusable segment of the prompt is looked up in the segment cache; a miss is prefilled on
-   its own at position 0 (as a cache-building request would) into blocks the cache owns.
-2. Each segment's KV is copied into the request's blocks, keys rotated from the segment's stored
-   positions to its positions in this prompt (`kernels/rope_realign.py`).
-3. The model runs a forward over the rows the flow's plan names (`ReusePlan`, an `engine/rows.py`
-   `Rows`; see `reuse/base.py`): their fresh K/V overwrite the cached ones, and they attend over
-   the whole prompt with an exact causal mask.
-4. The last prompt token's logits come back; the request then decodes like any other.
+1. When the scheduler first reaches the request (`admit`), every reusable segment of its prompt is
+   looked up in the segment cache and held; a miss gets blocks of its own and a fill
+   (`SegmentFill`: a prefill of the segment alone at position 0, salted by its namespace), queued
+   before the request and run in the scheduler's prefill steps like any prompt's rows. The
+   request waits until its segments are filled.
+2. In the step that runs it, each segment's KV is copied into the request's blocks, keys rotated
+   from the segment's stored positions to its positions in this prompt (`kernels/rope_realign.py`),
+   and the segments are let go.
+3. The model runs a forward over the rows the flow's plan names (`ReusePlan`, a `Rows`; see
+   `reuse/base.py`), packed with the step's other requests (`RowsBatch`): their fresh K/V
+   overwrite the cached ones, and they attend over the whole prompt with an exact causal mask.
+4. The last prompt token's logits give its first token; the request then decodes like any other.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from sparsetune.engine.rope import inv_frequencies
-from sparsetune.engine.rows import Rows
+from sparsetune.engine.rows import PlannedPrefill, Rows
 from sparsetune.engine.ranges import stage
+from sparsetune.engine.sequence import SamplingParams, Sequence
+from sparsetune.errors import SparsetuneError
 from sparsetune.kernels import rope_realign
 from sparsetune.reuse.base import LayerInputs, ReuseFlow, SelectionInputs
-from sparsetune.reuse.parts import ReuseLayout
+from sparsetune.reuse.parts import ReuseLayout, prefix_salt
 from sparsetune.reuse.segment_cache import Segment, SegmentCache
 
 
@@ -42,7 +49,7 @@ class ReuseStats:
     num_kv_heads: int = 1
     head_paged_kv_fraction: float | None = None  # share of per-head KV a head-paged store would keep
     num_layers: int = 0
-    seconds: float = 0.0  # the whole reuse prefill, segment misses included
+    seconds: float = 0.0  # its prefill step: the realign and the step's forward (fills ran in steps before)
 
     @property
     def reuse_ratio(self) -> float:
@@ -74,42 +81,51 @@ class ReuseStats:
 
 
 class ReuseExecutor:
-    """Bound to one engine's model and KV pool; `prefill` runs one request's plan."""
+    """Bound to one engine's KV pool and segment cache (`config`: its `ModelConfig`); `request` makes
+    one prompt's plan for the scheduler."""
 
-    def __init__(self, model, kv, segments: SegmentCache, rope_scaling, rope_theta: float) -> None:
-        self.model = model
+    def __init__(self, config, kv, segments: SegmentCache) -> None:
         self.kv = kv
         self.segments = segments
-        cfg = model.config
-        self.num_layers = cfg.num_hidden_layers
-        self.scale = cfg.head_dim**-0.5
-        self.inv_freq = inv_frequencies(cfg.head_dim, rope_theta, rope_scaling).to(kv.k.device)
+        self.num_layers = config.num_hidden_layers
+        self.scale = config.head_dim**-0.5
+        self.inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling).to(kv.k.device)
 
     # ---- segments ---------------------------------------------------------------------------------
 
-    def fetch_segments(self, layout: ReuseLayout, stats: ReuseStats) -> list[Segment]:
-        """The cached segment of each reusable span (prefilling and storing the misses); acquired."""
-        found = []
-        for span in layout.segments:
-            ids = layout.token_ids[span.start : span.end]
-            seg = self.segments.lookup(ids, span.namespace)
-            if seg is None:
-                stats.segment_misses += 1
-                seg = self.segments.insert(ids, span.namespace, pinned=span.pin)
-                try:
-                    blocks, t = torch.tensor(seg.blocks, device=self.kv.k.device), len(ids)
-                    self.run(ids, Rows(self.kv, blocks, t, torch.arange(t, device=blocks.device), self.scale))
-                except BaseException:
-                    self.segments.drop(seg)
-                    raise
-                self.segments.mark_ready(seg)
-            else:
-                stats.segment_hits += 1
-                if span.pin and not seg.pinned:
-                    self.segments.pin(seg)
-            self.segments.acquire(seg)
-            found.append(seg)
-        return found
+    def lookup(self, layout: ReuseLayout, stats: ReuseStats) -> tuple[list[Segment], list[Sequence]]:
+        """The cached segment of each reusable span, acquired, and the fills of those it lacked (a miss
+        is inserted: blocks taken, not yet filled). Raises `SparsetuneError` (nothing held) when a
+        miss finds no room."""
+        found, fills = [], []
+        try:
+            for span in layout.segments:
+                ids = layout.token_ids[span.start : span.end]
+                seg = self.segments.lookup(ids, span.namespace)
+                if seg is None:
+                    seg = self.segments.insert(ids, span.namespace, pinned=span.pin)
+                if not seg.ready and not seg.filling:  # a miss (not being filled for another request already)
+                    stats.segment_misses += 1
+                    fills.append(self.fill(seg, span.namespace))
+                else:
+                    stats.segment_hits += 1
+                    if span.pin and not seg.pinned:
+                        self.segments.pin(seg)
+                self.segments.acquire(seg)
+                found.append(seg)
+        except SparsetuneError:
+            for seg in found:
+                self.segments.release(seg)
+            for f in fills:
+                f.plan.cancel()
+            raise
+        return found, fills
+
+    def fill(self, seg: Segment, namespace: str) -> Sequence:
+        """The cache-building request that computes `seg`'s KV into its blocks (a prefill at position 0)."""
+        seg.filling = True
+        return Sequence(list(seg.token_ids), SamplingParams(max_tokens=1), block_table=list(seg.blocks),
+                        cache_salt=prefix_salt(namespace), plan=SegmentFill(self, seg))
 
     def realign(self, layout: ReuseLayout, segs: list[Segment], block_table: torch.Tensor, rotate: bool) -> None:
         """Copy each segment's KV (all layers) into the request; keys rotated by the position delta."""
@@ -127,39 +143,92 @@ class ReuseExecutor:
         with stage("kv_store"):
             fn(self.kv.k, self.kv.v, src, self.kv.slots(block_table, pos), delta, self.inv_freq)
 
-    # ---- the plan's forward -------------------------------------------------------------------------
+    def request(self, flow: ReuseFlow, layout: ReuseLayout) -> ReuseRequest:
+        """The plan of one prompt with segments, for the scheduler (`Sequence.plan`)."""
+        return ReuseRequest(self, flow, layout)
 
-    @torch.inference_mode()
-    def prefill(self, flow: ReuseFlow, layout: ReuseLayout, block_table: torch.Tensor) -> tuple[torch.Tensor, ReuseStats]:
-        """Fill the request's blocks with the prompt's KV by the flow's plan → (last-token logits `[V]`, stats)."""
-        t0 = time.perf_counter()
-        stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=self.num_layers,
-                           num_kv_heads=self.kv.num_kv_heads)
-        segs = self.fetch_segments(layout, stats) if flow.reads_cache else []
+
+class SegmentFill(PlannedPrefill):
+    """A stored segment's fill: every row of the segment at positions 0.. into the segment's blocks."""
+
+    cache_only = True
+
+    def __init__(self, ex: ReuseExecutor, seg: Segment) -> None:
+        self.ex, self.seg = ex, seg
+
+    def num_rows(self) -> int:
+        return self.seg.num_tokens
+
+    def rows(self, block_table: torch.Tensor) -> Rows:
+        t = self.seg.num_tokens
+        return Rows(self.ex.kv, block_table, t, torch.arange(t, device=block_table.device), self.ex.scale)
+
+    def done(self) -> None:
+        self.seg.filling = False
+        self.ex.segments.mark_ready(self.seg)
+
+    def cancel(self) -> None:
+        self.seg.filling = False
+        if self.seg in self.ex.segments and not self.seg.refs:
+            self.ex.segments.drop(self.seg)
+
+
+class ReuseRequest(PlannedPrefill):
+    """One prompt with segments as the scheduler runs it (see the module docstring); `stats` fill in as it runs."""
+
+    def __init__(self, ex: ReuseExecutor, flow: ReuseFlow, layout: ReuseLayout) -> None:
+        self.ex, self.flow, self.layout = ex, flow, layout
+        self.stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=ex.num_layers, num_kv_heads=ex.kv.num_kv_heads)
+        self.segs: list[Segment] = []
+        self.plan: ReusePlan | None = None
+        self._t0 = 0.0
+
+    def admit(self) -> list[Sequence] | None:
+        if not self.flow.reads_cache:
+            return []
         try:
-            self.realign(layout, segs, block_table, flow.realign)
-        finally:
-            for seg in segs:
-                self.segments.release(seg)
-        dev = self.kv.k.device
-        reused = layout.reused_mask(dev) if flow.reads_cache else torch.zeros(layout.num_tokens, dtype=torch.bool, device=dev)
-        stats.reused_tokens = int(reused.sum())
-        stats.head_paged_kv_fraction = flow.head_paged_kv_fraction(layout)
-        plan = ReusePlan(self.kv, block_table, flow, layout, reused, stats, self.num_layers, self.scale)
-        hidden = self.run(layout.token_ids, plan)
-        plan.finish()
-        logits = self.model.compute_logits(hidden[-1:])[0]
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        stats.seconds = time.perf_counter() - t0
-        return logits, stats
+            self.segs, fills = self.ex.lookup(self.layout, self.stats)
+        except SparsetuneError:
+            return None  # no room for its misses yet: the scheduler tries again after a step
+        return fills
 
-    @torch.inference_mode()
-    def run(self, token_ids: list[int], rows: Rows) -> torch.Tensor:
-        """The model's forward over `rows` → the final hidden states of the rows it ends with (the last
-        token's last)."""
-        ids = torch.tensor(token_ids, device=self.kv.k.device)
-        return self.model(ids[rows.positions], rows=rows)
+    def ready(self) -> bool:
+        return all(seg.ready for seg in self.segs)
+
+    def num_rows(self) -> int:
+        if not self.flow.reads_cache or self.flow.selection_layer(self.ex.num_layers) is not None:
+            return self.layout.num_tokens  # every row, up to and at the selection layer
+        return int((self.flow.initial_rows(self.layout) | ~self.layout.reused_mask()).sum()) + 1
+
+    def rows(self, block_table: torch.Tensor) -> Rows:
+        self._t0 = time.perf_counter()
+        try:
+            self.ex.realign(self.layout, self.segs, block_table, self.flow.realign)
+        finally:
+            self._let_go()
+        dev = self.ex.kv.k.device
+        reused = (self.layout.reused_mask(dev) if self.flow.reads_cache
+                  else torch.zeros(self.layout.num_tokens, dtype=torch.bool, device=dev))
+        self.stats.reused_tokens = int(reused.sum())
+        self.stats.head_paged_kv_fraction = self.flow.head_paged_kv_fraction(self.layout)
+        self.plan = ReusePlan(self.ex.kv, block_table, self.flow, self.layout, reused, self.stats, self.ex.num_layers,
+                              self.ex.scale)
+        return self.plan
+
+    def done(self) -> None:
+        """After its step (its first token sampled): the plan's counters, and the step's time."""
+        assert self.plan is not None
+        self.plan.finish()
+        self.stats.seconds = time.perf_counter() - self._t0
+        self.ex.segments.enforce_watermark()  # idle segments above the watermark go, pinned ones last
+
+    def cancel(self) -> None:
+        self._let_go()
+
+    def _let_go(self) -> None:
+        for seg in self.segs:
+            self.ex.segments.release(seg)
+        self.segs = []
 
 
 class ReusePlan(Rows):

@@ -12,6 +12,7 @@ tokens are inserted into the prompt (they would change what the model reads).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +26,23 @@ if TYPE_CHECKING:
 PART_KEYS = {"text", "reuse", "namespace", "pin"}
 
 
+DEFAULT_NAMESPACE = "default"
+
+
+def prefix_salt(namespace: str) -> bytes:
+    """The prefix-cache salt of a namespace (`Sequence.cache_salt`): a segment stored in it is found
+    as a prefix by prompts of the same salt only. The default namespace is the unsalted one, that
+    of plain prompts."""
+    if namespace == DEFAULT_NAMESPACE:
+        return b""
+    return hashlib.blake2b(namespace.encode("utf-8"), digest_size=16, person=b"sparsetune-ns").digest()
+
+
 @dataclass(frozen=True)
 class Part:
     text: str
     reuse: bool = False
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
     pin: bool = False  # keep the segment through idle periods ("frozen")
 
 
@@ -96,7 +109,7 @@ def parse_parts(obj: Any, where: str = "prompt") -> list[Part]:
         text = p.get("text")
         if not isinstance(text, str) or not text:
             raise SparsetuneError(f"{at}.text: expected a non-empty string")
-        reuse, pin, ns = p.get("reuse", False), p.get("pin", False), p.get("namespace", "default")
+        reuse, pin, ns = p.get("reuse", False), p.get("pin", False), p.get("namespace", DEFAULT_NAMESPACE)
         if not isinstance(reuse, bool) or not isinstance(pin, bool):
             raise SparsetuneError(f"{at}: \"reuse\" and \"pin\" must be true or false")
         if not isinstance(ns, str) or not ns:

@@ -25,6 +25,9 @@ blocks evicts idle segments before it waits or preempts):
   watermark: that is the "beyond the watermark" case in which pinned segments
   yield. Eviction stops as soon as `n` blocks are freed, so pinned segments go
   only when live work would otherwise be refused.
+* The cap (`cap` blocks, `EngineConfig.segment_cap` of the pool): an `insert` that would take the
+  segments past it first evicts idle segments in the same order until it fits (a soft cap: if the
+  held ones alone exceed it, the insert still goes ahead).
 * `enforce_watermark()` (no demand; for the engine to call when it wants
   headroom, e.g. after inserts or when idle): while the pool's use (blocks not
   free / `num_blocks`) is above `watermark`, evict unpinned idle segments LRU,
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -87,6 +90,7 @@ class Segment:
     hits: int = 0
     last_used: int = 0  # logical clock of the last lookup hit / insert / acquire
     ready: bool = False  # KV written by the engine; lookup only returns ready segments (False again once evicted)
+    filling: bool = False  # its fill is queued or running (`reuse.executor.SegmentFill`)
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +100,8 @@ class Segment:
 class SegmentCache:
     """Segments' KV in pool blocks, with reference counts, pinning, LRU/LFU eviction and a watermark."""
 
-    def __init__(self, blocks: BlockManager, block_size: int, salt: str, watermark: float = 0.9) -> None:
+    def __init__(self, blocks: BlockManager, block_size: int, salt: str, watermark: float = 0.9,
+                 cap: int | None = None) -> None:
         if block_size != blocks.block_size:
             raise ValueError(f"block_size {block_size} differs from the pool's {blocks.block_size}")
         if not 0 < watermark <= 1:
@@ -107,6 +112,7 @@ class SegmentCache:
         self.block_size = block_size
         self.salt = salt
         self.watermark = watermark
+        self.cap = cap  # blocks stored segments may hold (None: the pool)
         self._segments: dict[str, Segment] = {}
         self._clock = 0
         self.hits = 0
@@ -164,6 +170,9 @@ class SegmentCache:
                 f"{self.blocks.num_blocks} can be freed (the rest hold requests or segments in use); "
                 f"raise --kv-memory or split the segment"
             )
+        if self.cap is not None:  # idle segments beyond the cap go first, least recently used first
+            held = sum(len(s.blocks) for s in self._segments.values())
+            self._evict_while(lambda freed: held - freed + need > self.cap)
         seg = Segment(  # allocate evicts idle segments for the missing blocks (reclaim)
             key=key, namespace=namespace, token_ids=tuple(arr.tolist()), blocks=self.blocks.allocate(need),
             pinned=pinned, last_used=self._tick(),
@@ -223,6 +232,19 @@ class SegmentCache:
         is freed. See the module docstring for why pinned ones may go here.
         """
         return self._evict_while(lambda freed: freed < num_blocks)
+
+    def block_ids(self) -> set[int]:
+        """The pool blocks the stored segments hold."""
+        return {b for s in self._segments.values() for b in s.blocks}
+
+    def clear(self, keep: Collection[str] = ()) -> int:
+        """Evict every idle segment (pinned ones too) but those whose key is in `keep`; blocks freed."""
+        freed = 0
+        for seg in self._eviction_order():
+            if seg.key not in keep:
+                freed += self._remove(seg)
+                self.evictions += 1
+        return freed
 
     def usage(self) -> float:
         """Fraction of the pool's blocks in use (by anyone: requests and segments)."""

@@ -4,6 +4,7 @@ results equal an engine without it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparsetune.engine.block_manager import BlockManager
 from sparsetune.llm import LLM
@@ -51,9 +52,47 @@ def test_freed_cached_block_taken_by_another_holder_is_forgotten():
     assert not bm.by_hash and bm.match_prefix(Sequence(list(range(7)), SamplingParams())) == 0
 
 
-def test_prefix_caching_refuses_a_decode_flow():
-    with pytest.raises(SparsetuneError, match="prefix caching cannot be combined with the decode flow 'quest'"):
-        LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, prefix_caching=True, flow="quest")
+def test_prefix_caching_refuses_only_a_decode_flow_with_per_request_state():
+    with pytest.raises(SparsetuneError, match="prefix caching cannot be combined with the decode flow 'h2o'.*F.save"):
+        LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, prefix_caching=True, flow="h2o")
+
+
+QUEST = {"block_size": "8", "budget": "32", "sink_blocks": "1", "local_blocks": "1"}
+
+
+def test_a_prefix_hit_with_quest_decodes_exactly_like_a_fresh_prefill(cached):
+    """Quest's fields are a function of a block's keys: blocks taken from the prefix cache bring the
+    fields their first prefill computed, so decoding from a hit selects what a fresh prefill selects:
+    the same tokens and logits at every step as an engine without prefix caching (and not dense's:
+    the budget is sparse here)."""
+    prompts = [PREFIX + "What is 2 + 2?", PREFIX + "Name a color of the sea."]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, keep_logits=True)
+    fresh = LLM(model="smollm2-135m", device="cpu", max_num_seqs=4, block_size=8, num_kv_blocks=160, flow="quest",
+                params=QUEST)
+
+    def run(llm):  # one prompt at a time: the second finds the first's blocks
+        out = []
+        for p in prompts:
+            seq = llm.engine.add_request(llm.encode_prompt(p), sp)
+            llm.engine.run_to_completion([], [seq])
+            out.append(seq)
+        return out
+
+    cached.apply(cached.setup.with_flow("quest", QUEST))
+    try:
+        hits = cached.engine.block_manager.prefix_hits
+        got = run(cached)
+        assert cached.engine.block_manager.prefix_hits - hits >= len(cached.tokenizer.chat_prompt(PREFIX)) // 8 - 1
+        cached.apply(cached.setup.dense())
+        dense = run(cached)
+    finally:
+        cached.apply(cached.setup.dense())
+    want = run(fresh)
+    for hit, ref, full in zip(got, want, dense):
+        assert hit.completion_ids == ref.completion_ids
+        for a, b in zip(hit.logits, ref.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert max((a - b).abs().max() for a, b in zip(got[1].logits, dense[1].logits)) > 1e-2
 
 
 def test_reuse_prefilled_prompts_are_never_prefix_hits(cached):

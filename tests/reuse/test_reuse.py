@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsetune.engine.sequence import SamplingParams
+from sparsetune.engine.sequence import SamplingParams, Status
 from sparsetune.errors import SparsetuneError
 from sparsetune.loader import build_flow
 from sparsetune.reuse import ReuseFlow
@@ -87,6 +87,8 @@ def test_reuse_prefill_fills_the_decode_flows_fields(smollm):
             for t in attn.stores(layer, smollm.engine.kv).values():
                 t.fill_(7.0)
         seq, _ = smollm.add_reuse_request(layout, SamplingParams(max_tokens=3, ignore_eos=True))
+        while seq.status == Status.WAITING:  # its segments' fills, then its own prefill step
+            smollm.engine.step()
         n, table = len(layout.token_ids), seq.block_table
         full = torch.tensor(table[: n // bs], dtype=torch.long)
         keys = smollm.engine.kv.k[layer][full]  # [blocks, Hkv, bs, D]

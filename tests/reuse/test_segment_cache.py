@@ -218,3 +218,17 @@ def test_insert_evicts_idle_and_repins_existing():
     assert a not in cache and len(b.blocks) == 2
     with pytest.raises(RuntimeError):
         SegmentCache(bm, BS, SALT)  # one cache per pool
+
+
+def test_cap_evicts_idle_segments_least_recent_first_and_is_soft_for_held_ones():
+    bm = BlockManager(16, BS)
+    cache = SegmentCache(bm, BS, SALT, cap=4)
+    a, b = _ready(cache, [1] * 2 * BS), _ready(cache, [2] * 2 * BS)  # two blocks each: at the cap
+    cache.lookup([1] * 2 * BS, "kb")  # a is the most recent now
+    c = _ready(cache, [3] * 2 * BS)
+    assert b not in cache and a in cache and c in cache and cache.stats()["blocks"] == 4
+    cache.acquire(a)
+    cache.acquire(c)
+    d = _ready(cache, [4] * BS)  # only held segments left: the cap yields
+    assert a in cache and c in cache and d in cache and cache.stats()["blocks"] == 5
+    assert bm.num_free == 16 - 5
