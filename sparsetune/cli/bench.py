@@ -23,6 +23,10 @@ def _floats(text: str, option: str) -> tuple[float, ...]:
         raise SparsetuneError(f"{option} {text!r}: write comma-separated numbers, e.g. {option} 1,2,4,8") from None
 
 
+def _names(text: str | None) -> tuple[str, ...]:
+    return tuple(f.strip() for f in (text or "").split(",") if f.strip())
+
+
 def _slo(text: str | None) -> dict[str, float]:
     if not text:
         return {}
@@ -40,14 +44,36 @@ def _slo(text: str | None) -> dict[str, float]:
 
 @app.command("serve")
 def serve(
-    flow: str = typer.Option(",".join(("dense", "block_topk", "quest")), "--flow", "-f",
-                             help="Comma-separated decode flows (names or .py files); dense always runs, first."),
+    flow: str = typer.Option(None, "--flow", "-f", help="Comma-separated decode flows (names or .py files; default "
+                             "dense,block_topk,quest); dense always runs, first. With --reuse: one decode flow, in every "
+                             "cell (default dense)."),
     param: list[str] = typer.Option(None, "--param", help="key=value for every flow but dense, or flow:key=value "
                                     "for one (repeatable), e.g. --param budget=2048 --param quest:block_size=16."),
+    reuse: str = typer.Option(None, "--reuse", help="Comma-separated reuse flows: a reuse run, whose cells are plain "
+                              "prompts, prefix caching and each reuse flow, on --workload."),
+    reuse_param: list[str] = typer.Option(None, "--reuse-param", help="key=value for every reuse flow, or "
+                                          "flow:key=value for one (repeatable)."),
+    workload: str = typer.Option(None, "--workload", help="With --reuse: rag (documents of a corpus, Zipf "
+                                 "popularity), chat (sessions re-sending their history) or agent (tool outputs "
+                                 "shared across agents). Default rag."),
+    docs: int = typer.Option(None, "--docs", help="rag: documents in the corpus; agent: tool outputs in the pool (default 64)."),
+    per_prompt: int = typer.Option(None, "--per-prompt", help="rag: documents per prompt; agent: tool outputs per "
+                                   "prompt; chat: turns per session (default 8)."),
+    doc_len: int = typer.Option(None, "--doc-len", help="Tokens per document, tool output, role prompt or chat "
+                                "message (default 4096)."),
+    question_len: int = typer.Option(None, "--question-len", help="Fresh tokens after the segments (rag's question, "
+                                     "agent's task); chat: the longest note before the history (default 64)."),
+    zipf: float = typer.Option(None, "--zipf", help="Zipf exponent of document popularity (0: uniform; default 1.0)."),
+    agents: int = typer.Option(None, "--agents", help="agent: agents, each with its role prompt (default 4)."),
+    cold_corpus: bool = typer.Option(False, "--cold-corpus", help="Do not store the corpus before each cell (its "
+                                     "first uses are misses)."),
+    segment_cap: float = typer.Option(1.0, "--segment-cap", help="Share of the KV pool stored segments may hold; "
+                                      "idle ones beyond it are evicted, least recently used first."),
     rate: str = typer.Option("1,2,4,8", "--rate", help="Comma-separated request rates (requests/s, Poisson arrivals)."),
     requests: int = typer.Option(32, "--requests", "-n", help="Requests per (flow, rate) cell, the same in every cell; "
                                  "whether the engine keeps up is judged when their arrivals span two E2E latencies."),
-    input_len: str = typer.Option("1024", "--input-len", help="Prompt tokens: N, A-B (uniform) or N:w,M:w (a mix)."),
+    input_len: str = typer.Option(None, "--input-len", help="Prompt tokens: N, A-B (uniform) or N:w,M:w (a mix); "
+                                  "default 1024 (a reuse run's prompts come from its workload)."),
     output_len: str = typer.Option("128", "--output-len", help="Output tokens (EOS ignored): N, A-B or N:w,M:w."),
     prefill: str = typer.Option("engine", "--prefill", help="engine: prompts are prefilled between decode steps (one "
                                 "node); disaggregated: requests arrive with their KV (the decode node of a P1D1 "
@@ -82,10 +108,14 @@ def serve(
     options = {} if resume is not None else dict(  # a resumed run's config wins
         opt.engine_options(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
                            no_cuda_graph=no_cuda_graph, seed=seed, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_batched_tokens, schedule=schedule),
-        executor=flow_executor, defaults=defaults, flows=tuple(f.strip() for f in flow.split(",") if f.strip()),
-        params=tuple(param or ()), rates=_floats(rate, "--rate"), requests=requests, input_len=input_len,
-        output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup, seed=seed)
+                           max_num_batched_tokens=max_batched_tokens, schedule=schedule, segment_cap=segment_cap),
+        executor=flow_executor, defaults=defaults, params=tuple(param or ()), rates=_floats(rate, "--rate"),
+        requests=requests, output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup, seed=seed,
+        reuse=_names(reuse), reuse_params=tuple(reuse_param or ()),
+        **{k: v for k, v in dict(flows=_names(flow) if flow is not None else None, input_len=input_len,
+                                 workload=workload, docs=docs, per_prompt=per_prompt, doc_len=doc_len,
+                                 question_len=question_len, zipf=zipf, agents=agents,
+                                 warm_corpus=False if cold_corpus else None).items() if v is not None})
     opt.check_writable(resume or out, "--resume" if resume is not None else "--out")  # where the run is written
     config = api.serve_config(resume=resume, **options)  # every check before the model loads
     apply_threads(threads)
@@ -160,6 +190,8 @@ def table(result: dict[str, Any]):
             "E2E p95", "out tok/s"]
     has_slo = any("slo" in c for c in result["cells"])
     cols += ["goodput", "SLO %"] if has_slo else []
+    has_cache = any("cache" in c for c in result["cells"])
+    cols += ["prefix %", "seg %", "recomp %", "blocks"] if has_cache else []
     for col in cols:
         t.add_column(col, justify="left" if col == "flow" else "right")
     for c in result["cells"]:
@@ -171,14 +203,32 @@ def table(result: dict[str, Any]):
         if has_slo:
             s = c.get("slo") or {}
             row += [f"{s['goodput']:.2f}" if s else "-", f"{100 * s['attainment']:.0f}" if s else "-"]
+        if has_cache:
+            k = c["cache"]
+            row += [f"{100 * k['prefix_hit_rate']:.0f}", f"{100 * k['segment_hit_rate']:.0f}",
+                    f"{100 * k['recompute_rate']:.0f}", str(k["blocks"])]
         t.add_row(*row)
     t.caption = ("latencies in ms; rate and goodput in requests/s; kept up: requests finished at >= 90% of the rate "
-                 "they arrived (-: the run is too short to tell, its arrivals span less than two E2E latencies; raise --requests)")
+                 "they arrived (-: the run is too short to tell, its arrivals span less than two E2E latencies; raise --requests)"
+                 + ("; prefix % / seg %: prompt tokens from the prefix cache / from stored segments; recomp %: "
+                    "share of the reused tokens recomputed; blocks: KV blocks the cache held at the cell's end"
+                    if has_cache else ""))
     t.caption_justify = "left"
     return t
 
 
 def reduction_lines(result: dict[str, Any]) -> list[str]:
+    if "slo_rates" in result:  # a reuse run
+        rates = result["slo_rates"]
+        if rates is None:
+            return ["the highest rate meeting a P95 TTFT target needs one: add --slo ttft=MS"]
+        best = ", ".join(f"{name} {'-' if r is None else f'{r:g} req/s'}" for name, r in rates["max_rate"].items())
+        lines = [f"highest rate whose P95 TTFT meets {rates['ttft_p95_slo_ms']:g} ms: {best}"]
+        for base, over in rates["over"].items():
+            parts = [f"{name} {x:.2f}x" for name, x in over.items() if x is not None]
+            if parts:
+                lines.append(f"over {base}: " + ", ".join(parts))
+        return lines
     red = result["reductions"]
     lines = []
     if red["dense_max_kept_up_rate"] is None and result["cells"]:

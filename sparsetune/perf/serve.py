@@ -19,6 +19,15 @@ Prefill, two settings:
   the pool holds its prompt and its whole output beside what the running requests still need, and
   fewer than `max_num_seqs` run. Its TTFT is the wait for room plus its first decode step.
 
+Reuse (`--reuse F,G` with `--workload rag|chat|agent`, `perf/workloads.py`): prompts made of
+reusable segments, drawn once from the seed. The cells are `plain` (no caching), `prefix_caching`
+(the engine's prefix cache alone) and each reuse flow, all with the decode flow of `--flow` (dense
+by default). Every cell starts from the same cache: emptied, then the workload's corpus stored (for
+`prefix_caching` the stored segments are its prefix entries; `plain` stores nothing). Each request
+record adds its cache figures (prefix tokens, reused and recomputed tokens), each cell its hit rates
+and the KV blocks the cache held at its end, and with a TTFT SLO the run reports each cell's highest
+rate whose P95 TTFT meets it (the throughput figure) against plain prompts' and prefix caching's.
+
 Per request, from `Sequence.events` (seconds on the `perf_counter` clock): TTFT (first token -
 arrival), TPOT ((finish - first token) / (tokens - 1)), ITL (gaps between consecutive tokens), E2E
 (finish - arrival), queue (first scheduled or admitted - arrival). Per (flow, rate) cell: mean and
@@ -51,6 +60,7 @@ from sparsetune.engine.config import EngineConfig, split_engine_options
 from sparsetune.setup import Setup, resolve
 from sparsetune.engine.config_field import EngineField
 from sparsetune.errors import SparsetuneError
+from sparsetune.perf.workloads import ReuseWorkload, draw
 
 PREFILL_MODES = ("engine", "disaggregated")
 KEPT_UP = 0.9  # completions at >= this share of the arrival rate: the engine kept up
@@ -144,18 +154,30 @@ def prompt_ids(reqs: list[Request], vocab: int, seed: int) -> list[list[int]]:
 
 # ---- the config -----------------------------------------------------------------------------------
 
+# The flat options (CLI and `sparsetune.bench_serve`) of a reuse run's `ReuseWorkload`, by field.
+WORKLOAD_OPTIONS = {"workload": "name", "docs": "docs", "per_prompt": "per_prompt", "doc_len": "doc_len",
+                    "question_len": "question_len", "zipf": "zipf", "agents": "agents", "warm_corpus": "warm"}
+BASELINES = ("plain", "prefix_caching")  # the reuse run's cells besides its reuse flows
+
+
 class ServeConfig(BaseModel):
     """Everything that determines a serve benchmark; written to config.json and read back by resume.
 
     `engine`: the model, device, dtype, weights, KV memory, batch limits and CUDA graphs; `flows` and
     `params` say which flows run (`params`: `key=value` for every flow but dense, `flow:key=value`
-    for one flow), each resolved into a cell's `Setup` with `defaults` and `executor`."""
+    for one flow; None: `DEFAULT_FLOWS`), each resolved into a cell's `Setup` with `defaults` and
+    `executor`. With `reuse` (reuse flows, `reuse_params` as `params`) the run is a reuse run: one
+    decode flow at most (None: dense), the cells `BASELINES` and each reuse flow, on `workload`
+    (`perf/workloads.py`; flat options as `WORKLOAD_OPTIONS` name them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine: EngineField = EngineConfig()
-    flows: tuple[str, ...] = DEFAULT_FLOWS
+    flows: tuple[str, ...] | None = None
     params: tuple[str, ...] = ()
+    reuse: tuple[str, ...] = ()
+    reuse_params: tuple[str, ...] = ()
+    workload: ReuseWorkload = ReuseWorkload()
     defaults: str = "tuned"  # the model's tuned flow defaults under --param, or the flows' published ones
     executor: str | None = None  # a flow's executor (None: compiled on GPU)
     rates: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
@@ -169,10 +191,15 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
-        if not self.flows:
+        flows = self.decode_flows
+        if not flows:
             raise SparsetuneError("--flow: name at least one flow (e.g. --flow dense,block_topk,quest)")
-        if len(set(self.flows)) != len(self.flows):
-            raise SparsetuneError(f"--flow {','.join(self.flows)}: a flow is named twice")
+        if len(set(flows)) != len(flows):
+            raise SparsetuneError(f"--flow {','.join(flows)}: a flow is named twice")
+        if self.reuse:
+            self._check_reuse()
+        elif self.reuse_params:
+            raise SparsetuneError("--reuse-param describes a reuse run; add --reuse FLOW (e.g. --reuse cacheblend)")
         if not self.rates:
             raise SparsetuneError("--rate: give at least one request rate (requests per second), e.g. --rate 1,2,4")
         bad = [r for r in self.rates if not (r > 0 and math.isfinite(r))]
@@ -195,36 +222,92 @@ class ServeConfig(BaseModel):
         self.flow_params()
         return self
 
+    def _check_reuse(self) -> None:
+        if len(self.decode_flows) > 1:
+            raise SparsetuneError(f"--flow {','.join(self.decode_flows)}: a reuse run takes one decode flow at most "
+                                  "(it runs in every cell); compare decode flows without --reuse")
+        if len(set(self.reuse)) != len(self.reuse):
+            raise SparsetuneError(f"--reuse {','.join(self.reuse)}: a flow is named twice")
+        clash = [f for f in self.reuse if f in BASELINES]
+        if clash:
+            raise SparsetuneError(f"--reuse {clash[0]}: {', '.join(BASELINES)} always run; name reuse flows only")
+        if self.prefill != "engine":
+            raise SparsetuneError("--prefill disaggregated measures decode alone; a reuse run measures prefill: "
+                                  "drop --prefill or --reuse")
+        if self.input_len != type(self).model_fields["input_len"].default:
+            raise SparsetuneError("--input-len: a reuse run's prompts come from its workload; set --doc-len, "
+                                  "--per-prompt and --question-len instead")
+        self.workload.check()
+        self.reuse_flow_params()
+
+    @property
+    def decode_flows(self) -> tuple[str, ...]:
+        """The decode flows: those given, else `DEFAULT_FLOWS` (dense alone in a reuse run)."""
+        if self.flows is not None:
+            return self.flows
+        return ("dense",) if self.reuse else DEFAULT_FLOWS
+
+    def cell_names(self) -> tuple[str, ...]:
+        """What each rate's cells are: the decode flows, or in a reuse run `BASELINES` and the reuse flows."""
+        return BASELINES + self.reuse if self.reuse else self.decode_flows
+
+    def reuse_flow_params(self) -> dict[str, dict[str, str]]:
+        """Each reuse flow's `--reuse-param` strings: the shared ones, then its own."""
+        return _per_flow(self.reuse_params, self.reuse, "--reuse-param", every=True)
+
     @classmethod
     def of(cls, **options: Any) -> ServeConfig:
         """From flat keyword options, as `sparsetune.bench_serve` takes them: the benchmark's own
         fields and `EngineConfig`'s."""
-        engine, own = split_engine_options(options, set(cls.model_fields) - {"engine"}, "bench serve")
-        return cls(engine=engine, **own)
+        engine, own = split_engine_options(options, set(cls.model_fields) - {"engine", "workload"} | set(WORKLOAD_OPTIONS),
+                                           "bench serve")
+        given = [k for k in own if k in WORKLOAD_OPTIONS]
+        if given and not own.get("reuse"):
+            raise SparsetuneError(f"--{given[0].replace('_', '-')} describes a reuse run; add --reuse FLOW (e.g. "
+                                  "--reuse cacheblend)")
+        workload = ReuseWorkload(**{WORKLOAD_OPTIONS[k]: own.pop(k) for k in given})
+        return cls(engine=engine, workload=workload, **own)
 
     def lengths(self) -> tuple[Lengths, Lengths]:
         return Lengths.parse(self.input_len, "--input-len"), Lengths.parse(self.output_len, "--output-len")
 
     def flow_params(self) -> dict[str, dict[str, str]]:
         """Each flow's `--param` strings: the shared ones (not for dense), then its own."""
-        from sparsetune.flow.params import parse_flow_param_args, parse_param_args
+        return _per_flow(self.params, self.decode_flows, "--param", every=False)
 
-        own = [p for p in self.params if ":" in p.partition("=")[0]]
-        shared = parse_param_args([p for p in self.params if p not in own])
-        per_flow = parse_flow_param_args(own)
-        for flow in per_flow:
-            if flow not in self.flows:
-                raise SparsetuneError(f"--param {flow}:...: {flow!r} is not one of --flow {','.join(self.flows)}")
-        return {f: {**({} if f == "dense" else shared), **per_flow.get(f, {})} for f in self.flows}
-
-    def setup(self, flow: str) -> Setup:
-        """The setup of `flow`'s cells: the engine's options, the flow with its params (`resolve`)."""
-        return resolve(self.engine, flow=None if flow == "dense" else flow, params=self.flow_params()[flow],
-                       executor=self.executor, defaults=self.defaults)
+    def setup(self, cell: str) -> Setup:
+        """The setup of a cell (`cell_names`): the engine's options, its decode flow with its params, and
+        in a reuse run prefix caching (`prefix_caching`) or the reuse flow with its params (`resolve`)."""
+        if not self.reuse:
+            return resolve(self.engine, flow=None if cell == "dense" else cell, params=self.flow_params()[cell],
+                           executor=self.executor, defaults=self.defaults)
+        flow = self.decode_flows[0]
+        reuse = None if cell in BASELINES else cell
+        return resolve(replace(self.engine, prefix_caching=cell == "prefix_caching"),
+                       flow=None if flow == "dense" else flow, params=self.flow_params()[flow], reuse=reuse,
+                       reuse_params=self.reuse_flow_params()[cell] if reuse else None, executor=self.executor,
+                       defaults=self.defaults)
 
     def with_dense(self) -> ServeConfig:
-        """Dense first (every reduction is against it), then the other flows as given."""
-        return self.model_copy(update={"flows": ("dense",) + tuple(f for f in self.flows if f != "dense")})
+        """Dense first (every reduction is against it), then the other flows as given (a reuse run: as
+        it is, its baselines first)."""
+        if self.reuse:
+            return self
+        return self.model_copy(update={"flows": ("dense",) + tuple(f for f in self.decode_flows if f != "dense")})
+
+
+def _per_flow(args: tuple[str, ...], flows: tuple[str, ...], option: str, every: bool) -> dict[str, dict[str, str]]:
+    """`key=value` strings for every flow (but dense unless `every`) and `flow:key=value` for one, per flow."""
+    from sparsetune.flow.params import parse_flow_param_args, parse_param_args
+
+    own = [p for p in args if ":" in p.partition("=")[0]]
+    shared = parse_param_args([p for p in args if p not in own])
+    per_flow = parse_flow_param_args(own)
+    for flow in per_flow:
+        if flow not in flows:
+            what = "--reuse" if option == "--reuse-param" else "--flow"
+            raise SparsetuneError(f"{option} {flow}:...: {flow!r} is not one of {what} {','.join(flows)}")
+    return {f: {**({} if f == "dense" and not every else shared), **per_flow.get(f, {})} for f in flows}
 
 
 def check_serve(cfg: ServeConfig) -> None:
@@ -236,9 +319,19 @@ def check_serve(cfg: ServeConfig) -> None:
 
     name, mcfg = cfg.engine.check()
     inp, out = cfg.lengths()
-    if inp.max + out.max > mcfg.max_position_embeddings:
+    if cfg.reuse:
+        longest = cfg.workload.max_prompt_len(out.max)
+        if longest + out.max > mcfg.max_position_embeddings:
+            raise SparsetuneError(f"the {cfg.workload.name} workload's prompts (up to {longest} tokens) plus --output-len up "
+                                  f"to {out.max} exceed {name}'s {mcfg.max_position_embeddings} positions; lower "
+                                  "--doc-len or --per-prompt")
+    elif inp.max + out.max > mcfg.max_position_embeddings:
         raise SparsetuneError(f"--input-len up to {inp.max} plus --output-len up to {out.max} exceeds {name}'s "
                               f"{mcfg.max_position_embeddings} positions; lower them")
+    for flow, params in cfg.reuse_flow_params().items():
+        if flow_kind(lookup_flow_class(flow, Flow)) != "reuse":
+            raise SparsetuneError(f"--reuse {flow}: a decode flow; name decode flows with --flow")
+        cfg.setup(flow)  # its params, and the decode flow with it
     for flow, params in cfg.flow_params().items():
         if flow == "dense":
             if params:
@@ -246,7 +339,8 @@ def check_serve(cfg: ServeConfig) -> None:
             continue
         cls = lookup_flow_class(flow, Flow)
         if flow_kind(cls) != "decode":
-            raise SparsetuneError(f"--flow {flow}: a {flow_kind(cls)} flow; bench serve runs decode flows")
+            raise SparsetuneError(f"--flow {flow}: a {flow_kind(cls)} flow; bench serve runs decode flows with --flow "
+                                  "and reuse flows with --reuse")
         specs = cls.param_specs()
         for key, value in params.items():
             if key not in specs:
@@ -254,7 +348,10 @@ def check_serve(cfg: ServeConfig) -> None:
                 raise SparsetuneError(f"--param {f'{flow}:' if own else ''}{key}: {flow} has no such param (it has "
                                       f"{', '.join(specs)})" + ("" if own else f"; a param for one flow only is "
                                                                               f"--param FLOW:{key}=VALUE"))
-        cfg.setup(flow)  # its params over the tuned defaults, its layers against the model's
+        if not cfg.reuse:
+            cfg.setup(flow)  # its params over the tuned defaults, its layers against the model's
+    if cfg.reuse:
+        cfg.setup("plain")
 
 
 # ---- one cell: a flow at a rate ---------------------------------------------------------------------
@@ -266,9 +363,19 @@ class _Admission:
 
     def __init__(self, llm, prefill: str) -> None:
         self.llm, self.prefill = llm, prefill
+        self.reuse: dict[int, Any] = {}  # request id → its reuse prefill's stats (`ReuseStats`)
 
-    def __call__(self, ids: list[int], params, arrival: float):
+    def __call__(self, ids, params, arrival: float):
+        """`ids`: the prompt's token ids, or its `ReuseLayout` (a reuse run's prompt)."""
+        from sparsetune.reuse.parts import ReuseLayout
+
         llm = self.llm
+        if isinstance(ids, ReuseLayout):
+            if llm.reuse_flow is None:  # its segments as plain text
+                return llm.engine.add_request(ids.token_ids, params, arrival)
+            seq, stats = llm.add_reuse_request(ids, params, arrival)
+            self.reuse[seq.seq_id] = stats
+            return seq
         if self.prefill == "engine":
             return llm.engine.add_request(ids, params, arrival)
         sched, blocks = llm.engine.scheduler, llm.engine.block_manager
@@ -293,9 +400,12 @@ def run_requests(llm, reqs: list[Request], ids: list[list[int]], offsets: list[f
     `on_finish(n)`: n requests have finished so far."""
     from sparsetune.engine.sequence import SamplingParams
 
+    from sparsetune.reuse.parts import ReuseLayout
+
     if llm.engine.scheduler.has_work():
         raise RuntimeError("run_requests needs an idle engine")
     admit = _Admission(llm, prefill)
+    reuse_run = bool(ids) and isinstance(ids[0], ReuseLayout)
     t0 = clock()
     arrivals = [t0 + o for o in offsets]
     seqs: list[Any] = [None] * len(reqs)
@@ -329,15 +439,23 @@ def run_requests(llm, reqs: list[Request], ids: list[list[int]], offsets: list[f
             if seq is not None:
                 llm.engine.abort(seq)
         raise
-    return [request_record(i, r, s, t0) for i, (r, s) in enumerate(zip(reqs, seqs))]
+    return [request_record(i, r, s, t0, admit.reuse.get(s.seq_id), reuse_run) for i, (r, s) in enumerate(zip(reqs, seqs))]
 
 
-def request_record(i: int, req: Request, seq, t0: float) -> dict[str, Any]:
-    """One request's latencies in seconds, from its events; `arrival_s` from the cell's start."""
+def request_record(i: int, req: Request, seq, t0: float, reuse=None, cache: bool = False) -> dict[str, Any]:
+    """One request's latencies in seconds, from its events; `arrival_s` from the cell's start. With
+    `cache` (a reuse run), its cache figures: prompt tokens taken from the prefix cache, and from
+    its reuse prefill's stats (`reuse`) the tokens reused from stored segments and those recomputed."""
     ev = seq.events
     toks = ev.tokens
     n = len(toks)
-    return {
+    figures = {}
+    if cache:
+        figures = {"prefix_tokens": seq.num_cached_tokens,
+                   "reused_tokens": reuse.reused_tokens if reuse is not None else 0,
+                   "recomputed_tokens": reuse.recomputed_reused if reuse is not None else 0,
+                   "segment_misses": reuse.segment_misses if reuse is not None else 0}
+    return {**figures,
         "i": i, "arrival_s": ev.arrival - t0, "input_len": req.input_len, "output_len": req.output_len,
         "output_tokens": n, "finish_reason": seq.finish_reason,
         "ttft_s": ev.first_token - ev.arrival,
@@ -387,7 +505,33 @@ def summarize(recs: list[dict[str, Any]], rate: float, slo: dict[str, float] | N
     if slo:
         good = sum(all(r[f"{k}_s"] is not None and 1e3 * r[f"{k}_s"] <= ms for k, ms in slo.items()) for r in recs)
         cell["slo"] = {"targets_ms": dict(slo), "attainment": round(good / n, 4), "goodput": round(good / duration, 4)}
+    if "prefix_tokens" in recs[0]:  # a reuse run: how much of the prompts the cache served
+        total = {k: sum(r[k] for r in recs) for k in ("prefix_tokens", "reused_tokens", "recomputed_tokens", "segment_misses")}
+        cell["cache"] = {"prefix_hit_rate": round(total["prefix_tokens"] / in_tokens, 4),
+                         "segment_hit_rate": round(total["reused_tokens"] / in_tokens, 4),
+                         "recompute_rate": round(total["recomputed_tokens"] / max(1, total["reused_tokens"]), 4),
+                         "computed_rate": round((in_tokens - total["prefix_tokens"] - total["reused_tokens"]
+                                                 + total["recomputed_tokens"]) / in_tokens, 4),
+                         "segment_misses": total["segment_misses"]}
     return cell
+
+
+def slo_rates(cells: list[dict[str, Any]], slo: dict[str, float]) -> dict[str, Any] | None:
+    """A reuse run's throughput figure: per cell name the highest rate whose P95 TTFT meets the TTFT
+    SLO (None: no rate did), and its ratio to plain prompts' and to prefix caching's. None without a
+    TTFT target."""
+    if "ttft" not in slo:
+        return None
+    best: dict[str, float | None] = {}
+    for c in cells:
+        ok = c["ttft_ms"] is not None and c["ttft_ms"]["p95"] <= slo["ttft"]
+        best.setdefault(c["flow"], None)
+        if ok and (best[c["flow"]] is None or c["rate"] > best[c["flow"]]):
+            best[c["flow"]] = c["rate"]
+    ratio = lambda a, b: None if a is None or not b else round(a / b, 3)  # noqa: E731
+    return {"ttft_p95_slo_ms": slo["ttft"], "max_rate": best,
+            "over": {base: {name: ratio(rate, best.get(base)) for name, rate in best.items() if name != base}
+                     for base in BASELINES if base in best}}
 
 
 def reductions(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -455,7 +599,7 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
 
     inp, outl = cfg.lengths()
     if llm is None:
-        llm = LLM(cfg.setup("dense"))
+        llm = LLM(cfg.setup(cfg.cell_names()[0]))
     from sparsetune.perf.admission import SERVE, check_fits
 
     if resume is None:
@@ -466,12 +610,23 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     done = {_cell_key(c["flow"], c["rate"]) for c in cells}
     # request lines of cells that did not finish go (a crash between a cell's two writes leaves them)
     records.keep_lines(run_dir / "requests.jsonl", lambda rec: _cell_key(rec["flow"], rec["rate"]) in done)
+    names, vocab = cfg.cell_names(), llm.model_config.vocab_size
     reqs = draw_requests(cfg.requests, inp, outl, cfg.seed)
     warm = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS)) for r in draw_requests(cfg.warmup, inp, outl, cfg.seed + 1)]
-    ids = prompt_ids(reqs, llm.model_config.vocab_size, cfg.seed)
-    warm_ids = prompt_ids(warm, llm.model_config.vocab_size, cfg.seed + 1)
-    todo = [(f, r) for f in cfg.flows for r in cfg.rates if _cell_key(f, r) not in done]
-    emit("start", {"run_dir": str(run_dir), "cells": len(cfg.flows) * len(cfg.rates), "done": len(done),
+    corpus: list = []
+    if cfg.reuse:  # prompts of segments, and the corpus each cell starts with
+        drawn = draw(cfg.workload, len(reqs), vocab, cfg.seed, [r.output_len for r in reqs])
+        ids, corpus = drawn.layouts, drawn.corpus
+        # Warmed up on the workload's own first prompts (the cache is reset after), so the shapes a
+        # cell meets (prefix hits' attention behind cached keys) are compiled before it.
+        warm_ids = [ids[i % len(ids)] for i in range(len(warm))]
+        reqs = [replace(r, input_len=x.num_tokens) for r, x in zip(reqs, ids)]
+        warm = [replace(r, input_len=x.num_tokens) for r, x in zip(warm, warm_ids)]
+    else:
+        ids, warm_ids = prompt_ids(reqs, vocab, cfg.seed), prompt_ids(warm, vocab, cfg.seed + 1)
+    longest = max(r.input_len for r in reqs) if cfg.reuse else inp.max
+    todo = [(f, r) for f in names for r in cfg.rates if _cell_key(f, r) not in done]
+    emit("start", {"run_dir": str(run_dir), "cells": len(names) * len(cfg.rates), "done": len(done),
                    "requests": len(todo) * len(reqs)})
 
     def save() -> dict[str, Any]:
@@ -479,25 +634,35 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
         res = {"model": llm.resolved.name, "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
                "random_weights": llm.resolved.random_weights, "prefill": cfg.prefill, "cells": cells,
                "reductions": reductions(cells), "run_dir": str(run_dir),
-               "complete": all(_cell_key(f, r) in have for f in cfg.flows for r in cfg.rates)}
+               "complete": all(_cell_key(f, r) in have for f in names for r in cfg.rates)}
+        if cfg.reuse:
+            res.update(workload=cfg.workload.name, slo_rates=slo_rates(cells, cfg.slo))
         records.write_json(run_dir / "results.json", res)
         return res
 
-    current = None
+    current, stored = None, None
     for index, (flow, rate) in enumerate(todo):
         if flow != current:
             llm.apply(cfg.setup(flow))
-            check_fits(llm.engine, 1, inp.max, outl.max, SERVE)
+            check_fits(llm.engine, 1, longest, outl.max, SERVE)
+            if cfg.reuse:
+                _check_reuse_fits(llm, longest + outl.max)
             current = flow
             if warm:
                 emit("warmup", {"flow": flow})
+                if cfg.reuse:  # warmed up on the cache it serves from (prefix hits compile their attention too)
+                    stored = _reset_cache(llm, corpus if flow != "plain" else [], stored)
                 run_requests(llm, warm, warm_ids, [0.0] * len(warm), cfg.prefill)
+        if cfg.reuse:  # every cell starts from the same cache: the corpus stored, nothing else
+            stored = _reset_cache(llm, corpus if flow != "plain" else [], stored)
         emit("cell", {"flow": flow, "rate": rate, "index": index})
         recs = run_requests(llm, reqs, ids, arrival_offsets(reqs, rate), cfg.prefill,
                             on_finish=lambda n, f=flow, r=rate: emit("finish", {"flow": f, "rate": r, "finished": n,
                                                                                "requests": len(reqs)}))
         cell = {"flow": flow, "params": llm.flow.params() if llm.flow is not None else {}, "setup": llm.setup.to_dict(),
                 **summarize(recs, rate, cfg.slo)}
+        if cfg.reuse:
+            cell["cache"]["blocks"] = len(llm.segments.block_ids() | set(llm.engine.block_manager.block_hash))
         with open(run_dir / "requests.jsonl", "a") as f:
             for r in recs:
                 f.write(json.dumps({"flow": flow, "rate": rate, **_rounded(r)}) + "\n")
@@ -507,6 +672,31 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     res = save()
     plot(res, run_dir / "latency.png")
     return res
+
+
+def _reset_cache(llm, corpus: list, stored: bool | None) -> bool:
+    """Empty the cache but for `corpus` (layouts of one segment each), and store what it lacks of it.
+    `stored`: whether the corpus kept from the cell before is a prefix-cache entry too (stored with
+    prefix caching on; None: nothing kept). A cell with prefix caching drops a corpus that is not and
+    stores it again. Returns the same for the corpus stored now."""
+    bm, on = llm.engine.block_manager, llm.engine.config.prefix_caching
+    kept = stored is not None and bool(corpus) and (stored or not on)
+    llm.segments.clear({llm.segments.key(x.token_ids, x.spans[0].namespace) for x in corpus} if kept else ())
+    bm.forget_prefixes(keep=llm.segments.block_ids())
+    if not corpus:
+        return None
+    new = llm.cache_segments(corpus)
+    return (stored if kept else on) and (on or not new)
+
+
+def _check_reuse_fits(llm, tokens: int) -> None:
+    """A reuse request of `tokens` (prompt and output) and the segments it reuses fit the pool together."""
+    bm = llm.engine.block_manager
+    need = 2 * bm.blocks_for(tokens)
+    if need > bm.num_blocks:
+        raise SparsetuneError(f"a reuse request of {tokens} tokens and the segments it reuses need about {need} KV "
+                              f"blocks together; the pool has {bm.num_blocks}: raise --kv-memory or lower --doc-len "
+                              "or --per-prompt")
 
 
 def _rounded(rec: dict[str, Any]) -> dict[str, Any]:
