@@ -267,27 +267,28 @@ class LLM:
         """Stage 1 of the reuse protocol: store every segment of `layouts` that the cache lacks, each
         prefilled alone at position 0 (cache-building requests, batched by the scheduler and run now
         with whatever else the engine holds); returns how many were new."""
-        stats, segs, fills = ReuseStats(), [], []
+        segs, fills, misses = [], [], 0
         try:
             for layout in [layouts] if isinstance(layouts, ReuseLayout) else layouts:
-                got, new = self.reuse_executor.lookup(layout, stats)
+                got, new, counts = self.reuse_executor.lookup(layout)
                 segs += got
                 fills += new
+                misses += counts.segment_misses
         except BaseException:  # nothing queued: what was taken goes back
-            for seg in segs:
-                self.segments.release(seg)
-            for f in fills:
-                f.plan.cancel()
+            self.reuse_executor.let_go(segs, fills)
             raise
         try:
             for f in fills:
                 self.engine.scheduler.add(f)
             while any(f.status != Status.FINISHED for f in fills):
                 self.engine.step()
+        except BaseException:  # interrupted: its fills leave the engine (a finished one stays stored)
+            for f in fills:
+                self.engine.abort(f)
+            raise
         finally:
-            for seg in segs:
-                self.segments.release(seg)
-        return stats.segment_misses
+            self.reuse_executor.let_go(segs, [])
+        return misses
 
     # ---- admission ---------------------------------------------------------------------------------
 
@@ -300,6 +301,14 @@ class LLM:
             raise SparsetuneError("no reuse flow is set; pass --reuse NAME (or LLM(reuse=...))")
         plan = self.reuse_executor.request(self.reuse_flow, layout)
         return self.engine.add_request(layout.token_ids, params, arrival, plan=plan), plan.stats
+
+    def add_parts(self, layout: ReuseLayout, params: SamplingParams,
+                  arrival: float | None = None) -> tuple[Sequence, ReuseStats | None]:
+        """Queue a prompt of parts: by the reuse flow's plan (`add_reuse_request`), or without a reuse
+        flow as plain text (no stats)."""
+        if self.reuse_flow is None:
+            return self.engine.add_request(layout.token_ids, params, arrival), None
+        return self.add_reuse_request(layout, params, arrival)
 
     def add_prefilled(self, token_ids: list[int], params: SamplingParams, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                       logits: torch.Tensor | None = None, arrival: float | None = None) -> Sequence:
@@ -354,11 +363,7 @@ class LLM:
                 ids, seq = self.engine.admit_prompt(prompt, p, t0, chat)
             else:
                 layout = encode_parts(self.tokenizer, parse_parts_any(prompt), chat)
-                ids = layout.token_ids
-                if self.reuse_flow is None:  # segments as plain text
-                    seq = self.engine.add_request(ids, p, t0)
-                else:
-                    seq, stats = self.add_reuse_request(layout, p, t0)
+                ids, (seq, stats) = layout.token_ids, self.add_parts(layout, p, t0)
             reuse.append(stats)
             return ids, seq
 

@@ -120,7 +120,9 @@ class BlockManager:
             seq.block_hashes.append(h)
             prev = h
         self.prefix_hits += len(seq.block_table)
-        seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * bs
+        seq.num_computed = len(seq.block_table) * bs
+        if not seq.num_preemptions:  # a preempted one finds its own blocks again: not a hit of its prompt
+            seq.num_cached_tokens = seq.num_computed
         return seq.num_computed
 
     def forget_prefixes(self, keep: Collection[int] = ()) -> None:

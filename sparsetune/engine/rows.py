@@ -210,9 +210,11 @@ class PlannedPrefill:
     """A request prefilled by a plan of rows instead of in full (`Sequence.plan`): the engine's side of a
     reuse request (`reuse/executor.py`), so the engine schedules one without knowing what it reuses.
 
-    The scheduler calls `admit()` once, when it first reaches the request: the plan takes what it
-    reuses (acquired so nothing evicts it) and returns the cache-building requests that must run first
-    (themselves `PlannedPrefill`s with `cache_only`), or None when the pool has no room yet. It runs
+    The scheduler calls `admit()` when it first reaches the request: the plan takes what it reuses
+    (acquired so nothing evicts it) and returns the cache-building requests that must run first
+    (themselves `PlannedPrefill`s with `cache_only`), or None when the pool has no room yet; the
+    request's own blocks are taken then too (or, if they do not fit, `cancel()` and those requests'
+    `cancel()` undo the admission, to be tried again after a step). It runs
     the request once `ready()`, whole in one prefill step (never chunked: a plan's selection may need
     every row of a layer), costing `num_rows()` of the step's token budget. `rows(table)` writes the
     reused KV into the request's blocks and returns the rows to compute; `done()` follows the step.
@@ -222,6 +224,10 @@ class PlannedPrefill:
 
     def admit(self) -> list | None:
         return []
+
+    def wanted(self) -> bool:
+        """False: nobody waits for it any more (a fill whose requests were aborted); the scheduler drops it."""
+        return True
 
     def ready(self) -> bool:
         return True

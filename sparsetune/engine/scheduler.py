@@ -73,30 +73,30 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.max_num_batched_tokens
+        blocked = False  # a request found no room: the ones after it wait (first come, first served), fills go on
         i = 0
         while i < len(self.waiting):
             seq = self.waiting[i]
             if budget == 0 or len(self.running) + len(seqs) >= self.max_num_seqs:
                 break
             plan = seq.plan
+            if blocked and (plan is None or not plan.cache_only):
+                i += 1
+                continue
             if plan is not None:
                 if not seq.admitted:
-                    fills = plan.admit()
-                    if fills is None:  # no room for what it must store yet
-                        break
-                    seq.admitted = True
-                    for f in reversed(fills):  # they run first, from this step on
-                        self.waiting.insert(i, f)
-                    continue
+                    if not self._admit_plan(seq, i):
+                        blocked = True
+                        i += 1
+                    continue  # admitted: its fills, queued at i, come first
                 if not plan.ready():  # its segments are still being filled
                     i += 1
                     continue
                 rows = plan.num_rows()
-                if (seqs and rows > budget) or not self.blocks.can_grow(seq, seq.num_tokens):
+                if seqs and rows > budget:
                     break
-                self.blocks.grow(seq, seq.num_tokens)
                 seqs.append(seq)
-                counts.append(seq.num_tokens)
+                counts.append(seq.num_tokens - seq.num_computed)
                 budget = max(0, budget - rows)
                 i += 1
                 continue
@@ -105,7 +105,9 @@ class Scheduler:
             remaining = seq.num_tokens - seq.num_computed
             chunk = min(remaining, budget)
             if not self.blocks.can_grow(seq, seq.num_computed + chunk):
-                break
+                blocked = True
+                i += 1
+                continue
             self.blocks.grow(seq, seq.num_computed + chunk)
             seqs.append(seq)
             counts.append(chunk)
@@ -114,6 +116,25 @@ class Scheduler:
                 break
             i += 1
         return Batch(True, seqs, counts) if seqs else None
+
+    def _admit_plan(self, seq: Sequence, i: int) -> bool:
+        """Admit the planned request at `waiting[i]`: what it reuses, its own blocks (held while its fills
+        run, so admitted requests never over-commit the pool), its fills queued before it. False (nothing
+        held) when the pool has no room for it yet."""
+        plan = seq.plan
+        fills = plan.admit()
+        if fills is None:
+            return False
+        if not self.blocks.can_grow(seq, seq.num_tokens):
+            plan.cancel()
+            for f in fills:
+                f.plan.cancel()
+            return False
+        self.blocks.grow(seq, seq.num_tokens)
+        seq.admitted = True
+        for f in reversed(fills):
+            self.waiting.insert(i, f)
+        return True
 
     def _decode_with_room(self) -> Batch:
         """The interleaved decode step: the running sequences whose next token has room, in order
@@ -205,6 +226,8 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"
+        for f in [f for f in self.waiting if f.plan is not None and f.plan.cache_only and not f.plan.wanted()]:
+            self.abort(f)  # fills nobody waits for any more
         return True
 
     def append_token(self, seq: Sequence, tok: int, eos_ids: tuple[int, ...], max_model_len: int) -> bool:

@@ -292,7 +292,9 @@ def summarize(records: list[dict[str, Any]], totals: dict[str, int] | None = Non
 
 
 def summarize_reuse(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means over the samples prefilled by the reuse flow (stage 2 requests), TTFT median."""
+    """Means over the samples prefilled by the reuse flow (stage 2 requests), and the median of their
+    TTFT as `ReuseStats.seconds` has it: the scheduler step that prefilled each (its realign and the
+    step's forward, which it shares with the requests packed into that step)."""
     stats = [r["reuse"] for r in records if r.get("reuse")]
     ttft = sorted(s["seconds"] for s in stats)
     return {

@@ -371,10 +371,9 @@ class _Admission:
 
         llm = self.llm
         if isinstance(ids, ReuseLayout):
-            if llm.reuse_flow is None:  # its segments as plain text
-                return llm.engine.add_request(ids.token_ids, params, arrival)
-            seq, stats = llm.add_reuse_request(ids, params, arrival)
-            self.reuse[seq.seq_id] = stats
+            seq, stats = llm.add_parts(ids, params, arrival)
+            if stats is not None:
+                self.reuse[seq.seq_id] = stats
             return seq
         if self.prefill == "engine":
             return llm.engine.add_request(ids, params, arrival)
@@ -445,16 +444,17 @@ def run_requests(llm, reqs: list[Request], ids: list[list[int]], offsets: list[f
 def request_record(i: int, req: Request, seq, t0: float, reuse=None, cache: bool = False) -> dict[str, Any]:
     """One request's latencies in seconds, from its events; `arrival_s` from the cell's start. With
     `cache` (a reuse run), its cache figures: prompt tokens taken from the prefix cache, and from
-    its reuse prefill's stats (`reuse`) the tokens reused from stored segments and those recomputed."""
+    its reuse prefill's stats (`reuse`) the tokens reused (found stored, or filled for it first:
+    misses) and those recomputed."""
     ev = seq.events
     toks = ev.tokens
     n = len(toks)
     figures = {}
     if cache:
         figures = {"prefix_tokens": seq.num_cached_tokens,
-                   "reused_tokens": reuse.reused_tokens if reuse is not None else 0,
-                   "recomputed_tokens": reuse.recomputed_reused if reuse is not None else 0,
-                   "segment_misses": reuse.segment_misses if reuse is not None else 0}
+                   **{k: getattr(reuse, k) if reuse is not None else 0
+                      for k in ("reused_tokens", "stored_tokens", "filled_tokens", "segment_misses")},
+                   "recomputed_tokens": reuse.recomputed_reused if reuse is not None else 0}
     return {**figures,
         "i": i, "arrival_s": ev.arrival - t0, "input_len": req.input_len, "output_len": req.output_len,
         "output_tokens": n, "finish_reason": seq.finish_reason,
@@ -506,12 +506,16 @@ def summarize(recs: list[dict[str, Any]], rate: float, slo: dict[str, float] | N
         good = sum(all(r[f"{k}_s"] is not None and 1e3 * r[f"{k}_s"] <= ms for k, ms in slo.items()) for r in recs)
         cell["slo"] = {"targets_ms": dict(slo), "attainment": round(good / n, 4), "goodput": round(good / duration, 4)}
     if "prefix_tokens" in recs[0]:  # a reuse run: how much of the prompts the cache served
-        total = {k: sum(r[k] for r in recs) for k in ("prefix_tokens", "reused_tokens", "recomputed_tokens", "segment_misses")}
+        total = {k: sum(r.get(k, 0) for r in recs)  # records before stored/filled_tokens lack them
+                 for k in ("prefix_tokens", "reused_tokens", "stored_tokens", "filled_tokens", "recomputed_tokens",
+                           "segment_misses")}
+        # Computed: what neither cache served, the recomputed reused tokens, and the fills run for it.
+        computed = (in_tokens - total["prefix_tokens"] - total["reused_tokens"] + total["recomputed_tokens"]
+                    + total["filled_tokens"])
         cell["cache"] = {"prefix_hit_rate": round(total["prefix_tokens"] / in_tokens, 4),
-                         "segment_hit_rate": round(total["reused_tokens"] / in_tokens, 4),
+                         "segment_hit_rate": round(total["stored_tokens"] / in_tokens, 4),
                          "recompute_rate": round(total["recomputed_tokens"] / max(1, total["reused_tokens"]), 4),
-                         "computed_rate": round((in_tokens - total["prefix_tokens"] - total["reused_tokens"]
-                                                 + total["recomputed_tokens"]) / in_tokens, 4),
+                         "computed_rate": round(computed / in_tokens, 4),
                          "segment_misses": total["segment_misses"]}
     return cell
 

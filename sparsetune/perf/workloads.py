@@ -10,8 +10,9 @@ prompts.
   `doc_len`-token message and its reply, one segment per turn, in a namespace per session) after a
   fresh note of 1 to `question_len` tokens, so the history moves to other positions every turn
   (LoopServe's and SparseX's multi-round setting), then the new message. Sessions are interleaved:
-  every session's turn t arrives before any turn t + 1. Nothing is stored before a cell: the
-  history is what earlier turns stored.
+  every session's turn t arrives before any turn t + 1. Nothing is stored before a cell, and a
+  finished request's KV is not kept as a segment (the engine does not do that yet): a turn is
+  stored by the first later turn that re-sends it (a fill, a miss), and found by the ones after.
 - `agent`: `agents` agents, each with a role prompt of `doc_len` tokens, share a pool of `docs` tool
   outputs of `doc_len` tokens; a prompt is an agent's role prompt, `per_prompt` tool outputs (Zipf
   popularity) and a task of `question_len` tokens. Role prompts and tool outputs are stored before

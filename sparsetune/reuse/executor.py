@@ -41,6 +41,8 @@ class ReuseStats:
     reused_tokens: int = 0  # tokens whose KV came from the segment cache
     segment_hits: int = 0
     segment_misses: int = 0  # segments prefilled on their own first (cache-building work)
+    stored_tokens: int = 0  # tokens of the segments found stored (hits)
+    filled_tokens: int = 0  # tokens of the segments filled for it first (misses)
     recomputed_reused: int = 0  # reused tokens recomputed in the layers after the selection
     token_layers: int = 0  # Σ over layers of rows computed
     mlp_token_layers: int = 0  # Σ over layers of rows that ran the MLP (fewer with a sparse FFN)
@@ -70,7 +72,8 @@ class ReuseStats:
             "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
             "reuse_ratio": round(self.reuse_ratio, 6), "recompute_ratio": round(self.recompute_ratio, 6),
             "compute_fraction": round(self.compute_fraction, 6), "segment_hits": self.segment_hits,
-            "segment_misses": self.segment_misses, "seconds": self.seconds,
+            "segment_misses": self.segment_misses, "stored_tokens": self.stored_tokens,
+            "filled_tokens": self.filled_tokens, "seconds": self.seconds,
             "token_layers": self.token_layers, "mlp_token_layers": self.mlp_token_layers,
             "attention_pairs": self.attention_pairs,
             "mlp_fraction": round(self.mlp_token_layers / max(1, self.num_layers * self.prompt_tokens), 6),
@@ -93,11 +96,11 @@ class ReuseExecutor:
 
     # ---- segments ---------------------------------------------------------------------------------
 
-    def lookup(self, layout: ReuseLayout, stats: ReuseStats) -> tuple[list[Segment], list[Sequence]]:
-        """The cached segment of each reusable span, acquired, and the fills of those it lacked (a miss
-        is inserted: blocks taken, not yet filled). Raises `SparsetuneError` (nothing held) when a
-        miss finds no room."""
-        found, fills = [], []
+    def lookup(self, layout: ReuseLayout) -> tuple[list[Segment], list[Sequence], ReuseStats]:
+        """The cached segment of each reusable span, acquired; the fills of those it lacked (a miss is
+        inserted: blocks taken, not yet filled); the hits and misses counted. Raises
+        `SparsetuneError` (nothing held) when a miss finds no room."""
+        found, fills, counts = [], [], ReuseStats()
         try:
             for span in layout.segments:
                 ids = layout.token_ids[span.start : span.end]
@@ -105,21 +108,28 @@ class ReuseExecutor:
                 if seg is None:
                     seg = self.segments.insert(ids, span.namespace, pinned=span.pin)
                 if not seg.ready and not seg.filling:  # a miss (not being filled for another request already)
-                    stats.segment_misses += 1
+                    counts.segment_misses += 1
+                    counts.filled_tokens += len(span)
                     fills.append(self.fill(seg, span.namespace))
                 else:
-                    stats.segment_hits += 1
+                    counts.segment_hits += 1
+                    counts.stored_tokens += len(span)
                     if span.pin and not seg.pinned:
                         self.segments.pin(seg)
                 self.segments.acquire(seg)
                 found.append(seg)
         except SparsetuneError:
-            for seg in found:
-                self.segments.release(seg)
-            for f in fills:
-                f.plan.cancel()
+            self.let_go(found, fills)
             raise
-        return found, fills
+        return found, fills, counts
+
+    def let_go(self, segs: list[Segment], fills: list[Sequence]) -> None:
+        """Give back what a lookup took: its segments, then the fills it made that were not queued (a
+        segment left unfilled and unheld is dropped)."""
+        for seg in segs:
+            self.segments.release(seg)
+        for f in fills:
+            f.plan.cancel()
 
     def fill(self, seg: Segment, namespace: str) -> Sequence:
         """The cache-building request that computes `seg`'s KV into its blocks (a prefill at position 0)."""
@@ -163,6 +173,9 @@ class SegmentFill(PlannedPrefill):
         t = self.seg.num_tokens
         return Rows(self.ex.kv, block_table, t, torch.arange(t, device=block_table.device), self.ex.scale)
 
+    def wanted(self) -> bool:
+        return self.seg.refs > 0
+
     def done(self) -> None:
         self.seg.filling = False
         self.ex.segments.mark_ready(self.seg)
@@ -181,13 +194,14 @@ class ReuseRequest(PlannedPrefill):
         self.stats = ReuseStats(prompt_tokens=layout.num_tokens, num_layers=ex.num_layers, num_kv_heads=ex.kv.num_kv_heads)
         self.segs: list[Segment] = []
         self.plan: ReusePlan | None = None
+        self._counts = ReuseStats()
         self._t0 = 0.0
 
     def admit(self) -> list[Sequence] | None:
         if not self.flow.reads_cache:
             return []
         try:
-            self.segs, fills = self.ex.lookup(self.layout, self.stats)
+            self.segs, fills, self._counts = self.ex.lookup(self.layout)
         except SparsetuneError:
             return None  # no room for its misses yet: the scheduler tries again after a step
         return fills
@@ -195,23 +209,24 @@ class ReuseRequest(PlannedPrefill):
     def ready(self) -> bool:
         return all(seg.ready for seg in self.segs)
 
+    def _reused(self, device) -> torch.Tensor:
+        if not self.flow.reads_cache:
+            return torch.zeros(self.layout.num_tokens, dtype=torch.bool, device=device)
+        return self.layout.reused_mask(device)
+
     def num_rows(self) -> int:
-        if not self.flow.reads_cache or self.flow.selection_layer(self.ex.num_layers) is not None:
-            return self.layout.num_tokens  # every row, up to and at the selection layer
-        return int((self.flow.initial_rows(self.layout) | ~self.layout.reused_mask()).sum()) + 1
+        return int(first_rows(self.flow, self.layout, self._reused("cpu"), self.ex.num_layers)[0].sum())
 
     def rows(self, block_table: torch.Tensor) -> Rows:
         self._t0 = time.perf_counter()
-        try:
-            self.ex.realign(self.layout, self.segs, block_table, self.flow.realign)
-        finally:
-            self._let_go()
-        dev = self.ex.kv.k.device
-        reused = (self.layout.reused_mask(dev) if self.flow.reads_cache
-                  else torch.zeros(self.layout.num_tokens, dtype=torch.bool, device=dev))
-        self.stats.reused_tokens = int(reused.sum())
-        self.stats.head_paged_kv_fraction = self.flow.head_paged_kv_fraction(self.layout)
-        self.plan = ReusePlan(self.ex.kv, block_table, self.flow, self.layout, reused, self.stats, self.ex.num_layers,
+        self.ex.realign(self.layout, self.segs, block_table, self.flow.realign)
+        s, counts = self.stats, self._counts
+        s.segment_hits, s.segment_misses = counts.segment_hits, counts.segment_misses
+        s.stored_tokens, s.filled_tokens = counts.stored_tokens, counts.filled_tokens
+        reused = self._reused(self.ex.kv.k.device)
+        s.reused_tokens = int(reused.sum())
+        s.head_paged_kv_fraction = self.flow.head_paged_kv_fraction(self.layout)
+        self.plan = ReusePlan(self.ex.kv, block_table, self.flow, self.layout, reused, s, self.ex.num_layers,
                               self.ex.scale)
         return self.plan
 
@@ -220,15 +235,28 @@ class ReuseRequest(PlannedPrefill):
         assert self.plan is not None
         self.plan.finish()
         self.stats.seconds = time.perf_counter() - self._t0
+        self.cancel()  # its segments are copied: they go back to the cache
         self.ex.segments.enforce_watermark()  # idle segments above the watermark go, pinned ones last
 
     def cancel(self) -> None:
-        self._let_go()
-
-    def _let_go(self) -> None:
-        for seg in self.segs:
-            self.ex.segments.release(seg)
+        self.ex.let_go(self.segs, [])
         self.segs = []
+
+
+def first_rows(flow: ReuseFlow, layout: ReuseLayout, reused: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, int | None]:
+    """A plan's rows computed from layer 0 (`[T]` bool) and its selection layer (None: a static plan,
+    or nothing reused): the flow's initial rows, every token not reused and the last one (its logits
+    give the first output token); every token when a selection layer needs them all up to it."""
+    sel = None
+    if not bool(reused.any()):
+        rows = torch.ones(layout.num_tokens, dtype=torch.bool, device=reused.device)
+    else:
+        sel = flow.selection_layer(num_layers)
+        rows = flow.initial_rows(layout).to(reused.device) | ~reused
+        if sel is not None:  # every token is computed up to and at the selection layer
+            rows[:] = True
+    rows[-1] = True
+    return rows, sel
 
 
 class ReusePlan(Rows):
@@ -241,15 +269,7 @@ class ReusePlan(Rows):
                  stats: ReuseStats, num_layers: int, scale: float) -> None:
         dev, t = kv.k.device, layout.num_tokens
         self.flow, self.layout, self.reused, self.stats, self.num_layers = flow, layout, reused, stats, num_layers
-        self.sel_layer = None
-        if not bool(reused.any()):
-            rows = torch.ones(t, dtype=torch.bool, device=dev)
-        else:
-            self.sel_layer = flow.selection_layer(num_layers)
-            rows = flow.initial_rows(layout).to(dev) | ~reused
-            if self.sel_layer is not None:  # every token is computed up to and at the selection layer
-                rows[:] = True
-        rows[-1] = True  # the first output token is read from the last prompt token
+        rows, self.sel_layer = first_rows(flow, layout, reused, num_layers)
         self.recomputed = rows  # [T]: the rows after the selection layer (or of every layer)
         self.fresh = torch.zeros((), dtype=torch.long, device=dev)
         self.mlp_count = torch.zeros((), dtype=torch.long, device=dev)

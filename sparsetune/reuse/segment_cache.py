@@ -201,9 +201,13 @@ class SegmentCache:
         seg.last_used = self._tick()
 
     def release(self, seg: Segment) -> None:
+        """Let go of a held segment. The last holder of one that is neither filled nor being filled
+        (its fill was cancelled) drops it: nobody would fill it, and eviction takes ready ones only."""
         if seg.refs <= 0:
             raise RuntimeError(f"release of segment {seg.key[:12]} without a matching acquire")
         seg.refs -= 1
+        if not seg.refs and not seg.ready and not seg.filling and seg in self:
+            self._remove(seg)
 
     def pin(self, seg: Segment) -> None:
         self._check_cached(seg)

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from helpers import assert_clean_error, run
 
-from sparsetune.perf.serve import ServeConfig, serve_benchmark
+from sparsetune.perf.serve import ServeConfig, load_resume, serve_benchmark
 from sparsetune.perf.workloads import ReuseWorkload, draw
 
 
@@ -86,6 +86,31 @@ def test_a_reuse_run_serves_plain_prefix_caching_and_a_reuse_flow_from_the_same_
     assert len(lines) == 12 and all(r["output_tokens"] == 3 for r in lines)
     assert all(r["reused_tokens"] == 2 * 48 for r in lines if r["flow"] == "cacheblend")
     assert not smollm.engine.config.prefix_caching
+    assert load_resume(run_dir)[0] == cfg  # config.json reads back as the run's config (its workload nested)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["chat", "agent"])
+def test_chat_and_agent_runs_reuse_what_earlier_turns_and_agents_stored(smollm, tmp_path, workload):
+    cfg = ServeConfig.of(model="smollm2-135m", device="cpu", reuse=("pie",), workload=workload, docs=4, per_prompt=2,
+                         doc_len=24, question_len=6, agents=2, requests=4, rates=(50.0,), output_len="2", warmup=0)
+    try:
+        res = serve_benchmark(cfg, out=tmp_path, llm=smollm)
+    finally:
+        smollm.apply(smollm.setup.dense())
+        smollm.use_reuse(None)
+    (run_dir,) = tmp_path.iterdir()
+    lines = [json.loads(x) for x in (run_dir / "requests.jsonl").read_text().splitlines()]
+    pie = sorted((r for r in lines if r["flow"] == "pie"), key=lambda r: r["i"])
+    assert len(pie) == 4 and all(r["output_tokens"] == 2 for r in pie)
+    cache = res["cells"][-1]["cache"]
+    if workload == "chat":  # two sessions of two turns: the second turns re-send the first (message + reply)
+        assert [r["reused_tokens"] for r in pie] == [0, 0, 24 + 2, 24 + 2]
+        assert [r["filled_tokens"] for r in pie] == [0, 0, 26, 26]  # stored by nobody before: filled first
+        assert [r["segment_misses"] for r in pie] == [0, 0, 1, 1] and cache["segment_hit_rate"] == 0
+    else:  # a role prompt and two tool outputs, all stored before the cell
+        assert all(r["reused_tokens"] == r["stored_tokens"] == 3 * 24 and r["segment_misses"] == 0 for r in pie)
+        assert cache["segment_hit_rate"] > 0.8
 
 
 def test_cli_refuses_bad_workload_options_in_one_line_leaving_nothing(tmp_path):

@@ -163,17 +163,24 @@ def _holders(llm) -> dict[int, int]:
     return count
 
 
-def test_eviction_under_a_small_pool_never_takes_a_held_block():
-    """A pool that cannot hold every request and segment at once: segments are evicted and filled
-    again while requests run. After every step, each block's reference count equals its holders
-    (a block a request holds is never free or handed to another), and the replies equal a large pool's."""
+@pytest.mark.parametrize("pool", ["small", "one request"])
+def test_eviction_under_a_small_pool_never_takes_a_held_block(pool):
+    """A pool that cannot hold every request and segment at once ("one request": the blocks of the
+    largest request, its output and its segments, no more): segments are evicted and filled again
+    while requests run, and requests wait for room rather than fail. After every step, each block's
+    reference count equals its holders (a block a request holds is never free or handed to another);
+    the replies equal a large pool's, and each request counts each of its segments once."""
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     docs = [DOC_A, DOC_B, DOC_C, DOC_A[::-1], DOC_B[::-1], DOC_C[::-1]]
     prompts = [["Q:\n", _seg(docs[i]), "\n", _seg(docs[(i + 1) % 6]), QUESTIONS[i % 3]] for i in range(6)]
     big = LLM(model="smollm2-135m", device="cpu", max_num_seqs=4, num_kv_blocks=400, reuse="cacheblend")
     want = [o.token_ids for o in big.generate(prompts, sp, chat=False)]
-    small = LLM(model="smollm2-135m", device="cpu", max_num_seqs=4, num_kv_blocks=64, reuse="cacheblend")
-    seqs = [small.add_reuse_request(_layout(small, p), sp)[0] for p in prompts]
+    layouts = [_layout(big, p) for p in prompts]
+    blocks = lambda n: -(-n // big.engine.kv.block_size)  # noqa: E731
+    need = max(blocks(x.num_tokens + 6) + sum(blocks(len(s)) for s in x.segments) for x in layouts)
+    small = LLM(model="smollm2-135m", device="cpu", max_num_seqs=4, num_kv_blocks=64 if pool == "small" else need,
+                reuse="cacheblend")
+    seqs = [small.add_reuse_request(x, sp) for x in layouts]
     steps = 0
     while small.engine.scheduler.has_work():
         small.engine.step()
@@ -183,7 +190,29 @@ def test_eviction_under_a_small_pool_never_takes_a_held_block():
         assert not set(held) & set(bm.free)
         assert steps < 500
     assert small.segments.evictions > 0
-    assert [s.completion_ids for s in seqs] == want
+    assert [s.completion_ids for s, _ in seqs] == want
+    assert all(st.segment_hits + st.segment_misses == 2 for _, st in seqs)
+
+
+def test_aborted_requests_take_their_fills_and_unfilled_segments_with_them(smollm):
+    """Aborting a request whose segments are still to be filled drops the fills nobody else waits for
+    and the segments they would have filled, in either order (the fill first, or the request alone):
+    the engine is idle again and the pool whole."""
+    smollm.use_reuse("cacheblend")
+    try:
+        for fill_first in (True, False):
+            free, stored = smollm.engine.block_manager.num_free, len(smollm.segments)
+            parts = ["Intro.\n", _seg(DOC_B[::-1] + str(fill_first), "orphans"), QUESTIONS[1]]
+            seq, _ = smollm.add_reuse_request(_layout(smollm, parts), SP)
+            smollm.engine.scheduler._schedule_prefill()  # admission only: its fill is queued, nothing ran
+            assert seq.admitted and len(smollm.engine.scheduler.waiting) == 2
+            if fill_first:
+                smollm.engine.abort(smollm.engine.scheduler.waiting[0])
+            smollm.engine.abort(seq)
+            assert not smollm.engine.scheduler.has_work()
+            assert smollm.engine.block_manager.num_free == free and len(smollm.segments) == stored
+    finally:
+        smollm.use_reuse(None)
 
 
 @pytest.mark.gpu
