@@ -46,7 +46,7 @@ class LLM:
                              capture=False)
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
-        self._check_sharing(self.flow, setup.engine.prefix_caching)
+        self._check_sharing(self.flow, setup.engine.prefix_caching, setup.executor)
         self._install_flow(self.flow, setup.executor)
         self._attach_segments()
         self.reuse_flow = self._build_reuse(setup)
@@ -125,7 +125,7 @@ class LLM:
         if other is not None:
             raise SparsetuneError(f"the setup is for {other[0]} {other[1]!r}; this engine runs {other[2]!r}: that needs a new LLM")
         new = setup.flow.build() if setup.flow is not None else None
-        self._check_sharing(new, setup.engine.prefix_caching)
+        self._check_sharing(new, setup.engine.prefix_caching, setup.executor)
         self.engine.set_prefix_caching(setup.engine.prefix_caching)
         if new is not None and new.block_size != self.engine.config.block_size:
             try:
@@ -157,16 +157,20 @@ class LLM:
             return "dtype", e.dtype, str(self.dtype).removeprefix("torch.")
         return None
 
-    def _check_sharing(self, flow: DecodeFlow | None, prefix_caching: bool) -> None:
+    def _executor(self, executor: str | None) -> str:
+        """A flow's executor: the one given, else compiled on CUDA and the reference elsewhere."""
+        return executor or ("compiled" if self.device.type == "cuda" else "reference")
+
+    def _check_sharing(self, flow: DecodeFlow | None, prefix_caching: bool, executor: str | None) -> None:
         """Prefix caching shares blocks, and with them a decode flow's per-block fields: a function of
         the block's keys, so any flow may share them, but not state an indexer saves (F.save: h2o's
-        running totals belong to one request)."""
+        running totals belong to one request). Asked of the flow's shared stages, which the backend
+        installed next uses too."""
         if not prefix_caching or flow is None:
             return
-        from sparsetune.flow.shapes import index_traits
+        from sparsetune.flow.stages import flow_stages
 
-        head_dim = self.model_config.head_dim
-        if index_traits(flow, head_dim, flow.const_dims(head_dim)).saves_state:
+        if flow_stages(flow, self._executor(executor)).traits(self.model_config.head_dim).saves_state:
             raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r}: its indexer "
                                   "saves per-request state in its blocks (F.save); drop --prefix-caching or pick a "
                                   "flow without F.save")
@@ -189,7 +193,7 @@ class LLM:
         if flow is not None:
             sparse = flow.sparse_layers(self.model_config.num_hidden_layers)
             attn = self._flow_backend
-            executor = executor or ("compiled" if self.device.type == "cuda" else "reference")  # None: by device
+            executor = self._executor(executor)
             if attn is not None and attn.flow.kernel_key() == flow.kernel_key() and attn.executor == executor:
                 attn.retune(flow)
             else:

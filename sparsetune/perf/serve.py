@@ -506,7 +506,7 @@ def summarize(recs: list[dict[str, Any]], rate: float, slo: dict[str, float] | N
         good = sum(all(r[f"{k}_s"] is not None and 1e3 * r[f"{k}_s"] <= ms for k, ms in slo.items()) for r in recs)
         cell["slo"] = {"targets_ms": dict(slo), "attainment": round(good / n, 4), "goodput": round(good / duration, 4)}
     if "prefix_tokens" in recs[0]:  # a reuse run: how much of the prompts the cache served
-        total = {k: sum(r.get(k, 0) for r in recs)  # records before stored/filled_tokens lack them
+        total = {k: sum(r[k] for r in recs)
                  for k in ("prefix_tokens", "reused_tokens", "stored_tokens", "filled_tokens", "recomputed_tokens",
                            "segment_misses")}
         # Computed: what neither cache served, the recomputed reused tokens, and the fills run for it.
@@ -644,8 +644,9 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
         records.write_json(run_dir / "results.json", res)
         return res
 
-    current, stored = None, None
+    current = None
     for index, (flow, rate) in enumerate(todo):
+        cell_corpus = corpus if flow != "plain" else []  # plain prompts: no cache at all
         if flow != current:
             llm.apply(cfg.setup(flow))
             check_fits(llm.engine, 1, longest, outl.max, SERVE)
@@ -655,10 +656,10 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
             if warm:
                 emit("warmup", {"flow": flow})
                 if cfg.reuse:  # warmed up on the cache it serves from (prefix hits compile their attention too)
-                    stored = _reset_cache(llm, corpus if flow != "plain" else [], stored)
+                    _reset_cache(llm, cell_corpus)
                 run_requests(llm, warm, warm_ids, [0.0] * len(warm), cfg.prefill)
         if cfg.reuse:  # every cell starts from the same cache: the corpus stored, nothing else
-            stored = _reset_cache(llm, corpus if flow != "plain" else [], stored)
+            _reset_cache(llm, cell_corpus)
         emit("cell", {"flow": flow, "rate": rate, "index": index})
         recs = run_requests(llm, reqs, ids, arrival_offsets(reqs, rate), cfg.prefill,
                             on_finish=lambda n, f=flow, r=rate: emit("finish", {"flow": f, "rate": r, "finished": n,
@@ -678,19 +679,22 @@ def serve_benchmark(cfg: ServeConfig | None = None, *, out: Path | str | None = 
     return res
 
 
-def _reset_cache(llm, corpus: list, stored: bool | None) -> bool:
+def _reset_cache(llm, corpus: list) -> None:
     """Empty the cache but for `corpus` (layouts of one segment each), and store what it lacks of it.
-    `stored`: whether the corpus kept from the cell before is a prefix-cache entry too (stored with
-    prefix caching on; None: nothing kept). A cell with prefix caching drops a corpus that is not and
-    stores it again. Returns the same for the corpus stored now."""
-    bm, on = llm.engine.block_manager, llm.engine.config.prefix_caching
-    kept = stored is not None and bool(corpus) and (stored or not on)
-    llm.segments.clear({llm.segments.key(x.token_ids, x.spans[0].namespace) for x in corpus} if kept else ())
-    bm.forget_prefixes(keep=llm.segments.block_ids())
-    if not corpus:
-        return None
-    new = llm.cache_segments(corpus)
-    return (stored if kept else on) and (on or not new)
+    With prefix caching on, a kept segment must be a prefix entry too (its full blocks hashed: stored
+    while prefix caching was on); one that is not goes and is stored again."""
+    segments, bm = llm.segments, llm.engine.block_manager
+    keep = set()
+    for x in corpus:
+        key = segments.key(x.token_ids, x.spans[0].namespace)
+        seg = segments.get(key)
+        full = [] if seg is None else seg.blocks[: seg.num_tokens // bm.block_size]
+        if seg is not None and (not llm.engine.config.prefix_caching or all(b in bm.block_hash for b in full)):
+            keep.add(key)
+    segments.clear(keep)
+    bm.forget_prefixes(keep=segments.block_ids())
+    if corpus:
+        llm.cache_segments(corpus)
 
 
 def _check_reuse_fits(llm, tokens: int) -> None:

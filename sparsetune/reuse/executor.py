@@ -7,8 +7,8 @@ scheduler runs (`ReuseRequest`, an `engine/rows.py` `PlannedPrefill`).
    before the request and run in the scheduler's prefill steps like any prompt's rows. The
    request waits until its segments are filled.
 2. In the step that runs it, each segment's KV is copied into the request's blocks, keys rotated
-   from the segment's stored positions to its positions in this prompt (`kernels/rope_realign.py`),
-   and the segments are let go.
+   from the segment's stored positions to its positions in this prompt (`kernels/rope_realign.py`);
+   the segments are let go once the step is done.
 3. The model runs a forward over the rows the flow's plan names (`ReusePlan`, a `Rows`; see
    `reuse/base.py`), packed with the step's other requests (`RowsBatch`): their fresh K/V
    overwrite the cached ones, and they attend over the whole prompt with an exact causal mask.
@@ -17,6 +17,7 @@ scheduler runs (`ReuseRequest`, an `engine/rows.py` `PlannedPrefill`).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -133,7 +134,7 @@ class ReuseExecutor:
 
     def fill(self, seg: Segment, namespace: str) -> Sequence:
         """The cache-building request that computes `seg`'s KV into its blocks (a prefill at position 0)."""
-        seg.filling = True
+        self.segments.start_fill(seg)
         return Sequence(list(seg.token_ids), SamplingParams(max_tokens=1), block_table=list(seg.blocks),
                         cache_salt=prefix_salt(namespace), plan=SegmentFill(self, seg))
 
@@ -177,13 +178,10 @@ class SegmentFill(PlannedPrefill):
         return self.seg.refs > 0
 
     def done(self) -> None:
-        self.seg.filling = False
         self.ex.segments.mark_ready(self.seg)
 
     def cancel(self) -> None:
-        self.seg.filling = False
-        if self.seg in self.ex.segments and not self.seg.refs:
-            self.ex.segments.drop(self.seg)
+        self.ex.segments.unfill(self.seg)
 
 
 class ReuseRequest(PlannedPrefill):
@@ -214,8 +212,12 @@ class ReuseRequest(PlannedPrefill):
             return torch.zeros(self.layout.num_tokens, dtype=torch.bool, device=device)
         return self.layout.reused_mask(device)
 
-    def num_rows(self) -> int:
+    @functools.cached_property
+    def _num_rows(self) -> int:
         return int(first_rows(self.flow, self.layout, self._reused("cpu"), self.ex.num_layers)[0].sum())
+
+    def num_rows(self) -> int:  # asked at every scheduling pass it waits through: computed once
+        return self._num_rows
 
     def rows(self, block_table: torch.Tensor) -> Rows:
         self._t0 = time.perf_counter()

@@ -180,10 +180,24 @@ class SegmentCache:
         self._segments[key] = seg
         return seg
 
+    def start_fill(self, seg: Segment) -> None:
+        """A fill of the segment is queued (a later lookup waits for it rather than fill it again)."""
+        self._check_cached(seg)
+        seg.filling = True
+
     def mark_ready(self, seg: Segment) -> None:
         """The engine has written the segment's KV: lookups may now return it."""
         self._check_cached(seg)
-        seg.ready = True
+        seg.ready, seg.filling = True, False
+
+    def unfill(self, seg: Segment) -> None:
+        """Its queued fill will not run; dropped unless someone holds it."""
+        seg.filling = False
+        self._drop_orphan(seg)
+
+    def get(self, key: str) -> Segment | None:
+        """The segment stored under `key` (ready or not), without counting a lookup."""
+        return self._segments.get(key)
 
     def drop(self, seg: Segment) -> None:
         """Remove a segment and free its blocks (e.g. its fill failed). It must not be referenced."""
@@ -206,6 +220,11 @@ class SegmentCache:
         if seg.refs <= 0:
             raise RuntimeError(f"release of segment {seg.key[:12]} without a matching acquire")
         seg.refs -= 1
+        self._drop_orphan(seg)
+
+    def _drop_orphan(self, seg: Segment) -> None:
+        """A segment nobody holds, neither filled nor being filled, goes: nothing would fill it, and
+        eviction takes ready ones only."""
         if not seg.refs and not seg.ready and not seg.filling and seg in self:
             self._remove(seg)
 
