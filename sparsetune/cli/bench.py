@@ -67,6 +67,9 @@ def serve(
     agents: int = typer.Option(None, "--agents", help="agent: agents, each with its role prompt (default 4)."),
     cold_corpus: bool = typer.Option(False, "--cold-corpus", help="Do not store the corpus before each cell (its "
                                      "first uses are misses)."),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="Share cached prompt prefixes in every cell; "
+                                        "with --reuse: under each reuse flow too (a prompt takes the cached prefix "
+                                        "it starts with, then its segments)."),
     segment_cap: float = typer.Option(1.0, "--segment-cap", help="Share of the KV pool stored segments may hold; "
                                       "idle ones beyond it are evicted, least recently used first."),
     rate: str = typer.Option("1,2,4,8", "--rate", help="Comma-separated request rates (requests/s, Poisson arrivals)."),
@@ -108,7 +111,8 @@ def serve(
     options = {} if resume is not None else dict(  # a resumed run's config wins
         opt.engine_options(model, device=device, dtype=dtype, random_weights=random_weights, kv_memory=kv_memory,
                            no_cuda_graph=no_cuda_graph, seed=seed, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_batched_tokens, schedule=schedule, segment_cap=segment_cap),
+                           max_num_batched_tokens=max_batched_tokens, schedule=schedule, segment_cap=segment_cap,
+                           prefix_caching=prefix_caching),
         executor=flow_executor, defaults=defaults, params=tuple(param or ()), rates=_floats(rate, "--rate"),
         requests=requests, output_len=output_len, prefill=prefill, slo=_slo(slo), warmup=warmup, seed=seed,
         reuse=_names(reuse), reuse_params=tuple(reuse_param or ()),

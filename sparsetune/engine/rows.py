@@ -210,11 +210,14 @@ class PlannedPrefill:
     """A request prefilled by a plan of rows instead of in full (`Sequence.plan`): the engine's side of a
     reuse request (`reuse/executor.py`), so the engine schedules one without knowing what it reuses.
 
-    The scheduler calls `admit()` when it first reaches the request: the plan takes what it reuses
-    (acquired so nothing evicts it) and returns the cache-building requests that must run first
-    (themselves `PlannedPrefill`s with `cache_only`), or None when the pool has no room yet; the
-    request's own blocks are taken then too (or, if they do not fit, `cancel()` and those requests'
-    `cancel()` undo the admission, to be tried again after a step). It runs
+    The scheduler calls `admit(num_cached)` when it first reaches the request, after giving it the
+    prefix-cache blocks its prompt starts with (`num_cached` tokens of exact KV, shared with other
+    requests: the plan never writes them, and computes their rows only where its selection needs
+    them): the plan takes what it reuses (acquired so nothing evicts it) and returns the
+    cache-building requests that must run first (themselves `PlannedPrefill`s with `cache_only`), or
+    None when the pool has no room yet; the request's own blocks are taken then too (or, if they do
+    not fit, `cancel()` and those requests' `cancel()` undo the admission, to be tried again after a
+    step; the prefix blocks stay, as a plain prompt's do while it waits for room). It runs
     the request once `ready()`, whole in one prefill step (never chunked: a plan's selection may need
     every row of a layer), costing `num_rows()` of the step's token budget. `rows(table)` writes the
     reused KV into the request's blocks and returns the rows to compute; `done()` follows the step.
@@ -222,7 +225,7 @@ class PlannedPrefill:
 
     cache_only: bool = False  # True: fills blocks it does not own (a stored segment's); samples no token
 
-    def admit(self) -> list | None:
+    def admit(self, num_cached: int = 0) -> list | None:
         return []
 
     def wanted(self) -> bool:

@@ -13,7 +13,8 @@ prompt. Its KV is recomputed later; nothing already generated changes.
 A request with a plan (`Sequence.plan`, a `PlannedPrefill`: a reuse request) is admitted in the same
 queue. When the scheduler first reaches it, the plan takes what it reuses and may return
 cache-building requests (a stored segment's fill), queued just before it; the request runs once they
-have. It is never chunked: it takes its whole prompt's blocks and `num_rows()` of the step's token
+have; with prefix caching, its prompt first takes the cached blocks it starts with, as a plain
+prompt does (a prefix, then segments). It is never chunked: it takes its whole prompt's blocks and `num_rows()` of the step's token
 budget, shares the step with other plans and plain chunks while the budget lasts, and runs alone in
 a step when its rows exceed the budget (a 32K prompt whose plan computes every row of a layer). A
 planned request only runs in one prefill step, so it is never preempted mid-prefill; preempted while
@@ -118,11 +119,13 @@ class Scheduler:
         return Batch(True, seqs, counts) if seqs else None
 
     def _admit_plan(self, seq: Sequence, i: int) -> bool:
-        """Admit the planned request at `waiting[i]`: what it reuses, its own blocks (held while its fills
-        run, so admitted requests never over-commit the pool), its fills queued before it. False (nothing
-        held) when the pool has no room for it yet."""
+        """Admit the planned request at `waiting[i]`: the cached prefix its prompt starts with, what it
+        reuses, its own blocks (held while its fills run, so admitted requests never over-commit the
+        pool), its fills queued before it. False (only the prefix held) when the pool has no room for it yet."""
         plan = seq.plan
-        fills = plan.admit()
+        if not plan.cache_only and not seq.block_table:  # a prompt may hit a cached prefix, then segments
+            self.blocks.match_prefix(seq)
+        fills = plan.admit(seq.num_computed)
         if fills is None:
             return False
         if not self.blocks.can_grow(seq, seq.num_tokens):

@@ -22,7 +22,8 @@ Prefill, two settings:
 Reuse (`--reuse F,G` with `--workload rag|chat|agent`, `perf/workloads.py`): prompts made of
 reusable segments, drawn once from the seed. The cells are `plain` (no caching), `prefix_caching`
 (the engine's prefix cache alone) and each reuse flow, all with the decode flow of `--flow` (dense
-by default). Every cell starts from the same cache: emptied, then the workload's corpus stored (for
+by default); with `--prefix-caching` the reuse flows keep the prefix cache too (a prompt takes the
+cached prefix it starts with, then its segments). Every cell starts from the same cache: emptied, then the workload's corpus stored (for
 `prefix_caching` the stored segments are its prefix entries; `plain` stores nothing). Each request
 record adds its cache figures (prefix tokens, reused and recomputed tokens), each cell its hit rates
 and the KV blocks the cache held at its end, and with a TTFT SLO the run reports each cell's highest
@@ -283,7 +284,9 @@ class ServeConfig(BaseModel):
                            executor=self.executor, defaults=self.defaults)
         flow = self.decode_flows[0]
         reuse = None if cell in BASELINES else cell
-        return resolve(replace(self.engine, prefix_caching=cell == "prefix_caching"),
+        # Reuse flows keep the engine's prefix caching (`--prefix-caching`: a prefix hit, then segments).
+        caching = cell == "prefix_caching" or (reuse is not None and self.engine.prefix_caching)
+        return resolve(replace(self.engine, prefix_caching=caching),
                        flow=None if flow == "dense" else flow, params=self.flow_params()[flow], reuse=reuse,
                        reuse_params=self.reuse_flow_params()[cell] if reuse else None, executor=self.executor,
                        defaults=self.defaults)

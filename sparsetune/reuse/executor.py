@@ -1,13 +1,16 @@
 """Executes a reuse flow's recompute plan: the engine side of `ReuseFlow`, as requests the engine's
 scheduler runs (`ReuseRequest`, an `engine/rows.py` `PlannedPrefill`).
 
-1. When the scheduler first reaches the request (`admit`), every reusable segment of its prompt is
-   looked up in the segment cache and held; a miss gets blocks of its own and a fill
+1. When the scheduler first reaches the request (`admit`), it has given the request the prefix-cache
+   blocks its prompt starts with, if any (exact KV, shared: never written; their rows are computed
+   only up to a selection layer, whose flow sees every token, and no segment inside them is
+   needed). Every other reusable segment of its prompt is looked up in the segment cache and held; a miss gets blocks of its own and a fill
    (`SegmentFill`: a prefill of the segment alone at position 0, salted by its namespace), queued
    before the request and run in the scheduler's prefill steps like any prompt's rows. The
    request waits until its segments are filled.
-2. In the step that runs it, each segment's KV is copied into the request's blocks, keys rotated
-   from the segment's stored positions to its positions in this prompt (`kernels/rope_realign.py`);
+2. In the step that runs it, each segment's KV is copied into the request's blocks (past its cached
+   prefix), keys rotated from the segment's stored positions to its positions in this prompt
+   (`kernels/rope_realign.py`);
    the segments are let go once the step is done.
 3. The model runs a forward over the rows the flow's plan names (`ReusePlan`, a `Rows`; see
    `reuse/base.py`), packed with the step's other requests (`RowsBatch`): their fresh K/V
@@ -39,7 +42,8 @@ class ReuseStats:
     """Per request: how much was reused and how much of a full prefill was computed."""
 
     prompt_tokens: int = 0
-    reused_tokens: int = 0  # tokens whose KV came from the segment cache
+    prefix_tokens: int = 0  # leading tokens whose exact KV came from the prefix cache (shared blocks)
+    reused_tokens: int = 0  # tokens whose KV came from the segment cache (past the prefix)
     segment_hits: int = 0
     segment_misses: int = 0  # segments prefilled on their own first (cache-building work)
     stored_tokens: int = 0  # tokens of the segments found stored (hits)
@@ -70,7 +74,7 @@ class ReuseStats:
 
     def to_dict(self) -> dict:
         return {
-            "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
+            "prompt_tokens": self.prompt_tokens, "prefix_tokens": self.prefix_tokens, "reused_tokens": self.reused_tokens,
             "reuse_ratio": round(self.reuse_ratio, 6), "recompute_ratio": round(self.recompute_ratio, 6),
             "compute_fraction": round(self.compute_fraction, 6), "segment_hits": self.segment_hits,
             "segment_misses": self.segment_misses, "stored_tokens": self.stored_tokens,
@@ -97,13 +101,13 @@ class ReuseExecutor:
 
     # ---- segments ---------------------------------------------------------------------------------
 
-    def lookup(self, layout: ReuseLayout) -> tuple[list[Segment], list[Sequence], ReuseStats]:
-        """The cached segment of each reusable span, acquired; the fills of those it lacked (a miss is
-        inserted: blocks taken, not yet filled); the hits and misses counted. Raises
-        `SparsetuneError` (nothing held) when a miss finds no room."""
+    def lookup(self, layout: ReuseLayout, start: int = 0) -> tuple[list[Segment], list[Sequence], ReuseStats]:
+        """The cached segment of each reusable span ending past `start` (`needed`), acquired; the fills
+        of those it lacked (a miss is inserted: blocks taken, not yet filled); the hits and misses
+        counted. Raises `SparsetuneError` (nothing held) when a miss finds no room."""
         found, fills, counts = [], [], ReuseStats()
         try:
-            for span in layout.segments:
+            for span in needed(layout, start):
                 ids = layout.token_ids[span.start : span.end]
                 seg = self.segments.lookup(ids, span.namespace)
                 if seg is None:
@@ -138,17 +142,20 @@ class ReuseExecutor:
         return Sequence(list(seg.token_ids), SamplingParams(max_tokens=1), block_table=list(seg.blocks),
                         cache_salt=prefix_salt(namespace), plan=SegmentFill(self, seg))
 
-    def realign(self, layout: ReuseLayout, segs: list[Segment], block_table: torch.Tensor, rotate: bool) -> None:
-        """Copy each segment's KV (all layers) into the request; keys rotated by the position delta."""
+    def realign(self, layout: ReuseLayout, segs: list[Segment], block_table: torch.Tensor, rotate: bool,
+                start: int = 0) -> None:
+        """Copy each segment's KV (all layers) into the request at positions `start`.. (those before are
+        its cached prefix: shared blocks); keys rotated by the position delta."""
         if not segs:
             return
         # Built on the host, moved in one copy: per segment small device ops and a blocking copy of its
         # block list left the GPU idle for ~2 ms before the first kernel at 9 segments (H100, #18).
-        spans = [(span, seg, torch.arange(len(span))) for span, seg in zip(layout.segments, segs)]
+        spans = [(span, seg, torch.arange(max(0, start - span.start), len(span)))
+                 for span, seg in zip(needed(layout, start), segs)]
         src = torch.cat([self.kv.slots(torch.tensor(seg.blocks), local) for _, seg, local in spans])
         pos = torch.cat([local + span.start for span, _, local in spans])
         # Segments are stored from position 0, so the delta is the span's start.
-        delta = torch.cat([torch.full((len(span),), span.start if rotate else 0) for span, _, _ in spans])
+        delta = torch.cat([torch.full((len(local),), span.start if rotate else 0) for span, _, local in spans])
         src, pos, delta = torch.stack([src, pos, delta]).to(self.kv.k.device)
         fn = rope_realign.realign_kv if self.kv.k.is_cuda else rope_realign.realign_kv_ref
         with stage("kv_store"):
@@ -194,12 +201,14 @@ class ReuseRequest(PlannedPrefill):
         self.plan: ReusePlan | None = None
         self._counts = ReuseStats()
         self._t0 = 0.0
+        self.num_cached = 0  # leading tokens in prefix-cache blocks (set at admission)
 
-    def admit(self) -> list[Sequence] | None:
+    def admit(self, num_cached: int = 0) -> list[Sequence] | None:
+        self.num_cached = num_cached
         if not self.flow.reads_cache:
             return []
         try:
-            self.segs, fills, self._counts = self.ex.lookup(self.layout)
+            self.segs, fills, self._counts = self.ex.lookup(self.layout, num_cached)
         except SparsetuneError:
             return None  # no room for its misses yet: the scheduler tries again after a step
         return fills
@@ -208,28 +217,31 @@ class ReuseRequest(PlannedPrefill):
         return all(seg.ready for seg in self.segs)
 
     def _reused(self, device) -> torch.Tensor:
+        """`[T]` bool: the tokens of reusable segments, as the flow sees them (those in a cached prefix too:
+        a prefix hit changes what is computed, not what the flow is asked)."""
         if not self.flow.reads_cache:
             return torch.zeros(self.layout.num_tokens, dtype=torch.bool, device=device)
         return self.layout.reused_mask(device)
 
     @functools.cached_property
-    def _num_rows(self) -> int:
-        return int(first_rows(self.flow, self.layout, self._reused("cpu"), self.ex.num_layers)[0].sum())
+    def _num_rows(self) -> int:  # asked once admitted
+        return int(first_rows(self.flow, self.layout, self._reused("cpu"), self.ex.num_layers, self.num_cached)[0].sum())
 
     def num_rows(self) -> int:  # asked at every scheduling pass it waits through: computed once
         return self._num_rows
 
     def rows(self, block_table: torch.Tensor) -> Rows:
         self._t0 = time.perf_counter()
-        self.ex.realign(self.layout, self.segs, block_table, self.flow.realign)
+        self.ex.realign(self.layout, self.segs, block_table, self.flow.realign, self.num_cached)
         s, counts = self.stats, self._counts
         s.segment_hits, s.segment_misses = counts.segment_hits, counts.segment_misses
         s.stored_tokens, s.filled_tokens = counts.stored_tokens, counts.filled_tokens
+        s.prefix_tokens = self.num_cached
         reused = self._reused(self.ex.kv.k.device)
-        s.reused_tokens = int(reused.sum())
+        s.reused_tokens = int(reused[self.num_cached :].sum())
         s.head_paged_kv_fraction = self.flow.head_paged_kv_fraction(self.layout)
         self.plan = ReusePlan(self.ex.kv, block_table, self.flow, self.layout, reused, s, self.ex.num_layers,
-                              self.ex.scale)
+                              self.ex.scale, self.num_cached)
         return self.plan
 
     def done(self) -> None:
@@ -245,18 +257,27 @@ class ReuseRequest(PlannedPrefill):
         self.segs = []
 
 
-def first_rows(flow: ReuseFlow, layout: ReuseLayout, reused: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, int | None]:
+def needed(layout: ReuseLayout, start: int) -> list:
+    """The reusable spans a prompt whose first `start` tokens are a cached prefix takes from the segment cache."""
+    return [span for span in layout.segments if span.end > start]
+
+
+def first_rows(flow: ReuseFlow, layout: ReuseLayout, reused: torch.Tensor, num_layers: int,
+               num_cached: int = 0) -> tuple[torch.Tensor, int | None]:
     """A plan's rows computed from layer 0 (`[T]` bool) and its selection layer (None: a static plan,
     or nothing reused): the flow's initial rows, every token not reused and the last one (its logits
-    give the first output token); every token when a selection layer needs them all up to it."""
+    give the first output token), but none of the cached prefix (its first `num_cached` tokens);
+    every token when a selection layer needs them all up to it."""
     sel = None
-    if not bool(reused.any()):
+    if not bool(reused[num_cached:].any()):  # nothing reused past the cached prefix: the rest is computed
         rows = torch.ones(layout.num_tokens, dtype=torch.bool, device=reused.device)
     else:
         sel = flow.selection_layer(num_layers)
         rows = flow.initial_rows(layout).to(reused.device) | ~reused
         if sel is not None:  # every token is computed up to and at the selection layer
             rows[:] = True
+    if sel is None:
+        rows[:num_cached] = False
     rows[-1] = True
     return rows, sel
 
@@ -265,13 +286,18 @@ class ReusePlan(Rows):
     """A reuse flow's recompute plan for one prompt, as the rows of the model's forward: the rows
     computed from layer 0, the selection at the selection layer, the (row, KV head) pairs that keep
     cached KV, per-head attention patterns and the MLP's rows; counts into `stats` (device counters,
-    read once by `finish`: no host sync per layer)."""
+    read once by `finish`: no host sync per layer). The first `num_cached` tokens are a cached prefix:
+    computed up to the selection layer only (the flow's selection sees every token, and reused ones
+    as reused), their KV in the pool kept (shared blocks: never written)."""
 
     def __init__(self, kv, block_table: torch.Tensor, flow: ReuseFlow, layout: ReuseLayout, reused: torch.Tensor,
-                 stats: ReuseStats, num_layers: int, scale: float) -> None:
+                 stats: ReuseStats, num_layers: int, scale: float, num_cached: int = 0) -> None:
         dev, t = kv.k.device, layout.num_tokens
         self.flow, self.layout, self.reused, self.stats, self.num_layers = flow, layout, reused, stats, num_layers
-        rows, self.sel_layer = first_rows(flow, layout, reused, num_layers)
+        self.num_cached = num_cached
+        self.from_segments = reused.clone()  # the reused tokens whose KV came from the segment cache
+        self.from_segments[:num_cached] = False
+        rows, self.sel_layer = first_rows(flow, layout, reused, num_layers, num_cached)
         self.recomputed = rows  # [T]: the rows after the selection layer (or of every layer)
         self.fresh = torch.zeros((), dtype=torch.long, device=dev)
         self.mlp_count = torch.zeros((), dtype=torch.long, device=dev)
@@ -280,7 +306,7 @@ class ReusePlan(Rows):
 
     def set_rows(self, positions: torch.Tensor) -> None:
         super().set_rows(positions)
-        self.row_reused = self.reused[positions]
+        self.row_reused = self.from_segments[positions]
 
     def continuing(self, layer, q, k, v):
         if layer != self.sel_layer:
@@ -291,6 +317,7 @@ class ReusePlan(Rows):
             chosen = self.flow.select(inputs).to(self.reused.device)
         # The flow's choice among reused tokens, plus every non-reused token and the last one.
         keep = (chosen & self.reused) | ~self.reused
+        keep[: self.num_cached] = False
         keep[-1] = True
         self.recomputed = keep
         return keep[self.positions].nonzero().squeeze(1)
@@ -301,6 +328,9 @@ class ReusePlan(Rows):
             cached = cached.to(self.reused.device) & self.row_reused[:, None]
         r = self.row_reused
         self.fresh += r.sum() * self.kv.num_kv_heads - (0 if cached is None else cached[r].sum())
+        if self.num_cached and self.sel_layer is not None and layer <= self.sel_layer:  # prefix rows run here
+            prefix = (self.positions < self.num_cached)[:, None].expand(-1, self.kv.num_kv_heads)
+            cached = prefix if cached is None else cached | prefix
         return cached
 
     def attention_pattern(self, layer, q, keys):
@@ -319,4 +349,4 @@ class ReusePlan(Rows):
         """Read the device counters into the stats."""
         self.stats.fresh_kv, self.stats.mlp_token_layers = int(self.fresh), int(self.mlp_count)
         self.stats.attention_pairs = round(float(self.attention_pairs))
-        self.stats.recomputed_reused = int((self.recomputed & self.reused).sum())
+        self.stats.recomputed_reused = int((self.recomputed & self.from_segments).sum())

@@ -90,10 +90,14 @@ def test_a_reuse_run_serves_plain_prefix_caching_and_a_reuse_flow_from_the_same_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["chat", "agent"])
+@pytest.mark.parametrize("workload", ["chat", "agent", "agent, prefix caching"])
 def test_chat_and_agent_runs_reuse_what_earlier_turns_and_agents_stored(smollm, tmp_path, workload):
-    cfg = ServeConfig.of(model="smollm2-135m", device="cpu", reuse=("pie",), workload=workload, docs=4, per_prompt=2,
-                         doc_len=24, question_len=6, agents=2, requests=4, rates=(50.0,), output_len="2", warmup=0)
+    """With --prefix-caching, the reuse flow's prompts take the stored role prompt's full blocks as a
+    prefix (exact KV) and only the rest from segments."""
+    caching = workload.endswith("prefix caching")
+    cfg = ServeConfig.of(model="smollm2-135m", device="cpu", reuse=("pie",), workload=workload.split(",")[0], docs=4,
+                         per_prompt=2, doc_len=24, question_len=6, agents=2, requests=4, rates=(50.0,),
+                         output_len="2", warmup=0, prefix_caching=caching)
     try:
         res = serve_benchmark(cfg, out=tmp_path, llm=smollm)
     finally:
@@ -108,9 +112,14 @@ def test_chat_and_agent_runs_reuse_what_earlier_turns_and_agents_stored(smollm, 
         assert [r["reused_tokens"] for r in pie] == [0, 0, 24 + 2, 24 + 2]
         assert [r["filled_tokens"] for r in pie] == [0, 0, 26, 26]  # stored by nobody before: filled first
         assert [r["segment_misses"] for r in pie] == [0, 0, 1, 1] and cache["segment_hit_rate"] == 0
-    else:  # a role prompt and two tool outputs, all stored before the cell
+    elif not caching:  # a role prompt and two tool outputs, all stored before the cell
         assert all(r["reused_tokens"] == r["stored_tokens"] == 3 * 24 and r["segment_misses"] == 0 for r in pie)
-        assert cache["segment_hit_rate"] > 0.8
+        assert all(r["prefix_tokens"] == 0 for r in pie) and cache["segment_hit_rate"] > 0.8
+    else:  # the role prompt's full block (16 of its 24 tokens) is a prefix hit, the rest comes from segments
+        assert res["cells"][-1]["setup"]["engine"]["prefix_caching"] and not res["cells"][0]["setup"]["engine"]["prefix_caching"]
+        assert all(r["prefix_tokens"] == 16 and r["reused_tokens"] == 3 * 24 - 16 and r["stored_tokens"] == 3 * 24
+                   for r in pie)
+        assert cache["prefix_hit_rate"] > 0 and cache["segment_misses"] == 0
 
 
 def test_cli_refuses_bad_workload_options_in_one_line_leaving_nothing(tmp_path):

@@ -149,6 +149,55 @@ def test_a_stored_segment_is_a_prefix_hit_for_a_prompt_that_starts_with_it(cache
     assert cached.generate([ids], sp, chat=False)[0].token_ids == got
 
 
+SYSTEM = "You are a careful assistant. Answer from the documents below, in one short sentence.\n"
+
+
+@pytest.mark.parametrize("flow", ["cacheblend", "sparsex", "epic"])
+@pytest.mark.parametrize("prefix", ["plain text", "a segment"])
+def test_a_prompt_hits_a_cached_prefix_then_its_segments(cached, flow, prefix):
+    """With prefix caching, a reuse request first takes the cached blocks its prompt starts with (a
+    plain prompt's system text, or a stored segment at position 0), then its other segments: its
+    prefix is counted, never written (the shared blocks' bytes are unchanged), no segment inside it
+    is looked up, and its first token, logits and prompt KV equal those of the same request without
+    the prefix hit (float32, atol 1e-4)."""
+    first = SYSTEM if prefix == "plain text" else _seg(f"{flow}: {DOC_C}", "default")  # a new segment each time
+    parts = [first, _seg(DOC_A), "\n", _seg(DOC_B), QUESTIONS[0]]
+    bm, kv = cached.engine.block_manager, cached.engine.kv
+    cached.use_reuse(flow)
+    try:
+        layout = _layout(cached, parts)
+        cached.cache_segments(layout)  # "a segment": its fill makes the prefix entry
+        head = layout.spans[0].end
+        if prefix == "plain text":
+            cached.generate([layout.token_ids[:head] + [13]], SamplingParams(max_tokens=1), chat=False)
+        bm.prefix_caching = False  # the same request without the prefix hit (the index kept)
+        cold, cold_stats = cached.add_reuse_request(layout, SP)
+        cached.engine.step()
+        want = (cold.logits[0], _prompt_kv(cached, cold))
+        _drain(cached)
+        bm.prefix_caching = True
+        hashed = sorted(bm.block_hash)
+        before = kv.k[:, hashed].clone(), kv.v[:, hashed].clone()
+        seq, stats = cached.add_reuse_request(layout, SP)
+        cached.engine.step()
+        got = (seq.logits[0], _prompt_kv(cached, seq))
+        shared = seq.block_table[: seq.num_cached_tokens // 8]
+        _drain(cached)
+    finally:
+        cached.use_reuse(None)
+    num_cached = head // 8 * 8
+    assert cold_stats.prefix_tokens == 0 and cold.num_cached_tokens == 0
+    assert stats.prefix_tokens == seq.num_cached_tokens == num_cached > 0
+    at = [hashed.index(b) for b in shared]  # the shared blocks' bytes, as before the step
+    assert torch.equal(kv.k[:, shared], before[0][:, at]) and torch.equal(kv.v[:, shared], before[1][:, at])
+    # DOC_C's last, partial block still comes from its segment: looked up, and its reused tokens counted
+    assert stats.segment_hits == (2 if prefix == "plain text" else 3)
+    assert stats.reused_tokens == cold_stats.reused_tokens - (0 if prefix == "plain text" else num_cached)
+    assert int(got[0].argmax()) == int(want[0].argmax())
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
 def _holders(llm) -> dict[int, int]:
     """Every block's holders: request block tables and stored segments."""
     eng, count = llm.engine, {}
