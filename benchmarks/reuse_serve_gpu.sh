@@ -8,6 +8,8 @@
 #   bash benchmarks/reuse_serve_gpu.sh smoke            a small reuse run (2 docs of 1K per prompt)
 #   bash benchmarks/reuse_serve_gpu.sh run SECONDS      the run, stopped after SECONDS, in $OUT/serve/<run>
 #   bash benchmarks/reuse_serve_gpu.sh resume SECONDS   carry the run folder back as .carry/serve/<run> too
+#   bash benchmarks/reuse_serve_gpu.sh step             a batched reuse prefill step's profile and floor ($OUT/step.json)
+#   bash benchmarks/reuse_serve_gpu.sh grid SECONDS     the run's rates above 3 req/s, in $OUT/grid/<run>
 set -u
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH="$PWD:/tmp/pp" PYTHONUNBUFFERED=1
@@ -23,5 +25,11 @@ run) timeout "${2:-540}" python3 -m sparsetune.cli.main bench serve --model qwen
     --output-len 128 --slo ttft=2000 --rate 0.25,0.5,1,2,3 --requests 12 --warmup 1 --out "$OUT/serve" 2>&1 | tail -40 ;;
 resume) mkdir -p "$OUT/serve" && cp -r .carry/serve/* "$OUT/serve/" && run=$(ls -d "$OUT"/serve/*/ | head -1) &&
     timeout "${2:-560}" python3 -m sparsetune.cli.main bench serve --resume "$run" 2>&1 | tail -40 ;;
-*) echo "usage: $0 tests|smoke|run SECONDS|resume SECONDS"; exit 2 ;;
+step) nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 benchmarks/bench_reuse_step.py --model qwen3-8b --flows cacheblend,sparsex,a3 --batches 1,2,4 \
+    --kv-memory 80GiB --json-out "$OUT/step.json" 2>&1 | tail -30 ;;
+grid) timeout "${2:-540}" python3 -m sparsetune.cli.main bench serve --model qwen3-8b --random-weights \
+    --reuse cacheblend,sparsex,a3 --workload rag --docs 64 --per-prompt 8 --doc-len 4096 --question-len 64 --zipf 1.0 \
+    --output-len 128 --slo ttft=2000 --rate 4,6,8 --requests 12 --warmup 1 --out "$OUT/grid" 2>&1 | tail -40 ;;
+*) echo "usage: $0 tests|smoke|run SECONDS|resume SECONDS|step|grid SECONDS"; exit 2 ;;
 esac

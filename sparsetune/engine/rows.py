@@ -168,7 +168,8 @@ class Rows:
             kc, vc = self.kv.read(layer, self.row_slots)
             m = keep[:, :, None]
             k, v = torch.where(m, kc, k), torch.where(m, vc, v)
-        self.kv.store(layer, k, v, self.row_slots)
+        with stage("kv_store"):
+            self.kv.store(layer, k, v, self.row_slots)
         if sub is None:
             return q, residual
         self.set_rows(self.positions[sub])

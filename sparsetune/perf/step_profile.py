@@ -52,6 +52,7 @@ STAGES = {
     "indexer": ("indexer", None),
     "topk": ("topk", None),
     "kv_store": ("cache_update", "kv store"),
+    "realign": ("cache_update", "realign"),  # a reuse request's segments copied in, keys rotated
     "cache_stage": ("cache_update", "flow cache stage"),
     "norm": ("norm", None),
     "rope": ("rope", None),

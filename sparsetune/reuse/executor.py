@@ -158,7 +158,7 @@ class ReuseExecutor:
         delta = torch.cat([torch.full((len(local),), span.start if rotate else 0) for span, _, local in spans])
         src, pos, delta = torch.stack([src, pos, delta]).to(self.kv.k.device)
         fn = rope_realign.realign_kv if self.kv.k.is_cuda else rope_realign.realign_kv_ref
-        with stage("kv_store"):
+        with stage("realign"):
             fn(self.kv.k, self.kv.v, src, self.kv.slots(block_table, pos), delta, self.inv_freq)
 
     def request(self, flow: ReuseFlow, layout: ReuseLayout) -> ReuseRequest:
