@@ -176,24 +176,26 @@ def _gather_kv(k_head, v_head, blk, slot, valid, offs_d, stride_kb, stride_kt, s
 
 
 @triton.jit
-def _load_sparse_ids(sel_row, bt_row, tile_start, end, seq_len, offs_n, BLOCK_SIZE: tl.constexpr):
+def _load_sparse_ids(sel_row, bt_row, tile_start, end, seq_len, offs_n, BLOCK_SIZE: tl.constexpr,
+                     UNIT: tl.constexpr):
     """SPARSE tile: cache block, slot and validity of selected-token indices
     j = tile_start + offs_n of one (sequence, kv head).
 
-    j // BLOCK_SIZE picks the selected logical block sel_row[j // BLOCK_SIZE] and
-    j % BLOCK_SIZE the offset in it; the token is valid if j < end (so entries of
-    sel_row at or past the count are never loaded) and its position lies inside
-    the sequence (the partial last block). Only valid lanes look up the block
-    table, and a (contract-violating) selected index outside
-    [0, ceil(seq_len / BLOCK_SIZE)) is masked out rather than dereferenced.
+    j // UNIT picks the selected unit u = sel_row[j // UNIT] (UNIT tokens, a divisor of
+    BLOCK_SIZE: a whole cache block when equal) and j % UNIT the offset in it, the token at
+    position u * UNIT + j % UNIT, in slot pos % BLOCK_SIZE of logical block pos // BLOCK_SIZE;
+    the token is valid if j < end (so entries of sel_row at or past the count are never
+    loaded) and its position lies inside the sequence (the partial last unit). Only valid
+    lanes look up the block table, and a (contract-violating) selected index outside
+    [0, ceil(seq_len / UNIT)) is masked out rather than dereferenced.
     """
     j = tile_start + offs_n
     in_sel = j < end
-    lb = tl.load(sel_row + j // BLOCK_SIZE, mask=in_sel, other=0)
-    slot = j % BLOCK_SIZE
-    n_blk = tl.cdiv(seq_len, BLOCK_SIZE)
-    valid = in_sel & (lb >= 0) & (lb < n_blk) & (lb * BLOCK_SIZE + slot < seq_len)
-    blk = tl.load(bt_row + lb, mask=valid, other=0).to(tl.int64)
+    u = tl.load(sel_row + j // UNIT, mask=in_sel, other=0)
+    pos = u * UNIT + j % UNIT
+    valid = in_sel & (u >= 0) & (u < tl.cdiv(seq_len, UNIT)) & (pos < seq_len)
+    slot = pos % BLOCK_SIZE
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     return blk, slot, valid
 
 
@@ -263,7 +265,7 @@ def _paged_decode_split_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
-    sel_ptr,  # SPARSE only: int32 [B, Hkv, K] selected logical blocks
+    sel_ptr,  # SPARSE only: int32 [B, Hkv, K] selected logical units (UNIT tokens each)
     sel_counts_ptr,  # SPARSE only: int32 [B, Hkv]
     max_sel,  # SPARSE only: K
     stride_sb,
@@ -282,6 +284,7 @@ def _paged_decode_split_kernel(
     EMULATE_BF16: tl.constexpr,
     PREFETCH: tl.constexpr,
     SPARSE: tl.constexpr = False,
+    UNIT: tl.constexpr = 1,  # SPARSE only: tokens per selected unit (a divisor of BLOCK_SIZE)
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -294,11 +297,11 @@ def _paged_decode_split_kernel(
     seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * BLOCK_SIZE)
 
     if SPARSE:
-        # The index space is the concatenation of the selected blocks, j in
-        # [0, count * BLOCK_SIZE); tokens past seq_len (partial last block) are
+        # The index space is the concatenation of the selected units, j in
+        # [0, count * UNIT); tokens past seq_len (partial last unit) are
         # masked per lane in the loop.
         cnt = tl.load(sel_counts_ptr + b * stride_cb + kvh * stride_ch)
-        n_tok = tl.minimum(tl.maximum(cnt, 0), max_sel) * BLOCK_SIZE
+        n_tok = tl.minimum(tl.maximum(cnt, 0), max_sel) * UNIT
     else:
         n_tok = seq_len
 
@@ -338,7 +341,7 @@ def _paged_decode_split_kernel(
         # block when BLOCK_SIZE > BLOCK_N), hence EMPTY_SAFE.
         sel_row = sel_ptr + b.to(tl.int64) * stride_sb + kvh.to(tl.int64) * stride_sh
         for tile_start in range(start, end, BLOCK_N):
-            blk, slot, valid = _load_sparse_ids(sel_row, bt_row, tile_start, end, seq_len, offs_n, BLOCK_SIZE)
+            blk, slot, valid = _load_sparse_ids(sel_row, bt_row, tile_start, end, seq_len, offs_n, BLOCK_SIZE, UNIT)
             k, v = _gather_kv(k_head, v_head, blk, slot, valid, offs_d, stride_kb, stride_kt, stride_vb, stride_vt)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale,
                                          DOT_PRECISION, UPCAST_DOT, EMULATE_BF16, True)
@@ -481,7 +484,7 @@ def _resolve_block_n(block_n: int | None, head_dim: int, elem_size: int) -> int:
 
 def _launch_decode(
     q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n, num_warps, num_stages, prefetch,
-    sel_blocks=None, sel_counts=None,
+    sel_blocks=None, sel_counts=None, unit=None,
 ) -> torch.Tensor:
     """Stage 1 (+ stage 2 when split) for validated arguments; dense unless sel_* given."""
     batch, num_q_heads, head_dim = q.shape
@@ -559,6 +562,7 @@ def _launch_decode(
         EMULATE_BF16=_INTERPRET,
         PREFETCH=bool(prefetch) and not sparse,
         SPARSE=sparse,
+        UNIT=unit or block_size,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -642,22 +646,25 @@ def sparse_paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    unit: int | None = None,
 ) -> torch.Tensor:
     """Block-sparse decode attention over a paged KV cache (same kernel, SPARSE=True).
 
     The query heads of kv head h of sequence b attend (exact fp32 softmax) over
-    the tokens of the selected *logical* blocks only:
-        {lb * bs + off : lb in sel_blocks[b, h, :sel_counts[b, h]], 0 <= off < bs,
-                         lb * bs + off < seq_lens[b]}
-    (logical block lb of sequence b is cache block block_tables[b, lb]).
+    the tokens of the selected *logical* units only (`unit` tokens each, a power
+    of two dividing the cache block size bs; default bs: units are whole blocks):
+        {u * unit + off : u in sel_blocks[b, h, :sel_counts[b, h]], 0 <= off < unit,
+                          u * unit + off < seq_lens[b]}
+    (the token at position p of sequence b is slot p % bs of cache block
+    block_tables[b, p // bs]: units inside a block are read ragged, as chosen).
 
     Args (beyond `paged_decode_attention`'s):
-        sel_blocks: int32 [B, Hkv, K] logical block indices in
-            [0, ceil(seq_len / bs)), unique within a row, any order. Entries at
+        sel_blocks: int32 [B, Hkv, K] logical unit indices in
+            [0, ceil(seq_len / unit)), unique within a row, any order. Entries at
             positions >= sel_counts[b, h] are never read.
         sel_counts: int32 [B, Hkv] in [0, K]; 0 (or seq_len 0) gives zeros.
-        num_splits: default `choose_num_splits(B, Hkv, K, block_size, sms, sparse=True)`:
-            K selected blocks are the widest a row can be.
+        num_splits: default `choose_num_splits(B, Hkv, K, unit, sms, sparse=True)`:
+            K selected units are the widest a row can be.
 
     The selection order only changes the summation order. A selected index out
     of range is ignored (masked), never dereferenced. Host decisions depend on
@@ -667,6 +674,7 @@ def sparse_paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, "sparse_paged_decode_attention"
     )
     batch, num_kv_heads, block_size = q.shape[0], k_cache.shape[1], k_cache.shape[2]
+    unit = _check_unit(unit, block_size)
     if sel_blocks.dim() != 3 or tuple(sel_blocks.shape[:2]) != (batch, num_kv_heads):
         raise ValueError(f"sel_blocks must be [B={batch}, Hkv={num_kv_heads}, K], got {tuple(sel_blocks.shape)}")
     if tuple(sel_counts.shape) != (batch, num_kv_heads):
@@ -678,14 +686,23 @@ def sparse_paged_decode_attention(
     out = _prepare_out(q, out)
     max_sel = sel_blocks.shape[2]
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_sel, block_size, _num_sms(q.device), sparse=True)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_sel, unit, _num_sms(q.device), sparse=True)
     block_n = _resolve_block_n(block_n, q.shape[2], k_cache.element_size())
     if batch == 0:
         return out
     if max_sel == 0:  # nothing can be selected: all zeros (shape-only decision)
         return out.zero_()
     return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n,
-                          num_warps, num_stages, False, sel_blocks=sel_blocks, sel_counts=sel_counts)
+                          num_warps, num_stages, False, sel_blocks=sel_blocks, sel_counts=sel_counts, unit=unit)
+
+
+def _check_unit(unit: int | None, block_size: int) -> int:
+    """The selection unit: a power of two dividing the cache block size (default: the block)."""
+    if unit is None:
+        return block_size
+    if unit < 1 or unit & (unit - 1) or block_size % unit:
+        raise ValueError(f"unit must be a power of two dividing the block size {block_size}, got {unit}")
+    return unit
 
 
 def paged_decode_attention_ref(
@@ -741,6 +758,7 @@ def sparse_paged_decode_attention_ref(
     sel_blocks: torch.Tensor,
     sel_counts: torch.Tensor,
     scale: float,
+    unit: int | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of `sparse_paged_decode_attention` (same contract).
 
@@ -752,8 +770,9 @@ def sparse_paged_decode_attention_ref(
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     max_sel = sel_blocks.shape[2]
+    unit = _check_unit(unit, block_size)
     out = torch.zeros_like(q)
-    offs = torch.arange(block_size, device=q.device)
+    offs = torch.arange(unit, device=q.device)
     lens = seq_lens.tolist()
     counts = sel_counts.tolist()
     for b in range(batch):
@@ -766,8 +785,8 @@ def sparse_paged_decode_attention_ref(
             if cnt <= 0:
                 continue
             logical = sel_blocks[b, h, :cnt].long()
-            pos = (logical[:, None] * block_size + offs[None, :]).reshape(-1)
-            pos = pos[(pos >= 0) & (pos < seq_len)]  # drops the partial last block's tail
+            pos = (logical[:, None] * unit + offs[None, :]).reshape(-1)
+            pos = pos[(pos >= 0) & (pos < seq_len)]  # drops the partial last unit's tail
             if pos.numel() == 0:
                 continue
             phys = table[pos // block_size]

@@ -296,15 +296,16 @@ class SparseSelection:
     """
 
     def __init__(self, case: DecodeCase, max_sel: int, seed: int, modes: list[int] | None = None,
-                 last_first: bool = False, full: bool = False, shuffle: bool = True) -> None:
+                 last_first: bool = False, full: bool = False, shuffle: bool = True, unit: int | None = None) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.k = max_sel
+        self.unit = unit or case.bs  # tokens per selected unit ("block" below)
         sel = torch.empty((case.batch, case.hkv, max_sel), dtype=torch.int32)
         counts = torch.zeros((case.batch, case.hkv), dtype=torch.int32)
         self.sets: dict[tuple[int, int], list[int]] = {}  # selected logical blocks
         max_blocks = case.block_tables.shape[1]
         for b, L in enumerate(case.seq_lens_list):
-            n_blk = math.ceil(L / case.bs)
+            n_blk = math.ceil(L / self.unit)
             for h in range(case.hkv):
                 mode = 0 if full else (modes[(b * case.hkv + h) % len(modes)] if modes else (b * case.hkv + h) % 4)
                 if mode == 0:
@@ -328,7 +329,7 @@ class SparseSelection:
                     chosen.remove(n_blk - 1)
                     chosen.insert(0, n_blk - 1)
                 unselected = [x for x in range(n_blk) if x not in chosen]
-                garbage = unselected[:1] + [HUGE_BLOCK_ID, -1] + unselected[1:2] + [n_blk, max_blocks - 1]
+                garbage = unselected[:1] + [HUGE_BLOCK_ID, -1] + unselected[1:2] + [n_blk, max_blocks * case.bs // self.unit - 1]
                 row = chosen + [garbage[i % len(garbage)] for i in range(max_sel - len(chosen))]
                 sel[b, h] = torch.tensor(row, dtype=torch.int32)
                 counts[b, h] = len(chosen)
@@ -342,7 +343,8 @@ class SparseSelection:
     def positions(self, case: DecodeCase, b: int, h: int) -> list[int]:
         """Explicit token positions attended by (b, h)."""
         L = case.seq_lens_list[b]
-        return sorted(t for lb in self.sets[(b, h)] for t in range(lb * case.bs, (lb + 1) * case.bs) if t < L)
+        u = self.unit
+        return sorted(t for lb in self.sets[(b, h)] for t in range(lb * u, (lb + 1) * u) if t < L)
 
     def reference_fp64(self, case: DecodeCase) -> torch.Tensor:
         """float64 attention over the selected positions, from the contiguous K/V."""
@@ -440,6 +442,55 @@ def test_sparse_full_selection_equals_dense(block_size, dtype, block_n):
     sparse = paged_decode.sparse_paged_decode_attention(*shuffled.args(case), num_splits=3, block_n=block_n)
     assert rel_err(sparse, dense) < TWIN_TOL[dtype]
     assert rel_err(sparse, case.reference_fp64()) < DECODE_TOL[dtype]
+
+
+UNIT_CASES = [
+    # (block_size, unit, dtype, seq_lens, K, block_n): units of a few tokens inside cache blocks (#43)
+    (16, 2, torch.float32, [37, 0, 160, 70], 24, None),
+    (16, 1, torch.float32, [33, 5, 0], 20, 16),
+    (16, 4, torch.bfloat16, [129, 50, 0], 12, None),
+    (16, 8, torch.float16, [61, 0, 17, 128], 6, 32),
+    (64, 2, torch.bfloat16, [200, 9, 0], 40, None),
+]
+
+
+@pytest.mark.parametrize("block_size,unit,dtype,seq_lens,max_sel,block_n", UNIT_CASES)
+def test_sparse_units_inside_blocks_match_fp64(block_size, unit, dtype, seq_lens, max_sel, block_n):
+    """Selected units smaller than a cache block: each row attends exactly the tokens of its units
+    (ragged within blocks, the partial last unit cut at the sequence end, garbage past the count
+    never read), against float64 attention over those positions."""
+    idx = UNIT_CASES.index((block_size, unit, dtype, seq_lens, max_sel, block_n))
+    case = DecodeCase(seq_lens, 2, 3, 32, block_size, dtype, seed=5000 + idx).to(DEVICE)
+    sel = SparseSelection(case, max_sel, seed=5100 + idx, unit=unit)
+    counts = sel.sel_counts.cpu()
+    assert (counts == 0).any() and (counts == max_sel).any()
+    ref64, tol = sel.reference_fp64(case), DECODE_TOL[dtype]
+    twin = paged_decode.sparse_paged_decode_attention_ref(*sel.args(case), unit=unit)
+    assert rel_err(twin, ref64) < tol
+    check_zero_groups(twin, case, sel)
+    for num_splits in (1, 3):
+        out = paged_decode.sparse_paged_decode_attention(*sel.args(case), num_splits=num_splits, block_n=block_n,
+                                                         out=case.poisoned_out(), unit=unit)
+        assert rel_err(out, ref64) < tol, f"splits={num_splits}"
+        check_zero_groups(out, case, sel)
+    auto = paged_decode.sparse_paged_decode_attention(*sel.args(case), unit=unit)
+    assert rel_err(auto, ref64) < tol
+
+
+def test_units_of_a_whole_block_are_the_block_selection():
+    """unit = block size is the block selection, bit for bit; units covering every token in order
+    are dense attention."""
+    case = DecodeCase([37, 0, 160, 70], 2, 4, 32, 16, torch.float32, seed=71).to(DEVICE)
+    sel = SparseSelection(case, 5, seed=72)
+    blocks = paged_decode.sparse_paged_decode_attention(*sel.args(case), num_splits=2)
+    units = paged_decode.sparse_paged_decode_attention(*sel.args(case), num_splits=2, unit=16)
+    assert torch.equal(blocks, units)
+    full = SparseSelection(case, 80, seed=73, full=True, shuffle=False, unit=2)
+    dense = paged_decode.paged_decode_attention(*case.args(), num_splits=1, block_n=16)
+    sparse = paged_decode.sparse_paged_decode_attention(*full.args(case), num_splits=1, block_n=16, unit=2)
+    assert torch.equal(sparse, dense)
+    with pytest.raises(ValueError, match="unit must be a power of two dividing the block size 16"):
+        paged_decode.sparse_paged_decode_attention(*sel.args(case), unit=3)
 
 
 def test_sparse_num_splits_agree():
