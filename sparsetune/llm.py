@@ -378,11 +378,13 @@ class LLM:
 
 
 def _flow_elems_per_block(flow: DecodeFlow | None, mcfg) -> int:
-    """A flow's per-block fields on its sparse layers, in pool elements: they live beside the pool."""
+    """A flow's fields per KV block (those of each selection unit in it) on its sparse layers, in pool
+    elements: they live beside the pool."""
     if flow is None:
         return 0
     from sparsetune.flow.shapes import field_dims
 
     dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
     layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)
-    return layers * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values())
+    units = flow.block_size // flow.unit
+    return layers * units * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values())

@@ -71,9 +71,10 @@ def paged_case(block_size: int, lens: list[int], seed: int = 0):
 
 
 def prefill_cache(attn: FlowAttention, kv: KVCache, bt: torch.Tensor, lens: list[int]) -> None:
-    bs = kv.block_size
-    blocks = torch.cat([bt[i, : n // bs] for i, n in enumerate(lens)]).long()
-    attn.run_cache(0, kv, blocks, blocks)
+    """The cache stage over every full selection unit (a block, or a `select_block` unit inside one)."""
+    units, u = attn.unit_table(bt), attn.flow.unit
+    done = torch.cat([units[i, : n // u] for i, n in enumerate(lens)]).long()
+    attn.run_cache(0, kv, done, done)
 
 
 def selected_sets(attn, kv, bt, meta, q) -> list[list[set[int]]]:

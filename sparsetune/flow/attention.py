@@ -1,9 +1,11 @@
 """Running a decode flow inside the engine: `FlowAttention`, an `AttentionBackend`.
 
-On KV write it runs the flow's cache stage for every block the write completes and stores the
-fields per physical block. On decode it gathers the fields of each sequence's blocks, runs the
-indexer per (request, KV head) row, applies the always-kept blocks and the budget, takes an exact
-top-k on device, and attends over the selected blocks with the sparse paged kernel. Decode reads
+On KV write it runs the flow's cache stage for every selection unit the write completes and stores
+the fields per physical unit. On decode it gathers the fields of each sequence's units, runs the
+indexer per (request, KV head) row, applies the always-kept units and the budget, takes an exact
+top-k on device, and attends over the selected units with the sparse paged kernel. A unit is a KV
+block, or with `select_block` a smaller piece of one: unit u of cache block p is row `p * U + u` of
+the field stores (U units a block; `unit_table` maps a block table to its units). Decode reads
 tensors only (no host values), so the whole step, indexer included, is captured in the engine's
 CUDA graphs. A calibrated flow's per-layer constants (`const`) are tensors passed into the stage
 functions like the pool, so the compiled executor sees them as inputs, not as captured attributes.
@@ -68,7 +70,8 @@ class FlowAttention(DenseAttention):
         self._rule: torch.Tensor | None = None  # the budget rule on the pool's device (`rule`)
         self.name = flow.name
         self.executor = executor
-        self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [blocks + 1, Hkv, r, c]
+        self.units = flow.block_size // flow.unit  # selection units per KV block (U)
+        self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [(blocks + 1) * U, Hkv, r, c]
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (blocks, counts)
         # The latest selection of this step, reused by layers outside `select_layers` (TidalDecode).
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -97,22 +100,34 @@ class FlowAttention(DenseAttention):
         return self._rule
 
     def selection_width(self, width: int, head_dim: int) -> int:
-        """Blocks per row of a selection over a block table `width` blocks wide: a shape of the
+        """Units per row of a selection over a block table `width` blocks wide: a shape of the
         step (a captured graph holds it; a flow that changes it needs new graphs)."""
-        return self.flow.attended_blocks(width, scores=not self.stages.traits(head_dim).forced_only)
+        return self.flow.attended_blocks(width * self.units, scores=not self.stages.traits(head_dim).forced_only)
 
     def _generated_path(self, x: torch.Tensor) -> bool:
         """The compiled executor on the Triton path runs sparsetune's own kernels: the generated
-        stages where they are block-local, the radix-select top-k always."""
+        stages where they are block-local (on whole blocks only, for now), the radix-select top-k always."""
         return self.executor == "compiled" and self.triton_path(x)
 
+    def _generated_stages(self, x: torch.Tensor) -> bool:
+        return self._generated_path(x) and self.units == 1
+
+    def unit_table(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """The store rows of each sequence's selection units, in order `[B, W * U]` (the table itself
+        when a unit is the block)."""
+        if self.units == 1:
+            return block_tables
+        u = torch.arange(self.units, device=block_tables.device, dtype=block_tables.dtype)
+        return (block_tables[:, :, None] * self.units + u).flatten(1)
+
     def stores(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
-        """Layer's field stores, `[blocks + 1, Hkv, r, c]` each (the last block is the null block)."""
+        """Layer's field stores, `[(blocks + 1) * U, Hkv, r, c]` each (the last block's units are the null block's)."""
         store = self.fields.get(layer)
         if store is None:
             dims = field_dims(self.flow, kv.head_dim)
+            rows = (kv.num_blocks + 1) * self.units
             store = self.fields[layer] = {
-                name: torch.zeros(kv.num_blocks + 1, kv.num_kv_heads, *rc, dtype=kv.k.dtype, device=kv.k.device)
+                name: torch.zeros(rows, kv.num_kv_heads, *rc, dtype=kv.k.dtype, device=kv.k.device)
                 for name, rc in dims.items()
             }
         return store
@@ -125,17 +140,18 @@ class FlowAttention(DenseAttention):
             self.write_fields(layer, kv, meta)
 
     def write_fields(self, layer: int, kv: KVCache, meta: AttentionMetadata) -> None:
-        """The cache stage for the blocks this step's KV write completed. A block the write starts but
+        """The cache stage for the units this step's KV write completed. A unit the write starts but
         does not complete gets zero fields: it may hold a previous owner's (a flow's state included)."""
-        bs = kv.block_size
+        bs = self.flow.unit
         if meta.is_prefill:
-            # Blocks completed by this chunk: b with ctx <= (b+1)*bs - 1 < seq_len.
+            # Units completed by this chunk: b with ctx <= (b+1)*bs - 1 < seq_len.
             done, open_ = [], []
+            table = self.unit_table(meta.block_tables)
             for i in range(meta.batch_size):
                 ctx, end = meta.context_len(i), meta.seq_lens_cpu[i]
-                done.append(meta.block_tables[i, ctx // bs : end // bs])
+                done.append(table[i, ctx // bs : end // bs])
                 if end % bs and end // bs >= ctx // bs:
-                    open_.append(meta.block_tables[i, end // bs : end // bs + 1])
+                    open_.append(table[i, end // bs : end // bs + 1])
             if open_:
                 self.zero_fields(layer, kv, torch.cat(open_).long())
             blocks = torch.cat(done).long()
@@ -143,34 +159,39 @@ class FlowAttention(DenseAttention):
                 self.run_cache(layer, kv, blocks, blocks)
         else:
             pos = meta.positions
-            cache = self.stages.cache_kernel(kv.head_dim) if self._generated_path(kv.k) else None
+            cache = self.stages.cache_kernel(kv.head_dim) if self._generated_stages(kv.k) else None
             store = self.stores(layer, kv)
             generated, stateful = cache is not None and bool(store), self.stages.traits(kv.head_dim).saves_state
             if stateful or not generated:  # the generated stage finds the blocks itself
-                phys = meta.block_tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long()
+                phys = self.unit_table(meta.block_tables).gather(1, (pos // bs).view(-1, 1)).view(-1).long()
             if stateful:  # a stateless flow never reads the open block's fields (always kept)
                 # Graph-safe: rows that start no block zero the null block's fields.
                 starting = ((pos % bs) == 0) & (meta.seq_lens > 0)
-                self.zero_fields(layer, kv, torch.where(starting, phys, torch.full_like(phys, kv.null_block)))
+                self.zero_fields(layer, kv, torch.where(starting, phys, torch.full_like(phys, self.null_unit(kv))))
             if generated:
                 cache.decode(kv.k[layer], kv.v[layer], pos, PagedBlocks(meta.block_tables, kv.null_block), meta.seq_lens,
                              store, self.constants(layer, kv))
                 return
             completing = ((pos % bs) == bs - 1) & (meta.seq_lens > 0)
             # Graph-safe: every row computes; rows that complete nothing write to the null block.
-            target = torch.where(completing, phys, torch.full_like(phys, kv.null_block))
+            target = torch.where(completing, phys, torch.full_like(phys, self.null_unit(kv)))
             self.run_cache(layer, kv, phys, target, fixed_shape=True)
 
-    def zero_fields(self, layer: int, kv: KVCache, blocks: torch.Tensor) -> None:
+    def null_unit(self, kv: KVCache) -> int:
+        """The store row that writes nobody reads land in (the null block's first unit)."""
+        return kv.null_block * self.units
+
+    def zero_fields(self, layer: int, kv: KVCache, units: torch.Tensor) -> None:
         for t in self.stores(layer, kv).values():
-            t.index_fill_(0, blocks, 0)
+            t.index_fill_(0, units, 0)
 
     def rebuild_fields(self, layer: int, kv: KVCache, block_table: torch.Tensor, num_tokens: int) -> None:
         """Fields of a sequence whose KV was written outside this backend (a reuse prefill): the cache
-        stage on its full blocks, zeros on its partial last block."""
-        full = block_table[: num_tokens // kv.block_size].long()
-        if num_tokens % kv.block_size:
-            self.zero_fields(layer, kv, block_table[num_tokens // kv.block_size :][:1].long())
+        stage on its full units, zeros on its partial last unit."""
+        bs, table = self.flow.unit, self.unit_table(block_table[None])[0]
+        full = table[: num_tokens // bs].long()
+        if num_tokens % bs:
+            self.zero_fields(layer, kv, table[num_tokens // bs :][:1].long())
         if full.numel():
             self.run_cache(layer, kv, full, full)
 
@@ -187,7 +208,7 @@ class FlowAttention(DenseAttention):
         store = self.stores(layer, kv)
         if not store:
             return
-        if self._generated_path(kv.k):
+        if self._generated_stages(kv.k):
             cache = self.stages.cache_kernel(kv.head_dim)
             if cache is not None:
                 cache(kv.k[layer], kv.v[layer], src, dst, store, self.constants(layer, kv))
@@ -205,23 +226,25 @@ class FlowAttention(DenseAttention):
             blocks, counts = self.select(layer, q, kv, meta)
         sparse = paged_decode.sparse_paged_decode_attention
         fn = sparse if self.triton_path(q) else paged_decode.sparse_paged_decode_attention_ref
-        return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, blocks, counts, self.scale)
+        return fn(q, kv.k[layer], kv.v[layer], meta.block_tables, meta.seq_lens, blocks, counts, self.scale,
+                  unit=self.flow.unit)
 
     def select(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Selected logical blocks `[B, Hkv, K]` and how many of them count `[B, Hkv]`."""
+        """Selected logical units `[B, Hkv, K]` and how many of them count `[B, Hkv]`."""
         reuse = self.flow.select_layers and layer not in self.flow.select_layers
         if reuse:
             if self._shared is None:
                 raise RuntimeError(f"layer {layer} reuses a selection but no select layer ran before it")
             blocks, counts = self._shared
         else:
-            st, h, bs = self.stages, kv.num_kv_heads, kv.block_size
+            st, h, bs = self.stages, kv.num_kv_heads, self.flow.unit
             stores, rule = self.stores(layer, kv), self.rule(q.device)
-            args = (q, meta.block_tables, meta.seq_lens, stores, kv.k[layer] if self.flow.uses_keys else None,
-                    h, bs, kv.null_block, self.constants(layer, kv), rule)
+            args = (q, self.unit_table(meta.block_tables), meta.seq_lens, stores,
+                    kv.k[layer] if self.flow.uses_keys else None, h, bs, self.null_unit(kv), self.constants(layer, kv),
+                    rule)
             generated = self._generated_path(q)
-            indexer = st.indexer_kernel(q.shape[1] // h, kv.head_dim) if generated else None
-            k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)
+            indexer = st.indexer_kernel(q.shape[1] // h, kv.head_dim) if self._generated_stages(q) else None
+            k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)  # units
             if generated and not st.traits(kv.head_dim).forced_only:  # scoring (generated, else compiled torch), radix select
                 if indexer is not None:
                     score, counts = indexer(q, PagedBlocks(meta.block_tables, kv.null_block), meta.seq_lens, stores,

@@ -2,13 +2,15 @@
 
 A flow declares hyperparameters as class attributes of type `Param` and two stages:
 
-- `cache(self, k, v) -> {field: tensor}`: query-independent, runs when a KV block is complete;
-  `k`, `v` are one block of one KV head, `[1, block_size, head_dim]`; each field is `[1, r, c]`.
+- `cache(self, k, v) -> {field: tensor}`: query-independent, runs when a selection unit is complete;
+  `k`, `v` are one unit of one KV head, `[1, unit, head_dim]`; each field is `[1, r, c]`. The unit
+  is the KV block (the page, `block_size`) unless `select_block` names a smaller one inside it:
+  fields are kept per unit and the indexer ranks units.
 - `index(self, q, fields) -> F.topk(score)`: every decode step, per layer; `q` is the query
   heads of one KV head's group, `[1, group, head_dim]`; each field comes back as `[S, r, c]`
-  over the sequence's S blocks; `score` is `[S, 1, 1]`. `F.save(fields, name, x)` stores a
+  over the sequence's S units; `score` is `[S, 1, 1]`. `F.save(fields, name, x)` stores a
   new value of a field for the next step (state); with `uses_keys = True` the raw keys are
-  field "k", `[S, block_size, head_dim]` (tokens past the sequence end read as zeros).
+  field "k", `[S, unit, head_dim]` (tokens past the sequence end read as zeros).
 
 Either stage may take a third parameter, `const`: per-layer, per-KV-head constants (name →
 `[1, r, c]`). A `calibrated` flow gets `const["channels"]`, `[1, channels, head_dim]`: row i is
@@ -17,8 +19,8 @@ one-hot at the i-th most important channel of that layer's KV head, from an offl
 top channels of each key (DoubleSparse's label cache). A calibrated flow declares the params
 `calibration` (a file, or "auto": the default file of the engine's model) and `channels`.
 
-The runtime always keeps the first `sink_blocks` and last `local_blocks` blocks (the last one
-holds the newest token) and fills the rest of the budget with the top-scoring blocks.
+The runtime always keeps the first `sink_blocks` and last `local_blocks` units (the last one
+holds the newest token) and fills the rest of the budget with the top-scoring units.
 """
 
 from __future__ import annotations
@@ -91,8 +93,11 @@ class DecodeFlow(Flow):
     # the budget is searched as a share of the context, the block size over what small heads need;
     # `select_layers` only by flows built to share a selection across layers (TidalDecode declares
     # it): for the others it is one more dimension whose every non-empty value costs accuracy.
-    block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (selection granularity)",
-                       search=Search(choices=(2, 4, 8, 16, 32)))
+    block_size = Param(16, choices=(1, 2, 4, 8, 16, 32, 64), doc="tokens per KV block (the page; the selection "
+                       "unit unless select_block is set)", search=Search(choices=(2, 4, 8, 16, 32)))
+    select_block = Param(None, choices=(1, 2, 4, 8, 16, 32, 64), kind=int,
+                         doc="tokens per selected unit inside a block (default: the whole block); fields are kept "
+                         "per unit, and the budget, sink and local blocks count units", search=Search(off=True))
     budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole blocks",
                    search=Search(off=True))
     budget_ratio = Param(None, low=0.0, high=1.0, kind=float, doc="budget as a fraction of the context (overrides budget)",
@@ -104,6 +109,17 @@ class DecodeFlow(Flow):
                          search=Search(layers="first", low=0, high=4))
     select_layers = Param((), kind=tuple, doc="layers that run the indexer; other sparse layers reuse the "
                           "latest selection (empty: every sparse layer selects)", search=Search(off=True))
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**values)
+        if self.select_block is not None and self.block_size % self.select_block:
+            raise SparsetuneError(f"--param select_block={self.select_block} must divide block_size={self.block_size} "
+                                  "(units inside a block); pick a smaller select_block or a larger block_size")
+
+    @property
+    def unit(self) -> int:
+        """Tokens per selected unit: `select_block`, else the whole block (the KV page)."""
+        return self.select_block or self.block_size
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -148,11 +164,11 @@ class DecodeFlow(Flow):
 
     @property
     def budget_rule(self) -> BudgetRule:
-        """The budget as a rule over a sequence's block count (`budget_ratio` overrides `budget`)."""
+        """The budget as a rule over a sequence's unit count (`budget_ratio` overrides `budget`)."""
         forced = self.sink_blocks + self.local_blocks
         if self.budget_ratio is not None:
             return BudgetRule(self.sink_blocks, self.local_blocks, float(self.budget_ratio), forced)
-        return BudgetRule(self.sink_blocks, self.local_blocks, 0.0, max(-(-self.budget // self.block_size), forced))
+        return BudgetRule(self.sink_blocks, self.local_blocks, 0.0, max(-(-self.budget // self.unit), forced))
 
     def kernel_key(self) -> tuple:
         """What the compiled stages depend on: the class and every param but `RUNTIME_PARAMS`.

@@ -164,10 +164,11 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     # A calibrated flow is checked without a model: a synthetic channel order stands in.
     calibration = synthetic_calibration(1, hkv, head_dim) if flow.calibrated else None
     attn = FlowAttention(flow, head_dim**-0.5, calibration=calibration)
-    # Cache stage over every full block, as a prefill that wrote all tokens would run it.
-    blocks = torch.cat([bt[i, : lens[i] // bs] for i in range(len(lens))]).long()
-    if blocks.numel():
-        attn.run_cache(0, kv, blocks, blocks)
+    # Cache stage over every full unit, as a prefill that wrote all tokens would run it.
+    units = attn.unit_table(bt)
+    done = torch.cat([units[i, : lens[i] // flow.unit] for i in range(len(lens))]).long()
+    if done.numel():
+        attn.run_cache(0, kv, done, done)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=g, dtype=torch.float64)
     meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
                              torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), [0, 1, 2])

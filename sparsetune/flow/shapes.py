@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @dataclass
 class DummyInputs:
     """Seeded random stage inputs over `rows` (request, KV head) rows: the cache stage's one
-    block of keys and values `[rows, 1, block_size, head_dim]`, and the constants `[rows, 1, r, c]`.
+    unit of keys and values `[rows, 1, unit, head_dim]`, and the constants `[rows, 1, r, c]`.
     Values are arbitrary: tracing reads shapes and op calls."""
 
     flow: DecodeFlow
@@ -36,7 +36,7 @@ class DummyInputs:
         valid = torch.arange(num_blocks)[None, :] < lens[:, None]
         fields = Fields({n: FT(torch.randn(rows, num_blocks, *rc, generator=g), valid) for n, rc in field_dims.items()})
         if self.flow.uses_keys:
-            keys = torch.randn(rows, num_blocks, self.flow.block_size, self.head_dim, generator=g)
+            keys = torch.randn(rows, num_blocks, self.flow.unit, self.head_dim, generator=g)
             dict.__setitem__(fields, "k", FT(keys, valid))
         return FT(torch.randn(rows, 1, group, self.head_dim, generator=g)), fields
 
@@ -46,7 +46,7 @@ def dummy_inputs(flow: DecodeFlow, head_dim: int, rows: int = 1,
     """The one builder of dummy stage inputs (constants shaped by `flow.const_dims` unless given)."""
     g = torch.Generator().manual_seed(0)
     const_dims = flow.const_dims(head_dim) if const_dims is None else const_dims
-    k, v = (FT(torch.randn(rows, 1, flow.block_size, head_dim, generator=g)) for _ in range(2))
+    k, v = (FT(torch.randn(rows, 1, flow.unit, head_dim, generator=g)) for _ in range(2))
     const = {n: FT(torch.randn(rows, 1, *rc, generator=g)) for n, rc in const_dims.items()}
     return DummyInputs(flow, head_dim, k, v, const, g)
 

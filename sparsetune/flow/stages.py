@@ -42,6 +42,16 @@ def _compile(fn):
         compiled)
 
 
+def unit_rows(pool: torch.Tensor, rows: torch.Tensor, unit: int) -> torch.Tensor:
+    """The tokens of selection units `rows` (`page * U + u`: unit u of cache block `page`, U = block
+    size / `unit`) of one layer's pool `[blocks, Hkv, block_size, D]` → `[*rows.shape, Hkv, unit, D]`
+    (with U = 1, `pool[rows]`)."""
+    per = pool.shape[2] // unit
+    if per == 1:
+        return pool[rows]
+    return pool.unflatten(2, (per, unit))[rows // per, :, rows % per]
+
+
 def const_rows(const: dict[str, torch.Tensor], n: int) -> dict[str, FT]:
     """Per-KV-head constants `[Hkv, r, c]` as flow tensors over `n * Hkv` rows ordered (n, head),
     the layout of the stages' rows (blocks x heads in the cache stage, requests x heads in the
@@ -107,9 +117,9 @@ class FlowStages:
     def cache_tensors(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor, src: torch.Tensor, const: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """The cache stage on the blocks `src` of one layer's pool → field name → `[T, Hkv, r, c]`."""
-        t, h, bs, d = src.numel(), k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
-        k, v = FT(k_pool[src].reshape(t * h, 1, bs, d)), FT(v_pool[src].reshape(t * h, 1, bs, d))
+        """The cache stage on the units `src` of one layer's pool (`unit_rows`) → field name → `[T, Hkv, r, c]`."""
+        t, h, u, d = src.numel(), k_pool.shape[1], self.flow.unit, k_pool.shape[3]
+        k, v = (FT(unit_rows(pool, src, u).reshape(t * h, 1, u, d)) for pool in (k_pool, v_pool))
         out = self.flow.run_cache(k, v, const_rows(const, t))
         return {name: ft.data.reshape(t, h, *ft.shape[1:]) for name, ft in out.items()}
 
@@ -142,10 +152,12 @@ class FlowStages:
         k_pool: torch.Tensor | None, h: int, bs: int, null_block: int, const: dict[str, torch.Tensor],
         rule: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The indexer over every (request, KV head) row, in float32 or wider. Returns the masked
-        scores `[R, W]` (always-kept blocks +inf, blocks past the sequence -inf; None for a flow
-        that keeps only those), the blocks each row attends `[R]`, the saved state values as
-        `[B, W, Hkv, r, c]` and the block table they belong to (past each sequence: the null block)."""
+        """The indexer over every (request, KV head) row, in float32 or wider. `block_tables`, `bs` and
+        `null_block` are those of the flow's selection units (`FlowAttention.unit_table`: the cache
+        blocks themselves when the unit is the block). Returns the masked scores `[R, W]` (always-kept
+        units +inf, units past the sequence -inf; None for a flow that keeps only those), the units
+        each row attends `[R]`, the saved state values as `[B, W, Hkv, r, c]` and the unit table they
+        belong to (past each sequence: the null unit)."""
         b, hq, d = q.shape
         rows = b * h
         width = block_tables.shape[1]
@@ -168,7 +180,7 @@ class FlowStages:
         )
         if k_pool is not None:
             # Raw keys [R, W, bs, D]; slots past the sequence end hold stale data: zero them.
-            keys = k_pool[table].permute(0, 2, 1, 3, 4)  # [B, Hkv, W, bs, D]
+            keys = unit_rows(k_pool, table, bs).permute(0, 2, 1, 3, 4)  # [B, Hkv, W, bs, D]
             live = (idx[:, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[:, None, None]  # [B, W, bs]
             keys = keys * live[:, None, :, :, None].to(keys.dtype)
             dict.__setitem__(fields, "k", FT(keys.reshape(rows, width, bs, d), valid))

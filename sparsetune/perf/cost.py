@@ -35,8 +35,8 @@ def weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
     return read * dtype_bytes
 
 
-def field_bytes_per_block(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) -> int:
-    """A flow's cached fields of one block on one layer, all KV heads (what the engine stores)."""
+def field_bytes_per_unit(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) -> int:
+    """A flow's cached fields of one selection unit on one layer, all KV heads (what the engine stores)."""
     dims = field_dims(flow, cfg.head_dim, flow.const_dims(cfg.head_dim))
     return cfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * dtype_bytes
 
@@ -48,9 +48,10 @@ def forced_only(cfg: ModelConfig, flow: DecodeFlow) -> bool:
 
 def attended_tokens(cfg: ModelConfig, flow: DecodeFlow, context: int) -> int:
     """The tokens a sparse layer of `flow` attends in a sequence of `context` tokens (the budget's
-    blocks; sinks and the local window only for an indexer that scores nothing)."""
-    blocks = flow.attended_blocks(-(-context // flow.block_size), not forced_only(cfg, flow))
-    return min(context, blocks * flow.block_size - (-context) % flow.block_size)  # the last block (always kept) is partial
+    units; sinks and the local window only for an indexer that scores nothing)."""
+    u = flow.unit
+    units = flow.attended_blocks(-(-context // u), not forced_only(cfg, flow))
+    return min(context, units * u - (-context) % u)  # the last unit (always kept) is partial
 
 
 def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, context: int, dtype_bytes: int) -> StepBytes:
@@ -60,13 +61,12 @@ def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, con
     weights = weight_bytes(cfg, batch, dtype_bytes)
     if flow is None:
         return StepBytes(weights, batch * context * kv_token_layer * layers, 0)
-    bs = flow.block_size
-    nb = -(-context // bs)
+    nb = -(-context // flow.unit)
     sparse = [i for i in range(layers) if i not in flow.dense_layers]
     selecting = [i for i in sparse if not flow.select_layers or i in flow.select_layers]
     attended = attended_tokens(cfg, flow, context)
     kv = batch * kv_token_layer * (context * (layers - len(sparse)) + attended * len(sparse))
-    fields = batch * nb * field_bytes_per_block(flow, cfg, dtype_bytes) * len(selecting)
+    fields = batch * nb * field_bytes_per_unit(flow, cfg, dtype_bytes) * len(selecting)
     return StepBytes(weights, kv, fields)
 
 

@@ -149,3 +149,32 @@ def test_stages_generate_a_kernel_per_shape():
     small, big = stages.indexer_kernel(3, 64), stages.indexer_kernel(4, 128)
     assert small is not big and stages.indexer_kernel(3, 64) is small
     assert stages.cache_kernel(64) is not stages.cache_kernel(128) and stages.cache_kernel(64) is stages.cache_kernel(64)
+
+
+def test_units_inside_pages_decode_like_pages_of_the_unit(smollm):
+    """quest with 2-token units inside 16-token pages selects and decodes as quest with 2-token
+    pages: the same units chosen at every layer of the last step, the same tokens and logits
+    (float32), on a pool whose page stays 16."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, keep_logits=True)
+    runs = {}
+    try:
+        for key, params in (("pages", {"block_size": "2", "budget": "64"}),
+                            ("units", {"block_size": "16", "select_block": "2", "budget": "64"})):
+            smollm.apply(smollm.setup.with_flow("quest", params))
+            assert smollm.engine.kv.block_size == int(params["block_size"])
+            seq = smollm.engine.add_request(smollm.encode_prompt(PROMPT), sp)
+            while smollm.engine.scheduler.has_work():
+                smollm.engine.step()
+            runs[key] = (seq.completion_ids, torch.stack(seq.logits), {
+                layer: sel for layer, sel in smollm.engine.backends[5].last_selection.items()})
+    finally:
+        smollm.apply(smollm.setup.with_flow(None))
+    (ids_p, logits_p, sel_p), (ids_u, logits_u, sel_u) = runs["pages"], runs["units"]
+    assert ids_u == ids_p
+    torch.testing.assert_close(logits_u, logits_p, rtol=1e-4, atol=1e-4)
+    assert sel_p.keys() == sel_u.keys() and len(sel_p) == 28
+    for layer, (blocks, counts) in sel_u.items():
+        want_blocks, want_counts = sel_p[layer]
+        assert torch.equal(counts, want_counts)
+        assert all(set(blocks[0, h, :n].tolist()) == set(want_blocks[0, h, :n].tolist())
+                   for h in range(counts.shape[1]) for n in [int(counts[0, h])])

@@ -45,6 +45,49 @@ def test_selection_matches_published_rule(name, block_size):
             assert len(want) < nblocks  # the budget really cut something
 
 
+@pytest.mark.parametrize("name", ["quest", "block_topk"])
+@pytest.mark.parametrize("unit", [1, 2, 4])
+def test_units_inside_blocks_select_and_attend_by_the_published_rule(name, unit):
+    """`select_block` units inside 16-token blocks: fields per unit, the published rule over units
+    (sinks, local window and budget counted in units), and decode attends exactly the tokens of the
+    chosen units (float64 reference over those positions)."""
+    page = 16
+    lens = [23 * page + 5, 9 * page, 40 * page - 1]
+    kv, bt, meta, q = paged_case(page, lens, seed=40 + unit)
+    flow = build_flow(name, {"budget": str(24 * unit), "block_size": "16", "select_block": str(unit),
+                             "sink_blocks": "1", "local_blocks": "2"})
+    attn = FlowAttention(flow, HEAD_DIM**-0.5)
+    prefill_cache(attn, kv, bt, lens)
+    got = selected_sets(attn, kv, bt, meta, q)
+    out = attn.decode(0, q, kv, meta)
+    for b, n in enumerate(lens):
+        nunits, nfull = -(-n // unit), n // unit
+        pos = torch.arange(nfull * unit)
+        tokens = kv.k[0][bt[b, pos // page].long(), :, pos % page]  # [nfull * unit, Hkv, D]
+        for h in range(HKV):
+            keys = tokens[:, h].reshape(nfull, unit, HEAD_DIM)
+            qg = q[b, h * GROUP : (h + 1) * GROUP]
+            if name == "quest":
+                kmax, kmin = keys.amax(1), keys.amin(1)
+                s = torch.maximum(qg[:, None] * kmax[None], qg[:, None] * kmin[None]).sum(-1).amax(0)
+            else:
+                s = (qg @ keys.mean(1).T).amax(0)
+            score = torch.cat([s, torch.zeros(nunits - nfull, dtype=s.dtype)])
+            want = reference_selection(score, nunits, 24, 1, 2)
+            assert got[b][h] == want, (name, b, h)
+            assert len(want) < nunits
+            seen = torch.tensor(sorted(t for x in want for t in range(x * unit, (x + 1) * unit) if t < n))
+            k = kv.k[0][bt[b, seen // page].long(), h, seen % page]
+            v = kv.v[0][bt[b, seen // page].long(), h, seen % page]
+            ref = torch.softmax(qg @ k.T * HEAD_DIM**-0.5, dim=-1) @ v
+            torch.testing.assert_close(out[b, h * GROUP : (h + 1) * GROUP], ref, rtol=1e-5, atol=1e-5)  # fp32 softmax
+
+
+def test_a_unit_must_divide_the_block():
+    with pytest.raises(SparsetuneError, match="select_block=32 must divide block_size=16"):
+        build_flow("quest", {"select_block": "32"})
+
+
 def test_streaming_keeps_sinks_and_window_only():
     lens = [50 * 16 + 3, 3 * 16]
     kv, bt, meta, q = paged_case(16, lens)
@@ -56,7 +99,8 @@ def test_streaming_keeps_sinks_and_window_only():
 
 @pytest.mark.parametrize("name,extra", [("quest", {}), ("block_topk", {}), ("streaming", {"local_blocks": "4096"}),
                                         ("block_topk", {"block_size": "1"}), ("h2o", {}), ("tidal", {}),
-                                        ("double_sparse", {}), ("double_sparse", {"block_size": "1", "channels": "8"})])
+                                        ("double_sparse", {}), ("double_sparse", {"block_size": "1", "channels": "8"}),
+                                        ("quest", {"select_block": "2"}), ("block_topk", {"select_block": "4"})])
 def test_full_budget_equals_dense(name, extra):
     report = check_flow(get_flow_class(name, all_problems=True), extra, head_dim=HEAD_DIM, group=GROUP)
     assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order

@@ -8,7 +8,7 @@ import torch
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.models.registry import REGISTRY
-from sparsetune.perf.cost import attended_tokens, decode_step_bytes, field_bytes_per_block, kv_share, modeled_speedup, weight_bytes
+from sparsetune.perf.cost import attended_tokens, decode_step_bytes, field_bytes_per_unit, kv_share, modeled_speedup, weight_bytes
 from sparsetune.loader import build_flow
 
 CFG = REGISTRY["smollm2-135m"].config  # 30 layers, 3 KV heads, head dim 64, tied embeddings
@@ -30,7 +30,7 @@ def test_field_bytes_are_what_the_engine_stores(smollm):
         backend = smollm.engine.backends[5]
         assert isinstance(backend, FlowAttention)
         stored = sum(t[0].numel() * t.element_size() for t in backend.fields[5].values())  # one block, all heads
-        assert field_bytes_per_block(smollm.flow, smollm.model_config, 4) == stored == 3 * 2 * 64 * 4
+        assert field_bytes_per_unit(smollm.flow, smollm.model_config, 4) == stored == 3 * 2 * 64 * 4
     finally:
         smollm.apply(smollm.setup.with_flow(None))
 
