@@ -106,11 +106,8 @@ class FlowAttention(DenseAttention):
 
     def _generated_path(self, x: torch.Tensor) -> bool:
         """The compiled executor on the Triton path runs sparsetune's own kernels: the generated
-        stages where they are block-local (on whole blocks only, for now), the radix-select top-k always."""
+        stages where they are block-local, the radix-select top-k always."""
         return self.executor == "compiled" and self.triton_path(x)
-
-    def _generated_stages(self, x: torch.Tensor) -> bool:
-        return self._generated_path(x) and self.units == 1
 
     def unit_table(self, block_tables: torch.Tensor) -> torch.Tensor:
         """The store rows of each sequence's selection units, in order `[B, W * U]` (the table itself
@@ -159,7 +156,7 @@ class FlowAttention(DenseAttention):
                 self.run_cache(layer, kv, blocks, blocks)
         else:
             pos = meta.positions
-            cache = self.stages.cache_kernel(kv.head_dim) if self._generated_stages(kv.k) else None
+            cache = self.stages.cache_kernel(kv.head_dim) if self._generated_path(kv.k) else None
             store = self.stores(layer, kv)
             generated, stateful = cache is not None and bool(store), self.stages.traits(kv.head_dim).saves_state
             if stateful or not generated:  # the generated stage finds the blocks itself
@@ -208,7 +205,7 @@ class FlowAttention(DenseAttention):
         store = self.stores(layer, kv)
         if not store:
             return
-        if self._generated_stages(kv.k):
+        if self._generated_path(kv.k):
             cache = self.stages.cache_kernel(kv.head_dim)
             if cache is not None:
                 cache(kv.k[layer], kv.v[layer], src, dst, store, self.constants(layer, kv))
@@ -243,7 +240,7 @@ class FlowAttention(DenseAttention):
                     kv.k[layer] if self.flow.uses_keys else None, h, bs, self.null_unit(kv), self.constants(layer, kv),
                     rule)
             generated = self._generated_path(q)
-            indexer = st.indexer_kernel(q.shape[1] // h, kv.head_dim) if self._generated_stages(q) else None
+            indexer = st.indexer_kernel(q.shape[1] // h, kv.head_dim) if self._generated_path(q) else None
             k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)  # units
             if generated and not st.traits(kv.head_dim).forced_only:  # scoring (generated, else compiled torch), radix select
                 if indexer is not None:

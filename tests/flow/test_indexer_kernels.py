@@ -144,7 +144,10 @@ def _attn(flow, executor="reference", use_triton=None):
 
 CASES = [("block_topk", 4, {}), ("quest", 16, {}), ("quest", 1, {"budget_ratio": "0.3"}),
          ("double_sparse", 4, {"channels": "8"}), ("wide", 4, {}),
-         ("quest", 2, {}), ("block_topk", 8, {}), ("quest", 64, {})]  # every selection block a search draws
+         ("quest", 2, {}), ("block_topk", 8, {}), ("quest", 64, {}),  # every selection block a search draws
+         # selection units inside the blocks (#43): the layout splits each block into its units
+         ("quest", 16, {"select_block": "2"}), ("block_topk", 16, {"select_block": "4"}),
+         ("wide", 16, {"select_block": "4"}), ("double_sparse", 8, {"channels": "8", "select_block": "1"})]
 
 
 @pytest.mark.parametrize("name,block_size,extra", CASES)
@@ -162,7 +165,8 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     for field, want in ref.fields[0].items():
         torch.testing.assert_close(gen.fields[0][field], want, rtol=1e-5, atol=1e-5)
     rule = flow.budget_rule.tensor(q.device)
-    args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv), rule)
+    args = (q, ref.unit_table(bt), meta.seq_lens, ref.fields[0], None, HKV, flow.unit, ref.null_unit(kv),
+            ref.constants(0, kv), rule)
     want_score, want_counts, _, _ = ref.stages.score_tensors(*args)
     indexer = gen.stages.indexer_kernel(GROUP, HEAD_DIM)
     score, counts = indexer(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, ref.fields[0], None, ref.constants(0, kv),
@@ -225,30 +229,31 @@ def test_generated_executor_selects_like_reference(name, tmp_path):
     assert ("generated" in gen.paths["index"]) == (name in ("block_topk", "quest", "double_sparse"))
 
 
-@pytest.mark.parametrize("name", ["quest", "double_sparse"])
-def test_generated_cache_stage_at_decode(name, tmp_path):
-    """At decode the generated cache stage finds each request's block from its position and
-    writes the fields only for a block the new token completes (else the null block)."""
-    block_size = 4
-    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size]  # the 2nd and 3rd complete a block
+@pytest.mark.parametrize("name,block_size,unit", [("quest", 4, None), ("double_sparse", 4, None), ("quest", 16, "2")])
+def test_generated_cache_stage_at_decode(name, block_size, unit, tmp_path):
+    """At decode the generated cache stage finds each request's block (or unit inside it) from its
+    position and writes the fields only for one the new token completes (else the null row)."""
+    u = int(unit or block_size)
+    lens = [23 * block_size + u + 1, 9 * block_size, 40 * block_size]  # the 2nd and 3rd complete a unit
     kv, bt, meta, q = _case(block_size, lens, seed=5)
-    flow = _flow(name, block_size, tmp_path)
+    flow = _flow(name, block_size, tmp_path, **({"select_block": unit} if unit else {}))
     ref, gen = _attn(flow), _attn(flow, "compiled", use_triton=True)
     for attn in (ref, gen):
         stores = attn.stores(0, kv)
         pos = meta.seq_lens.long() - 1
-        phys = bt.gather(1, (pos // block_size).view(-1, 1)).view(-1).long()
+        phys = attn.unit_table(bt).gather(1, (pos // u).view(-1, 1)).view(-1).long()
         if attn is ref:
-            done = (pos % block_size) == block_size - 1
-            ref.run_cache(0, kv, phys, torch.where(done, phys, kv.null_block))
+            done = (pos % u) == u - 1
+            ref.run_cache(0, kv, phys, torch.where(done, phys, ref.null_unit(kv)))
         else:
             gen.stages.cache_kernel(HEAD_DIM).decode(kv.k[0], kv.v[0], pos, PagedBlocks(bt, kv.null_block), meta.seq_lens, stores,
                                          gen.constants(0, kv))
+    scratch = ref.null_unit(kv)  # the null block's rows are scratch
     for field, want in ref.fields[0].items():
         got = gen.fields[0][field]
-        torch.testing.assert_close(got[:-1], want[:-1], rtol=1e-5, atol=1e-5)  # the null block is scratch
-        written = want[:-1].flatten(1).abs().sum(1) > 0
-        assert int(written.sum()) == 2  # exactly the two completed blocks
+        torch.testing.assert_close(got[:scratch], want[:scratch], rtol=1e-5, atol=1e-5)
+        written = want[:scratch].flatten(1).abs().sum(1) > 0
+        assert int(written.sum()) == 2  # exactly the two completed units
 
 
 @pytest.mark.parametrize("extra", [{}, {"budget": "20", "sink_blocks": "0", "local_blocks": "1"}, {"budget_ratio": "0.1"},

@@ -25,7 +25,7 @@ __all__ = ["CacheKernel", "ForcedOnly", "IndexerKernel", "KVLayout", "NotBlockLo
            "PagedLayout", "build_cache", "build_indexer", "why_not"]
 
 
-def why_not(flow: DecodeFlow, group: int = 4, head_dim: int = 64, layout: KVLayout = PAGED) -> dict[str, str | None]:
+def why_not(flow: DecodeFlow, group: int = 4, head_dim: int = 64, layout: KVLayout | None = None) -> dict[str, str | None]:
     """For each stage: None if it becomes a generated kernel, else the reason it does not."""
     reasons: dict[str, str | None] = {}
     for stage, build in (("cache", lambda: build_cache(flow, head_dim, layout)),

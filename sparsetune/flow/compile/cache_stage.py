@@ -13,7 +13,7 @@ from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.compile.cache import load_kernel, shared
 from sparsetune.flow.compile.emit import Emitter, kernel_source, p2, ptr_params, with_strides
 from sparsetune.flow.compile.layout import KVLayout
-from sparsetune.flow.compile.paged import PAGED
+from sparsetune.flow.compile.paged import paged_layout
 from sparsetune.flow.trace import tracing
 from sparsetune.flow.shapes import dummy_inputs
 
@@ -56,10 +56,11 @@ class CacheKernel:
         self.kernel[(n * hkv,)](*args, FROM_POSITIONS=from_positions, num_warps=4)  # type: ignore[index]
 
 
-def build_cache(flow: DecodeFlow, head_dim: int, layout: KVLayout = PAGED) -> CacheKernel:
+def build_cache(flow: DecodeFlow, head_dim: int, layout: KVLayout | None = None) -> CacheKernel:
     """The generated cache stage of this flow and head_dim (raises NotBlockLocal), one object per
-    generated code. Compiled on first call."""
-    bs = flow.block_size
+    generated code. Compiled on first call. `layout`: as `build_indexer`'s."""
+    layout = layout or paged_layout(flow)
+    bs = flow.unit
     x = dummy_inputs(flow, head_dim)
     inputs = {id(x.k): ("k_in", False), id(x.v): ("v_in", False)}
     inputs.update({id(t): (f"c_{n}", False) for n, t in x.const.items()})

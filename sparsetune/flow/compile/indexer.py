@@ -21,7 +21,7 @@ from sparsetune.flow.base import BudgetRule, DecodeFlow
 from sparsetune.flow.compile.cache import load_kernel, shared
 from sparsetune.flow.compile.emit import Emitter, ForcedOnly, NotBlockLocal, kernel_source, p2, ptr_params, tile_load, with_strides
 from sparsetune.flow.compile.layout import KVLayout
-from sparsetune.flow.compile.paged import PAGED
+from sparsetune.flow.compile.paged import paged_layout
 from sparsetune.flow.trace import tracing
 from sparsetune.flow.shapes import dummy_inputs, field_dims
 
@@ -89,11 +89,13 @@ class IndexerKernel:
         return tl.float32 if triton.knobs.runtime.interpret else _DOT_TYPES[q.dtype]
 
 
-def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout = PAGED) -> IndexerKernel:
+def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout | None = None) -> IndexerKernel:
     """The generated indexer of this flow and shapes (raises NotBlockLocal, or ForcedOnly), the
     same object for every flow that generates the same code: flows differing only in budget,
-    sink or local blocks share it. Compiled on first call."""
-    bs = flow.block_size
+    sink or local blocks share it. Compiled on first call. `layout`: default the engine's paged
+    pool, its blocks split into the flow's selection units (`paged_layout`)."""
+    layout = layout or paged_layout(flow)
+    bs = flow.unit
     x = dummy_inputs(flow, head_dim)
     dims = field_dims(flow, head_dim)
     q, fields = x.index(dims, group)

@@ -1,0 +1,72 @@
+"""Decode step time of selection units inside pages against small pages and dense (issue #43).
+
+    python benchmarks/bench_units.py --model qwen3-8b --batch 16 --context 32768 --flows block_topk,quest \
+        --configs 16,16:2,16:4,2 --param budget_ratio=0.125 --json-out units.json
+
+A config is `page` (the flow's blocks are the KV pages and its selection unit) or `page:unit` (units
+of `select_block` tokens inside pages). Each flow step is `perf.speed.decode_step_seconds` (the
+search's measured speed: requests on blocks of whatever KV the pool holds, the flow's fields built
+over them, CUDA-graph steps), beside dense on the same engine at the same page size, so every ratio
+is measured side by side. `--profile`: also break one eager step of each unit config into stages
+(`perf.step_profile.profile_decode`: the indexer, the top-k, attention, ...; it prefills the
+requests for real).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from sparsetune.flow.params import parse_param_args
+from sparsetune.llm import LLM
+from sparsetune.perf.speed import decode_step_seconds
+from sparsetune.perf.step_profile import profile_decode
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--flows", default="block_topk,quest")
+    ap.add_argument("--configs", default="16,16:2,2")
+    ap.add_argument("--param", action="append", default=[])
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    extra = parse_param_args(args.param)
+    llm = LLM(model=args.model, random_weights=True, max_num_seqs=args.batch)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"{args.model} random weights on {name}, {args.batch} x {args.context}, {extra}", flush=True)
+    dense: dict[int, float] = {}
+    rows = []
+    for cfg in args.configs.split(","):
+        page, _, unit = cfg.partition(":")
+        for flow in args.flows.split(","):
+            params = {**extra, "block_size": page, **({"select_block": unit} if unit else {})}
+            llm.apply(llm.setup.with_flow(flow, params, defaults="published"))
+            step = decode_step_seconds(llm, args.batch, args.context)
+            prof = None
+            if args.profile and unit:
+                prof = profile_decode(llm, args.batch, args.context, steps=3)
+            bs = llm.engine.kv.block_size
+            if bs not in dense:
+                llm.apply(llm.setup.dense())
+                dense[bs] = decode_step_seconds(llm, args.batch, args.context)
+            row = {"flow": flow, "page": int(page), "unit": int(unit or page), "step_ms": round(step * 1e3, 3),
+                   "dense_ms": round(dense[bs] * 1e3, 3), "speedup": round(dense[bs] / step, 3),
+                   "profile": None if prof is None else {k: v["ms"] for k, v in prof["categories"].items()}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| flow | page | unit | step ms | dense ms | speedup |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['flow']} | {r['page']} | {r['unit']} | {r['step_ms']:.2f} | {r['dense_ms']:.2f} | {r['speedup']:.2f}x |")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"device": name, "rows": rows, "args": vars(args)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
