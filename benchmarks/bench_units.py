@@ -3,8 +3,9 @@
     python benchmarks/bench_units.py --model qwen3-8b --batch 16 --context 32768 --flows block_topk,quest \
         --configs 16,16:2,16:4,2 --param budget_ratio=0.125 --json-out units.json
 
-A config is `page` (the flow's blocks are the KV pages and its selection unit) or `page:unit` (units
-of `select_block` tokens inside pages). Each flow step is `perf.speed.decode_step_seconds` (the
+A config is `page` (the flow's blocks are the KV pages and its selection unit), `page:unit` (units
+of `select_block` tokens inside pages) or `page:unit:coarse` (two levels: the best coarse x budget
+pages first, then units inside them). Each flow step is `perf.speed.decode_step_seconds` (the
 search's measured speed: requests on blocks of whatever KV the pool holds, the flow's fields built
 over them, CUDA-graph steps), beside dense on the same engine at the same page size, so every ratio
 is measured side by side. `--profile`: also break one eager step of each unit config into stages
@@ -38,15 +39,22 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     extra = parse_param_args(args.param)
-    llm = LLM(model=args.model, random_weights=True, max_num_seqs=args.batch)
+    # The pool holds the timed requests' K and V (as the search's speed engine sizes it); a flow's
+    # fields come on top (per unit: 8x a 16-token block's at 2-token units).
+    from sparsetune.models.resolve import model_config
+
+    per_token = model_config(args.model, True)[1].kv_bytes_per_token(2)
+    llm = LLM(model=args.model, random_weights=True, max_num_seqs=args.batch, cuda_graph_batch_sizes=(args.batch,),
+              kv_memory=args.batch * (args.context + 64) * per_token)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{args.model} random weights on {name}, {args.batch} x {args.context}, {extra}", flush=True)
     dense: dict[int, float] = {}
     rows = []
     for cfg in args.configs.split(","):
-        page, _, unit = cfg.partition(":")
+        page, unit, coarse = (cfg.split(":") + ["", ""])[:3]
         for flow in args.flows.split(","):
-            params = {**extra, "block_size": page, **({"select_block": unit} if unit else {})}
+            params = {**extra, "block_size": page, **({"select_block": unit} if unit else {}),
+                      **({"coarse": coarse} if coarse else {})}
             llm.apply(llm.setup.with_flow(flow, params, defaults="published"))
             step = decode_step_seconds(llm, args.batch, args.context)
             prof = None
@@ -56,14 +64,16 @@ def main() -> None:
             if bs not in dense:
                 llm.apply(llm.setup.dense())
                 dense[bs] = decode_step_seconds(llm, args.batch, args.context)
-            row = {"flow": flow, "page": int(page), "unit": int(unit or page), "step_ms": round(step * 1e3, 3),
+            row = {"flow": flow, "page": int(page), "unit": int(unit or page), "coarse": float(coarse) if coarse else None,
+                   "step_ms": round(step * 1e3, 3),
                    "dense_ms": round(dense[bs] * 1e3, 3), "speedup": round(dense[bs] / step, 3),
                    "profile": None if prof is None else {k: v["ms"] for k, v in prof["categories"].items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| flow | page | unit | step ms | dense ms | speedup |\n|---|---|---|---|---|---|")
+    print("\n| flow | page | unit | coarse | step ms | dense ms | speedup |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['flow']} | {r['page']} | {r['unit']} | {r['step_ms']:.2f} | {r['dense_ms']:.2f} | {r['speedup']:.2f}x |")
+        print(f"| {r['flow']} | {r['page']} | {r['unit']} | {r['coarse'] or '-'} | {r['step_ms']:.2f} | {r['dense_ms']:.2f} "
+              f"| {r['speedup']:.2f}x |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"device": name, "rows": rows, "args": vars(args)}, indent=1))
 

@@ -115,7 +115,8 @@ class LLM:
         current one only in budget, sink or local blocks switches in place; other changes of dense or
         select layers recapture the graphs; another flow class or kernel param builds its backend
         (generated kernels are shared by source, so a flow seen before compiles nothing); another page
-        size lays the KV pool out anew (`Engine.set_block_size`; the weights stay). The reuse flow is
+        size, or fields larger than the pool reserved beside its blocks, lays the KV pool out anew
+        (`Engine.set_block_size`, as many tokens; the weights stay). The reuse flow is
         swapped (the segment cache is kept), and prefix caching turned on or off as the setup says.
         The setup must be for this engine's model, weights, device and dtype; its other engine
         options (pool memory, batch limits) stay this engine's."""
@@ -127,8 +128,9 @@ class LLM:
         new = setup.flow.build() if setup.flow is not None else None
         self._check_sharing(new, setup.engine.prefix_caching, setup.executor)
         self.engine.set_prefix_caching(setup.engine.prefix_caching)
-        if new is not None and new.block_size != self.engine.config.block_size:
-            try:
+        if new is not None and (new.block_size != self.engine.config.block_size
+                                or _flow_elems_per_block(new, self.model_config) > self.engine.extra_elems_per_block):
+            try:  # another page size, or fields larger than the pool reserved (units inside its pages)
                 self._relayout(new)
             except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
                 if self.engine.has_pool:
@@ -198,7 +200,7 @@ class LLM:
                 attn.retune(flow)
             else:
                 attn = self._flow_backend = self._new_flow_backend(flow, executor)
-            width = attn.selection_width(eng.runner.max_blocks_per_seq, self.model_config.head_dim)
+            width = attn.selection_shape(eng.runner.max_blocks_per_seq, self.model_config.head_dim)
             route = (id(attn), tuple(sparse), tuple(flow.select_layers), width)
         if self._route is not False and route == self._route:
             return  # same kernels on the same layers with the same shapes: the graphs stay valid
@@ -387,4 +389,6 @@ def _flow_elems_per_block(flow: DecodeFlow | None, mcfg) -> int:
     dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
     layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)
     units = flow.block_size // flow.unit
-    return layers * units * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values())
+    page = flow.page_flow()  # a two-level flow keeps its blocks' fields too
+    own = layers * units * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values())
+    return own + (0 if page is None else _flow_elems_per_block(page, mcfg))

@@ -71,6 +71,8 @@ class FlowAttention(DenseAttention):
         self.name = flow.name
         self.executor = executor
         self.units = flow.block_size // flow.unit  # selection units per KV block (U)
+        page = flow.page_flow()  # two-level: the first level, over whole blocks, runs as a backend of its own
+        self.pages = None if page is None else FlowAttention(page, scale, use_triton, executor, calibration)
         self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [(blocks + 1) * U, Hkv, r, c]
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (blocks, counts)
         # The latest selection of this step, reused by layers outside `select_layers` (TidalDecode).
@@ -87,6 +89,8 @@ class FlowAttention(DenseAttention):
         if flow.kernel_key() != self.flow.kernel_key():
             raise ValueError(f"retune needs a flow of the same kernel key as {self.flow.name!r}")
         self.flow, self.name = flow, flow.name
+        if self.pages is not None:
+            self.pages.retune(flow.page_flow())
         if self._rule is not None:
             with torch.inference_mode():  # created inside the engine's steps: an inference tensor
                 self._rule.copy_(flow.budget_rule.tensor())
@@ -102,7 +106,15 @@ class FlowAttention(DenseAttention):
     def selection_width(self, width: int, head_dim: int) -> int:
         """Units per row of a selection over a block table `width` blocks wide: a shape of the
         step (a captured graph holds it; a flow that changes it needs new graphs)."""
-        return self.flow.attended_blocks(width * self.units, scores=not self.stages.traits(head_dim).forced_only)
+        units = self.flow.attended_blocks(width * self.units, scores=not self.stages.traits(head_dim).forced_only)
+        if self.pages is not None:  # no more than the chosen blocks hold
+            units = min(units, self.pages.selection_width(width, head_dim) * self.units)
+        return units
+
+    def selection_shape(self, width: int, head_dim: int) -> tuple[int, ...]:
+        """Every selection width a step's graphs hold: the units', and a two-level flow's blocks'."""
+        first = () if self.pages is None else (self.pages.selection_width(width, head_dim),)
+        return (self.selection_width(width, head_dim), *first)
 
     def _generated_path(self, x: torch.Tensor) -> bool:
         """The compiled executor on the Triton path runs sparsetune's own kernels: the generated
@@ -135,6 +147,8 @@ class FlowAttention(DenseAttention):
         super().write_kv(layer, k, v, kv, meta)
         with stage("cache_stage"):
             self.write_fields(layer, kv, meta)
+            if self.pages is not None:
+                self.pages.write_fields(layer, kv, meta)
 
     def write_fields(self, layer: int, kv: KVCache, meta: AttentionMetadata) -> None:
         """The cache stage for the units this step's KV write completed. A unit the write starts but
@@ -191,6 +205,8 @@ class FlowAttention(DenseAttention):
             self.zero_fields(layer, kv, table[num_tokens // bs :][:1].long())
         if full.numel():
             self.run_cache(layer, kv, full, full)
+        if self.pages is not None:
+            self.pages.rebuild_fields(layer, kv, block_table, num_tokens)
 
     def constants(self, layer: int, kv: KVCache) -> dict[str, torch.Tensor]:
         """The flow's constants of `layer` (name → `[Hkv, r, c]`), in the pool's dtype and device."""
@@ -233,6 +249,9 @@ class FlowAttention(DenseAttention):
             if self._shared is None:
                 raise RuntimeError(f"layer {layer} reuses a selection but no select layer ran before it")
             blocks, counts = self._shared
+        elif self.pages is not None:
+            blocks, counts = self._select_in_blocks(layer, q, kv, meta)
+            self._shared = (blocks, counts)
         else:
             st, h, bs = self.stages, kv.num_kv_heads, self.flow.unit
             stores, rule = self.stores(layer, kv), self.rule(q.device)
@@ -265,3 +284,24 @@ class FlowAttention(DenseAttention):
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for inspection, eager only
             self.last_selection[layer] = (blocks, counts)
         return blocks, counts
+
+    def _select_in_blocks(self, layer: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two-level selection: the first level's blocks, then the best units among theirs (its
+        always-kept blocks hold every always-kept unit, so those are among them)."""
+        pages, kept = self.pages.select(layer, q, kv, meta)  # [B, Hkv, Kp], [B, Hkv]
+        b, h, kp = pages.shape
+        u = self.units
+        cand = pages.long()[..., None] * u + torch.arange(u, device=q.device)  # [B, Hkv, Kp, U] logical units
+        chosen = torch.arange(kp, device=q.device)[:, None] < kept.long()[..., None, None]
+        cand = torch.where(chosen, cand, -1).view(b * h, kp * u)
+        score, counts = self.stages.candidates_fn(
+            q, self.unit_table(meta.block_tables), meta.seq_lens, self.stores(layer, kv),
+            kv.k[layer] if self.flow.uses_keys else None, h, self.flow.unit, self.null_unit(kv),
+            self.constants(layer, kv), self.rule(q.device), cand)
+        counts = torch.minimum(counts, (kept.long() * u).view(-1).to(counts.dtype))
+        k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)
+        with stage("topk"):
+            top = (select_topk if self._generated_path(q) else torch_topk)(score, counts, k)
+        units = cand.gather(1, top.long()).to(torch.int32)
+        return units.view(b, h, -1), counts.view(b, h)

@@ -79,7 +79,7 @@ class BudgetRule(NamedTuple):
 
 # Params the runtime reads (the budget rule and which layers select): no stage may read them, so a
 # flow that changes only these keeps its compiled stages (`DecodeFlow.kernel_key`).
-RUNTIME_PARAMS = ("budget", "budget_ratio", "sink_blocks", "local_blocks", "dense_layers", "select_layers")
+RUNTIME_PARAMS = ("budget", "budget_ratio", "sink_blocks", "local_blocks", "dense_layers", "select_layers", "coarse")
 
 
 class DecodeFlow(Flow):
@@ -98,6 +98,9 @@ class DecodeFlow(Flow):
     select_block = Param(None, choices=(1, 2, 4, 8, 16, 32, 64), kind=int,
                          doc="tokens per selected unit inside a block (default: the whole block); fields are kept "
                          "per unit, and the budget, sink and local blocks count units", search=Search(off=True))
+    coarse = Param(None, low=1.0, high=64.0, kind=float,
+                   doc="two-level selection (with select_block): score whole blocks first by the same rule, keep "
+                   "the best coarse x budget of them, and score only their units", search=Search(off=True))
     budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole blocks",
                    search=Search(off=True))
     budget_ratio = Param(None, low=0.0, high=1.0, kind=float, doc="budget as a fraction of the context (overrides budget)",
@@ -115,11 +118,28 @@ class DecodeFlow(Flow):
         if self.select_block is not None and self.block_size % self.select_block:
             raise SparsetuneError(f"--param select_block={self.select_block} must divide block_size={self.block_size} "
                                   "(units inside a block); pick a smaller select_block or a larger block_size")
+        if self.coarse is not None and self.unit == self.block_size:
+            raise SparsetuneError(f"--param coarse={self.coarse} selects blocks, then units inside them: set "
+                                  f"select_block below block_size={self.block_size} too")
 
     @property
     def unit(self) -> int:
         """Tokens per selected unit: `select_block`, else the whole block (the KV page)."""
         return self.select_block or self.block_size
+
+    def page_flow(self) -> DecodeFlow | None:
+        """The first level of a two-level flow (`coarse`; None: one level): the same flow over whole
+        blocks, whose budget is `coarse` times this one's (in tokens, or as a share) and whose
+        always-kept blocks hold every always-kept unit: `sink_blocks` units lie in the first
+        ceil(sink * unit / block) blocks, `local_blocks` units in the last ceil(local * unit / block) + 1."""
+        if self.coarse is None:
+            return None
+        p, u = self.block_size, self.unit
+        ratio = None if self.budget_ratio is None else min(1.0, self.coarse * self.budget_ratio)
+        params = {**self.params(), "select_block": None, "coarse": None, "budget_ratio": ratio,
+                  "budget": min(1 << 22, math.ceil(self.coarse * self.budget)),
+                  "sink_blocks": -(-self.sink_blocks * u // p), "local_blocks": -(-self.local_blocks * u // p) + 1}
+        return type(self)(**{k: v for k, v in params.items() if k not in self.inapplicable})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

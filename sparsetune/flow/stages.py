@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import BudgetRule, DecodeFlow
 from sparsetune.flow.compile import CacheKernel, ForcedOnly, IndexerKernel, NotBlockLocal, build_cache, build_indexer
 from sparsetune.flow.ops import FT, Fields
@@ -70,8 +71,10 @@ class FlowStages:
         self.flow = flow  # the flow the stages trace; only its kernel-key params are ever read
         self.executor = executor
         self.select_fn, self.score_fn, self.cache_fn = self.select_tensors, self.score_tensors, self.cache_tensors
+        self.candidates_fn = self.score_candidates
         if executor == "compiled":
-            self.select_fn, self.score_fn, self.cache_fn = map(_compile, (self.select_fn, self.score_fn, self.cache_fn))
+            self.select_fn, self.score_fn, self.cache_fn, self.candidates_fn = map(
+                _compile, (self.select_fn, self.score_fn, self.cache_fn, self.candidates_fn))
         # The generated kernels by (stage, shapes...), built on first use; None: not block-local.
         self.generated: dict[tuple, IndexerKernel | CacheKernel | None] = {}
         self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
@@ -188,15 +191,52 @@ class FlowStages:
         sel = self.flow.run_index(FT(wide(q).reshape(rows, 1, hq // h, d)), fields, const_ft)
         if sel.score is None:
             return None, torch.minimum(nb, (rule[0] + rule[1]).long()).to(torch.int32), {}, table
-        score = sel.score.data.reshape(rows, width).float()
-        lowest = torch.finfo(torch.float32).min
-        score = score.nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
-        score = score.masked_fill(BudgetRule.forced_of(rule, idx, nb[:, None]), float("inf"))
-        score = score.masked_fill(~valid, float("-inf"))
+        score = _masked(sel.score.data.reshape(rows, width), rule, idx, nb, valid)
         saved = {
             name: ft.data.reshape(b, h, width, *ft.shape[1:]).transpose(1, 2) for name, ft in fields.saved.items()
         }
         return score, BudgetRule.counts_of(rule, nb).to(torch.int32), saved, table
+
+    def score_candidates(
+        self, q: torch.Tensor, unit_table: torch.Tensor, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
+        k_pool: torch.Tensor | None, h: int, bs: int, null_unit: int, const: dict[str, torch.Tensor],
+        rule: torch.Tensor, candidates: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer over the units `candidates` `[R, C]` of each (request, KV head) row only (logical
+        unit indices; -1: none), as `score_tensors` scores them (the second level of a two-level
+        flow: the units of its chosen blocks). Returns the masked scores `[R, C]` and the units each
+        row attends `[R]` (the budget rule over all of its units)."""
+        b, hq, d = q.shape
+        rows = b * h
+        nb = ((seq_lens.long() + bs - 1) // bs).repeat_interleave(h)  # [R] units of each row's sequence
+        logical = candidates.long()
+        valid = (logical >= 0) & (logical < nb[:, None])
+        seq = torch.arange(rows, device=q.device) // h
+        head = (torch.arange(rows, device=q.device) % h)[:, None]
+        table = torch.where(valid, unit_table.long()[seq[:, None], logical.clamp(min=0, max=unit_table.shape[1] - 1)],
+                            null_unit)  # [R, C] store rows
+        wide = _wide if k_pool is None else (lambda t: t)
+        fields = Fields({name: FT(wide(store[table, head]), valid) for name, store in stores.items()})
+        if k_pool is not None:
+            at = torch.arange(table.shape[1], device=q.device)
+            keys = unit_rows(k_pool, table, bs)[torch.arange(rows, device=q.device)[:, None], at, head]  # [R, C, bs, D]
+            live = (logical[:, :, None] * bs + torch.arange(bs, device=q.device)) < seq_lens.long()[seq][:, None, None]
+            dict.__setitem__(fields, "k", FT(keys * live[..., None].to(keys.dtype), valid))
+        sel = self.flow.run_index(FT(wide(q).reshape(rows, 1, hq // h, d)), fields,
+                                  const_rows({n: wide(c) for n, c in const.items()}, b))
+        if fields.saved or sel.score is None:
+            raise SparsetuneError(f"flow {self.flow.name!r}: a two-level flow's indexer must score units and save no state")
+        return _masked(sel.score.data.reshape(rows, -1), rule, logical, nb, valid), BudgetRule.counts_of(rule, nb).to(torch.int32)
+
+
+def _masked(score: torch.Tensor, rule: torch.Tensor, logical: torch.Tensor, nb: torch.Tensor,
+            valid: torch.Tensor) -> torch.Tensor:
+    """Scores as the top-k reads them: float32, NaN the lowest, always-kept units (`logical` of
+    rows of `nb` units) +inf, entries not `valid` -inf."""
+    lowest = torch.finfo(torch.float32).min
+    score = score.float().nan_to_num(nan=lowest, neginf=lowest, posinf=torch.finfo(torch.float32).max)
+    score = score.masked_fill(BudgetRule.forced_of(rule, logical, nb[:, None]), float("inf"))
+    return score.masked_fill(~valid, float("-inf"))
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

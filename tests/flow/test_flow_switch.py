@@ -178,3 +178,34 @@ def test_units_inside_pages_decode_like_pages_of_the_unit(smollm):
         assert torch.equal(counts, want_counts)
         assert all(set(blocks[0, h, :n].tolist()) == set(want_blocks[0, h, :n].tolist())
                    for h in range(counts.shape[1]) for n in [int(counts[0, h])])
+
+
+def test_two_level_flow_with_every_block_kept_is_its_one_level_flow(smollm):
+    """On the embedded model, a two-level quest whose first level keeps every block (coarse x
+    budget_ratio >= 1) decodes exactly as quest over the same units in one level; with a smaller
+    coarse it keeps fewer blocks and still decodes (every layer's units inside its chosen blocks)."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, keep_logits=True)
+    one = {"select_block": "2", "budget_ratio": "0.125"}
+    runs = {}
+    try:
+        for key, params in (("one", one), ("all blocks", {**one, "coarse": "8"}), ("two", {**one, "coarse": "2"})):
+            smollm.apply(smollm.setup.with_flow("quest", params))
+            seq = smollm.engine.add_request(smollm.encode_prompt(PROMPT), sp)
+            while smollm.engine.scheduler.has_work():
+                smollm.engine.step()
+            backend = smollm.engine.backends[5]
+            pages = None if backend.pages is None else backend.pages.last_selection[5]
+            runs[key] = (seq.completion_ids, torch.stack(seq.logits), backend.last_selection[5], pages)
+    finally:
+        smollm.apply(smollm.setup.with_flow(None))
+    assert runs["all blocks"][0] == runs["one"][0]
+    torch.testing.assert_close(runs["all blocks"][1], runs["one"][1], rtol=1e-4, atol=1e-4)  # units in another order
+    (a, na), (b, nb) = runs["all blocks"][2], runs["one"][2]
+    assert torch.equal(na, nb) and all(set(a[0, h, :n].tolist()) == set(b[0, h, :n].tolist())
+                                       for h in range(na.shape[1]) for n in [int(na[0, h])])
+    (units, counts), (pages, kept) = runs["two"][2], runs["two"][3]
+    nblocks = -(-(len(smollm.encode_prompt(PROMPT)) + 5) // 16)
+    assert int(kept.max()) < nblocks  # the first level cut
+    for h in range(counts.shape[1]):
+        chosen = set(pages[0, h, : int(kept[0, h])].tolist())
+        assert {u * 2 // 16 for u in units[0, h, : int(counts[0, h])].tolist()} <= chosen

@@ -83,6 +83,52 @@ def test_units_inside_blocks_select_and_attend_by_the_published_rule(name, unit)
             torch.testing.assert_close(out[b, h * GROUP : (h + 1) * GROUP], ref, rtol=1e-5, atol=1e-5)  # fp32 softmax
 
 
+def _rule_scores(name, keys, qg):
+    """The published rule's score of each group of keys `[n, size, D]` for the group's queries `qg`."""
+    if name == "quest":
+        kmax, kmin = keys.amax(1), keys.amin(1)
+        return torch.maximum(qg[:, None] * kmax[None], qg[:, None] * kmin[None]).sum(-1).amax(0)
+    return (qg @ keys.mean(1).T).amax(0)
+
+
+@pytest.mark.parametrize("name", ["quest", "block_topk"])
+@pytest.mark.parametrize("unit,coarse", [(2, 2.0), (4, 1.5), (1, 3.0)])
+def test_two_level_selection_is_every_unit_scored_inside_the_top_blocks(name, unit, coarse):
+    """A two-level flow (`coarse`): the flow's rule over whole 16-token blocks keeps the best
+    coarse x budget of them (its always-kept blocks hold the always-kept units), then the units are
+    ranked inside those blocks only: exactly the units a plain torch ranking of every unit picks once
+    the units outside the chosen blocks are struck out."""
+    page, budget = 16, 24 * unit
+    lens = [23 * page + 5, 9 * page, 40 * page - 1]
+    kv, bt, meta, q = paged_case(page, lens, seed=50 + unit)
+    flow = build_flow(name, {"budget": str(budget), "select_block": str(unit), "coarse": str(coarse),
+                             "sink_blocks": "1", "local_blocks": "2"})
+    first = flow.page_flow()
+    assert (first.sink_blocks, first.local_blocks) == (1, 2) and first.budget == -(-int(coarse * budget) // 1)
+    attn = FlowAttention(flow, HEAD_DIM**-0.5)
+    prefill_cache(attn, kv, bt, lens)
+    prefill_cache(attn.pages, kv, bt, lens)
+    got = selected_sets(attn, kv, bt, meta, q)
+    for b, n in enumerate(lens):
+        nunits, nfull = -(-n // unit), n // unit
+        npages, pfull = -(-n // page), n // page
+        pos = torch.arange(npages * page).clamp(max=n - 1)
+        tokens = kv.k[0][bt[b, pos // page].long(), :, pos % page]
+        for h in range(HKV):
+            qg = q[b, h * GROUP : (h + 1) * GROUP]
+            pscore = torch.cat([_rule_scores(name, tokens[: pfull * page, h].reshape(pfull, page, HEAD_DIM), qg),
+                                torch.zeros(npages - pfull, dtype=q.dtype)])
+            pages = reference_selection(pscore, npages, first.budget_blocks(npages), 1, 2)
+            uscore = torch.cat([_rule_scores(name, tokens[: nfull * unit, h].reshape(nfull, unit, HEAD_DIM), qg),
+                                torch.zeros(nunits - nfull, dtype=q.dtype)])
+            inside = torch.tensor([x * unit // page in pages for x in range(nunits)])
+            want = reference_selection(uscore.masked_fill(~inside, float("-inf")), nunits, flow.budget_blocks(nunits), 1, 2)
+            assert got[b][h] == want, (name, b, h)
+            assert all(inside[x] for x in want)
+            if b == 2:  # the longest: both levels cut
+                assert len(want) < inside.sum() < nunits
+
+
 def test_a_unit_must_divide_the_block():
     with pytest.raises(SparsetuneError, match="select_block=32 must divide block_size=16"):
         build_flow("quest", {"select_block": "32"})
@@ -100,7 +146,8 @@ def test_streaming_keeps_sinks_and_window_only():
 @pytest.mark.parametrize("name,extra", [("quest", {}), ("block_topk", {}), ("streaming", {"local_blocks": "4096"}),
                                         ("block_topk", {"block_size": "1"}), ("h2o", {}), ("tidal", {}),
                                         ("double_sparse", {}), ("double_sparse", {"block_size": "1", "channels": "8"}),
-                                        ("quest", {"select_block": "2"}), ("block_topk", {"select_block": "4"})])
+                                        ("quest", {"select_block": "2"}), ("block_topk", {"select_block": "4"}),
+                                        ("quest", {"select_block": "2", "coarse": "2"})])
 def test_full_budget_equals_dense(name, extra):
     report = check_flow(get_flow_class(name, all_problems=True), extra, head_dim=HEAD_DIM, group=GROUP)
     assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order
