@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--configs", default="16,16:2,2")
     ap.add_argument("--param", action="append", default=[])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's longest sequence (its graphs' table width); default the model's")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     extra = parse_param_args(args.param)
@@ -45,7 +47,7 @@ def main() -> None:
 
     per_token = model_config(args.model, True)[1].kv_bytes_per_token(2)
     llm = LLM(model=args.model, random_weights=True, max_num_seqs=args.batch, cuda_graph_batch_sizes=(args.batch,),
-              kv_memory=args.batch * (args.context + 64) * per_token)
+              kv_memory=args.batch * (args.context + 64) * per_token, max_model_len=args.max_model_len)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{args.model} random weights on {name}, {args.batch} x {args.context}, {extra}", flush=True)
     dense: dict[int, float] = {}

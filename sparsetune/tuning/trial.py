@@ -119,9 +119,12 @@ class EngineEvaluator:
             # tokens, so a flow whose fields do not fit beside them fails as a trial, with the reason)
             dtype = resolve_dtype(None, resolve_device(self.cfg.device), "bfloat16")
             per_token = model_config(model, random)[1].kv_bytes_per_token(dtype.itemsize)
+            # Sequences no longer than the measured ones: the decode graphs' block tables (and a small-unit
+            # flow's top-k row) are as wide as the longest sequence the engine admits, not the model's
+            # context (at 2-token units, 40K tokens overflow the radix select's row: BENCHMARKS.md, #43).
             self._speed_llm = LLM(model=model, random_weights=random, device=self.cfg.device, max_num_seqs=batch, defaults="published",
                                   kv_memory=batch * (context + 64) * per_token, seed=self.cfg.seed,
-                                  cuda_graph_batch_sizes=(batch,))
+                                  cuda_graph_batch_sizes=(batch,), max_model_len=context + 64)
         return self._speed_llm
 
     # ---- objectives ------------------------------------------------------------------------------
