@@ -350,7 +350,7 @@ def _candidate_lines(c: Any, frontier: list[dict[str, Any]]) -> list[str]:
         if s.name == "check" and s.ok:
             r = s.detail.get("report") or {}
             lines.append(f"check: fields {json.dumps(r.get('fields'), sort_keys=True)}, "
-                         f"{r.get('field_bytes_per_block')} B per block per KV head, "
+                         f"{r.get('field_bytes_per_block')} B per selection unit per KV head, "
                          f"{r.get('indexer_flops_per_block')} indexer FLOPs per block"
                          + "".join(f"; {k} on GPU: {v}" for k, v in sorted((r.get("compiled") or {}).items())))
         elif s.name == "gate" and "relative_accuracy" in s.detail:

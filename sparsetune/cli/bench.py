@@ -67,9 +67,9 @@ def serve(
     agents: int = typer.Option(None, "--agents", help="agent: agents, each with its role prompt (default 4)."),
     cold_corpus: bool = typer.Option(False, "--cold-corpus", help="Do not store the corpus before each cell (its "
                                      "first uses are misses)."),
-    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="Share cached prompt prefixes in every cell; "
-                                        "with --reuse: under each reuse flow too (a prompt takes the cached prefix "
-                                        "it starts with, then its segments)."),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching", help="Share cached prompt prefixes in every cell "
+                                        "(with --reuse: every cell but plain; under each reuse flow a prompt takes "
+                                        "the cached prefix it starts with, then its segments)."),
     segment_cap: float = typer.Option(1.0, "--segment-cap", help="Share of the KV pool stored segments may hold; "
                                       "idle ones beyond it are evicted, least recently used first."),
     rate: str = typer.Option("1,2,4,8", "--rate", help="Comma-separated request rates (requests/s, Poisson arrivals)."),

@@ -77,8 +77,8 @@ def check(
         return
     rel = report["full_budget_rel_err"]
     err.print(f"[green]ok[/] {report['name']}: fields {report['fields'] or '-'}; "
-              f"{report['field_bytes_per_block']} B cached per block per KV head (bf16); indexer "
-              f"{report['indexer_flops_per_block']} FLOPs per block per KV head per step; "
+              f"{report['field_bytes_per_block']} B cached per selection unit per KV head (bf16); indexer "
+              f"{report['indexer_flops_per_block']} FLOPs per unit per KV head per step; "
               f"full budget vs dense rel. err {rel if rel is not None else '-'}")
     if report["compiled"]:
         err.print("compiled executor (GPU): " + "; ".join(f"{s}: {p}" for s, p in report["compiled"].items()))

@@ -53,13 +53,17 @@ class BlockManager:
         self.refs[block] = 1
         return block
 
-    def _put(self, blocks: list[int]) -> None:
+    def _put(self, blocks: list[int]) -> int:
+        """Give back one reference to each block; returns how many became free."""
+        freed = 0
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] < 0:
                 raise RuntimeError(f"block {b} released more often than taken")
             if self.refs[b] == 0:
                 self.free.append(b)
+                freed += 1
+        return freed
 
     @property
     def num_free(self) -> int:
@@ -155,6 +159,7 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: {n} wanted, {len(self.free)} free")
         return [self._take() for _ in range(n)]
 
-    def free_blocks(self, blocks: list[int]) -> None:
-        """Take back blocks handed out by `allocate`."""
-        self._put(blocks)
+    def free_blocks(self, blocks: list[int]) -> int:
+        """Take back blocks handed out by `allocate`; returns how many became free (a block a request
+        also holds, as a prefix hit, stays taken)."""
+        return self._put(blocks)

@@ -73,6 +73,13 @@ class FlowAttention(DenseAttention):
         self.units = flow.block_size // flow.unit  # selection units per KV block (U)
         page = flow.page_flow()  # two-level: the first level, over whole blocks, runs as a backend of its own
         self.pages = None if page is None else FlowAttention(page, scale, use_triton, executor, calibration)
+        if page is not None:
+            from sparsetune.flow.compile import why_not
+
+            why = why_not(flow)["index"]
+            if why is not None:  # its second level scores a list of candidate units, not the sequence
+                raise SparsetuneError(f"--param coarse: flow {flow.name!r} cannot select in two levels: its indexer "
+                                      f"does not score each unit on its own ({why}); drop coarse")
         self.fields: dict[int, dict[str, torch.Tensor]] = {}  # layer -> field -> [(blocks + 1) * U, Hkv, r, c]
         self.last_selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (blocks, counts)
         # The latest selection of this step, reused by layers outside `select_layers` (TidalDecode).
@@ -86,8 +93,8 @@ class FlowAttention(DenseAttention):
     def retune(self, flow: DecodeFlow) -> None:
         """Run `flow`, of this backend's kernel key, from now on: its budget rule is written into the
         same device tensor (captured graphs read the new values); stores and kernels are kept."""
-        if flow.kernel_key() != self.flow.kernel_key():
-            raise ValueError(f"retune needs a flow of the same kernel key as {self.flow.name!r}")
+        if flow.kernel_key() != self.flow.kernel_key() or (flow.coarse is None) != (self.pages is None):
+            raise ValueError(f"retune needs a flow of the same kernel key and levels as {self.flow.name!r}")
         self.flow, self.name = flow, flow.name
         if self.pages is not None:
             self.pages.retune(flow.page_flow())
@@ -147,8 +154,6 @@ class FlowAttention(DenseAttention):
         super().write_kv(layer, k, v, kv, meta)
         with stage("cache_stage"):
             self.write_fields(layer, kv, meta)
-            if self.pages is not None:
-                self.pages.write_fields(layer, kv, meta)
 
     def write_fields(self, layer: int, kv: KVCache, meta: AttentionMetadata) -> None:
         """The cache stage for the units this step's KV write completed. A unit the write starts but
@@ -168,7 +173,11 @@ class FlowAttention(DenseAttention):
             blocks = torch.cat(done).long()
             if blocks.numel():
                 self.run_cache(layer, kv, blocks, blocks)
+            if self.pages is not None:
+                self.pages.write_fields(layer, kv, meta)
         else:
+            if self.pages is not None:
+                self.pages.write_fields(layer, kv, meta)
             pos = meta.positions
             cache = self.stages.cache_kernel(kv.head_dim) if self._generated_path(kv.k) else None
             store = self.stores(layer, kv)
@@ -299,7 +308,7 @@ class FlowAttention(DenseAttention):
             q, self.unit_table(meta.block_tables), meta.seq_lens, self.stores(layer, kv),
             kv.k[layer] if self.flow.uses_keys else None, h, self.flow.unit, self.null_unit(kv),
             self.constants(layer, kv), self.rule(q.device), cand)
-        counts = torch.minimum(counts, (kept.long() * u).view(-1).to(counts.dtype))
+        counts = torch.minimum(counts, (score > float("-inf")).sum(1).to(counts.dtype))  # no more than exist
         k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)
         with stage("topk"):
             top = (select_topk if self._generated_path(q) else torch_topk)(score, counts, k)

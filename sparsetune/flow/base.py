@@ -101,12 +101,12 @@ class DecodeFlow(Flow):
     coarse = Param(None, low=1.0, high=64.0, kind=float,
                    doc="two-level selection (with select_block): score whole blocks first by the same rule, keep "
                    "the best coarse x budget of them, and score only their units", search=Search(off=True))
-    budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole blocks",
+    budget = Param(2048, low=1, high=1 << 22, log=True, doc="tokens attended per step, rounded up to whole units",
                    search=Search(off=True))
     budget_ratio = Param(None, low=0.0, high=1.0, kind=float, doc="budget as a fraction of the context (overrides budget)",
                          search=Search(low=1 / 64, high=1 / 2, log=True))
-    sink_blocks = Param(1, low=0, high=1024, doc="first blocks always kept (attention sinks)", search=Search(low=0, high=4))
-    local_blocks = Param(2, low=1, high=1024, doc="last blocks always kept (recent window; includes the current block)",
+    sink_blocks = Param(1, low=0, high=1024, doc="first units always kept (attention sinks)", search=Search(low=0, high=4))
+    local_blocks = Param(2, low=1, high=1024, doc="last units always kept (recent window; includes the current one)",
                          search=Search(low=1, high=8))
     dense_layers = Param((0,), kind=tuple, doc="layers that keep full attention (comma-separated indices)",
                          search=Search(layers="first", low=0, high=4))

@@ -171,10 +171,11 @@ def describe(cls: type[DecodeFlow], params: dict[str, Any], head_dims: tuple[int
         sizes = (cls.param_specs()["block_size"].choices or ()) if block_sizes else ()
         own = {k: v for k, v in flow.params().items() if k not in cls.inapplicable}
         unit = own.get("select_block")  # kept where it fits inside the block (else the block is the unit)
-        others = [cls.from_strings({**own, "block_size": b, **({"select_block": unit if b % unit == 0 else None}
-                                                               if unit else {})})
+        others = [cls.from_strings({**own, "block_size": b, "coarse": None,
+                                    **({"select_block": unit if b % unit == 0 else None} if unit else {})})
                   for b in sizes if b != flow.block_size]
-        for f in [flow] + others:
+        first = [] if flow.page_flow() is None else [flow.page_flow()]  # a two-level flow's first level
+        for f in [flow] + first + others:
             graphs[graph_key(f)] = {str(d): trace_stages(f, d) for d in head_dims}
     return {
         "schema": SCHEMA, "name": check_name(cls.name), "source": str(cls.source),

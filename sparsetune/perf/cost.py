@@ -66,7 +66,14 @@ def decode_step_bytes(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, con
     selecting = [i for i in sparse if not flow.select_layers or i in flow.select_layers]
     attended = attended_tokens(cfg, flow, context)
     kv = batch * kv_token_layer * (context * (layers - len(sparse)) + attended * len(sparse))
-    fields = batch * nb * field_bytes_per_unit(flow, cfg, dtype_bytes) * len(selecting)
+    page = flow.page_flow()
+    if page is None:
+        fields = batch * nb * field_bytes_per_unit(flow, cfg, dtype_bytes) * len(selecting)
+    else:  # two levels: every block's fields, then those of the chosen blocks' units
+        npages = -(-context // page.block_size)
+        chosen = page.attended_blocks(npages) * (page.block_size // flow.unit)
+        per = npages * field_bytes_per_unit(page, cfg, dtype_bytes) + chosen * field_bytes_per_unit(flow, cfg, dtype_bytes)
+        fields = batch * per * len(selecting)
     return StepBytes(weights, kv, fields)
 
 

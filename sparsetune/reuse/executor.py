@@ -288,7 +288,7 @@ class ReusePlan(Rows):
     cached KV, per-head attention patterns and the MLP's rows; counts into `stats` (device counters,
     read once by `finish`: no host sync per layer). The first `num_cached` tokens are a cached prefix:
     computed up to the selection layer only (the flow's selection sees every token, and reused ones
-    as reused), their KV in the pool kept (shared blocks: never written)."""
+    as reused), their fresh KV stored to the null slot (their blocks are shared: never written)."""
 
     def __init__(self, kv, block_table: torch.Tensor, flow: ReuseFlow, layout: ReuseLayout, reused: torch.Tensor,
                  stats: ReuseStats, num_layers: int, scale: float, num_cached: int = 0) -> None:
@@ -307,6 +307,8 @@ class ReusePlan(Rows):
     def set_rows(self, positions: torch.Tensor) -> None:
         super().set_rows(positions)
         self.row_reused = self.from_segments[positions]
+        if self.num_cached:  # the cached prefix's rows store nowhere: their blocks are shared
+            self.row_slots = torch.where(positions < self.num_cached, self.kv.null_slot, self.row_slots)
 
     def continuing(self, layer, q, k, v):
         if layer != self.sel_layer:
@@ -328,9 +330,6 @@ class ReusePlan(Rows):
             cached = cached.to(self.reused.device) & self.row_reused[:, None]
         r = self.row_reused
         self.fresh += r.sum() * self.kv.num_kv_heads - (0 if cached is None else cached[r].sum())
-        if self.num_cached and self.sel_layer is not None and layer <= self.sel_layer:  # prefix rows run here
-            prefix = (self.positions < self.num_cached)[:, None].expand(-1, self.kv.num_kv_heads)
-            cached = prefix if cached is None else cached | prefix
         return cached
 
     def attention_pattern(self, layer, q, keys):

@@ -163,7 +163,8 @@ class SegmentCache:
             seg.pinned = seg.pinned or pinned
             return seg
         need = -(-len(arr) // self.block_size)
-        reachable = self.blocks.num_free + sum(len(s.blocks) for s in self._idle())
+        # an idle segment's block frees only if nobody else holds it (a prefix hit of a running request)
+        reachable = self.blocks.num_free + sum(self.blocks.refs[b] == 1 for s in self._idle() for b in s.blocks)
         if need > reachable:
             raise SparsetuneError(
                 f"a segment of {len(arr)} tokens needs {need} KV blocks but at most {reachable} of "
@@ -289,8 +290,7 @@ class SegmentCache:
 
     def _remove(self, seg: Segment) -> int:
         del self._segments[seg.key]
-        n = len(seg.blocks)
-        self.blocks.free_blocks(seg.blocks)
+        n = self.blocks.free_blocks(seg.blocks)
         seg.blocks = []
         seg.ready = False
         return n

@@ -194,7 +194,7 @@ def test_round_message_shows_frontier_and_verdicts():
     assert text == round_message(context())
     assert "Goal: keep accuracy, read fewer bytes" in text
     assert '| cand_a | `{"budget_ratio": 0.0625}` | 0.981 | 2.346 | 0.125 |' in text
-    assert "### 0000 `cand_a` (by claude): accepted" in text and "128 B per block per KV head" in text
+    assert "### 0000 `cand_a` (by claude): accepted" in text and "128 B per selection unit per KV head" in text
     assert "gate: relative accuracy 0.97 at its defaults (bar 0.5)" in text
     assert 'on the frontier: {"budget_ratio": 0.0625}: rel. acc. 0.981, speedup 2.346' in text
     assert "### 0001 `cand_b` (by claude): rejected at static" in text and "`import os` is not allowed" in text

@@ -260,3 +260,9 @@ def test_check_model_names_what_keeps_sglang_from_serving_the_bundle_on_a_model(
     (m / "config.json").write_text(json.dumps({**ok, "architectures": None, "kv_lora_rank": 512}))
     problems = check_model(m, {})
     assert len(problems) == 2 and "names no architectures" in problems[0] and "MLA model" in problems[1]
+
+
+def test_a_two_level_flow_is_refused_for_export(tmp_path):
+    with pytest.raises(SparsetuneError, match="two-level flows do not export to SGLang yet"):
+        write_bundle(tmp_path / "q", flow_path("quest"), {"select_block": "2", "coarse": "2"})
+    assert not (tmp_path / "q").exists()

@@ -183,12 +183,14 @@ def test_units_inside_pages_decode_like_pages_of_the_unit(smollm):
 def test_two_level_flow_with_every_block_kept_is_its_one_level_flow(smollm):
     """On the embedded model, a two-level quest whose first level keeps every block (coarse x
     budget_ratio >= 1) decodes exactly as quest over the same units in one level; with a smaller
-    coarse it keeps fewer blocks and still decodes (every layer's units inside its chosen blocks)."""
+    coarse it keeps fewer blocks and still decodes (every layer's units inside its chosen blocks);
+    turning coarse off again on the live engine gives the one-level flow back."""
     sp = SamplingParams(max_tokens=6, temperature=0.0, keep_logits=True)
     one = {"select_block": "2", "budget_ratio": "0.125"}
     runs = {}
     try:
-        for key, params in (("one", one), ("all blocks", {**one, "coarse": "8"}), ("two", {**one, "coarse": "2"})):
+        for key, params in (("one", one), ("all blocks", {**one, "coarse": "8"}), ("two", {**one, "coarse": "2"}),
+                            ("one again", one)):  # coarse off again: a one-level backend, not a retune
             smollm.apply(smollm.setup.with_flow("quest", params))
             seq = smollm.engine.add_request(smollm.encode_prompt(PROMPT), sp)
             while smollm.engine.scheduler.has_work():
@@ -198,7 +200,7 @@ def test_two_level_flow_with_every_block_kept_is_its_one_level_flow(smollm):
             runs[key] = (seq.completion_ids, torch.stack(seq.logits), backend.last_selection[5], pages)
     finally:
         smollm.apply(smollm.setup.with_flow(None))
-    assert runs["all blocks"][0] == runs["one"][0]
+    assert runs["all blocks"][0] == runs["one"][0] == runs["one again"][0] and runs["one again"][3] is None
     torch.testing.assert_close(runs["all blocks"][1], runs["one"][1], rtol=1e-4, atol=1e-4)  # units in another order
     (a, na), (b, nb) = runs["all blocks"][2], runs["one"][2]
     assert torch.equal(na, nb) and all(set(a[0, h, :n].tolist()) == set(b[0, h, :n].tolist())

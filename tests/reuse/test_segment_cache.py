@@ -232,3 +232,19 @@ def test_cap_evicts_idle_segments_least_recent_first_and_is_soft_for_held_ones()
     d = _ready(cache, [4] * BS)  # only held segments left: the cap yields
     assert a in cache and c in cache and d in cache and cache.stats()["blocks"] == 5
     assert bm.num_free == 16 - 5
+
+
+def test_an_idle_segment_a_request_also_holds_frees_nothing():
+    """A stored segment's blocks can be a running request's prefix hit too: evicting the segment
+    frees none of them, so a new segment that would need them is refused in one line (not an
+    allocator error), and the blocks stay with the request."""
+    bm, cache = _cache(num_blocks=8)
+    held = _ready(cache, list(range(20)))  # 5 blocks, idle
+    for b in held.blocks:  # a request's prefix hit on them (BlockManager.match_prefix)
+        bm.refs[b] += 1
+    with pytest.raises(SparsetuneError, match="can be freed"):
+        cache.insert(list(range(100, 116)), "kb")  # 4 blocks: 3 free, the idle segment's 5 shared
+    assert cache.evictions == 0 and all(bm.refs[b] == 2 for b in held.blocks)
+    bm.free_blocks(list(held.blocks))  # the request finishes: now the segment alone holds them
+    got = cache.insert(list(range(100, 116)), "kb")
+    assert len(got.blocks) == 4 and cache.evictions == 1
