@@ -465,8 +465,13 @@ def _set_rlimits(specs: list[str]) -> None:
         resource.setrlimit(which, (cap(int(soft)), cap(int(hard or soft))))
 
 
-def _close_fds(keep: set[int]) -> None:
-    for fd in sorted(int(n) for n in os.listdir("/proc/self/fd")):
+def _open_fds() -> list[int]:
+    """This process's open file descriptors (read while /proc is still the host's: see `main`)."""
+    return sorted(int(n) for n in os.listdir("/proc/self/fd"))
+
+
+def _close_fds(fds: list[int], keep: set[int]) -> None:
+    for fd in fds:
         if fd not in keep:
             try:
                 os.close(fd)
@@ -508,6 +513,10 @@ def main(argv: list[str]) -> int:
                 if "unshare" in str(e) or "_map" in str(e) or "setgroups" in str(e) else "")
         return _refuse(f"{e}{hint}", status_fd)
     alive_r, alive_w = os.pipe()  # pid 1 sees this launcher die (pipe closed) before it sets anything up
+    # Listed before the fork: pid 1 mounts its namespace's fresh /proc over the mount namespace this
+    # launcher shares, where /proc/self no longer names the launcher (it is outside that PID
+    # namespace), so listing it after the fork raced pid 1 (FileNotFoundError: '/proc/self/fd').
+    fds = _open_fds()
     pid = os.fork()
     if pid == 0:  # pid 1 of the new namespace
         try:
@@ -528,7 +537,7 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             print(f"{PREFIX}cannot run {cmd[0]}: {e.strerror}", file=sys.stderr, flush=True)
             os._exit(127)
-    _close_fds({2, alive_w})  # the command's pipes and the status pipe are the command's alone now
+    _close_fds(fds, {2, alive_w})  # the command's pipes and the status pipe are the command's alone now
     while True:
         try:
             _, status = os.waitpid(pid, 0)
