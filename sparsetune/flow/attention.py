@@ -159,6 +159,8 @@ class FlowAttention(DenseAttention):
         """The cache stage for the units this step's KV write completed. A unit the write starts but
         does not complete gets zero fields: it may hold a previous owner's (a flow's state included)."""
         bs = self.flow.unit
+        if self.pages is not None:  # a two-level flow's blocks keep fields of their own
+            self.pages.write_fields(layer, kv, meta)
         if meta.is_prefill:
             # Units completed by this chunk: b with ctx <= (b+1)*bs - 1 < seq_len.
             done, open_ = [], []
@@ -173,11 +175,7 @@ class FlowAttention(DenseAttention):
             blocks = torch.cat(done).long()
             if blocks.numel():
                 self.run_cache(layer, kv, blocks, blocks)
-            if self.pages is not None:
-                self.pages.write_fields(layer, kv, meta)
         else:
-            if self.pages is not None:
-                self.pages.write_fields(layer, kv, meta)
             pos = meta.positions
             cache = self.stages.cache_kernel(kv.head_dim) if self._generated_path(kv.k) else None
             store = self.stores(layer, kv)
@@ -268,7 +266,7 @@ class FlowAttention(DenseAttention):
                     kv.k[layer] if self.flow.uses_keys else None, h, bs, self.null_unit(kv), self.constants(layer, kv),
                     rule)
             generated = self._generated_path(q)
-            indexer = st.indexer_kernel(q.shape[1] // h, kv.head_dim) if self._generated_path(q) else None
+            indexer = st.indexer_kernel(q.shape[1] // h, kv.head_dim) if generated else None
             k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)  # units
             if generated and not st.traits(kv.head_dim).forced_only:  # scoring (generated, else compiled torch), radix select
                 if indexer is not None:

@@ -174,7 +174,7 @@ def describe(cls: type[DecodeFlow], params: dict[str, Any], head_dims: tuple[int
         others = [cls.from_strings({**own, "block_size": b, "coarse": None,
                                     **({"select_block": unit if b % unit == 0 else None} if unit else {})})
                   for b in sizes if b != flow.block_size]
-        first = [] if flow.page_flow() is None else [flow.page_flow()]  # a two-level flow's first level
+        first = [f for f in [flow.page_flow()] if f is not None]  # a two-level flow's first level
         for f in [flow] + first + others:
             graphs[graph_key(f)] = {str(d): trace_stages(f, d) for d in head_dims}
     return {

@@ -238,10 +238,10 @@ class ReuseRequest(PlannedPrefill):
         s.stored_tokens, s.filled_tokens = counts.stored_tokens, counts.filled_tokens
         s.prefix_tokens = self.num_cached
         reused = self._reused(self.ex.kv.k.device)
-        s.reused_tokens = int(reused[self.num_cached :].sum())
         s.head_paged_kv_fraction = self.flow.head_paged_kv_fraction(self.layout)
         self.plan = ReusePlan(self.ex.kv, block_table, self.flow, self.layout, reused, s, self.ex.num_layers,
                               self.ex.scale, self.num_cached)
+        s.reused_tokens = int(self.plan.from_segments.sum())
         return self.plan
 
     def done(self) -> None:
