@@ -134,14 +134,19 @@ class Setup:
     def with_flow(self, flow: str | None, params: dict[str, Any] | None = None, *, defaults: str | None = None) -> Setup:
         """This setup with another decode flow (None: dense), resolved afresh on its engine; the reuse
         flow is kept. A block size the params and the tuned defaults leave unset is this setup's page
-        size; one they set is the new page size (a live engine lays its pool out again, `LLM.apply`)."""
+        size where the flow can run on it (a two-level flow's page must hold more than one of its
+        units; a flow may declare the pages it takes), else the flow's own; one they set is the new
+        page size (a live engine lays its pool out again, `LLM.apply`)."""
         def again(params: dict[str, Any] | None) -> Setup:
             return resolve(replace(self.engine, block_size=None), flow=flow or "dense", params=params,
                            executor=self.executor, defaults=self.defaults if defaults is None else defaults)
 
         new = again(params)
         if new.flow is not None and new.flow.origin["block_size"] == "published" and new.page_size != self.page_size:
-            new = again({**(params or {}), "block_size": self.page_size})  # unset: the pool's, as it is laid out
+            try:  # unset: the pool's, as it is laid out
+                new = again({**(params or {}), "block_size": self.page_size})
+            except SparsetuneError:  # a page this flow does not run on: its own, and the pool is laid out again
+                pass
         return replace(new, reuse=self.reuse)
 
     def dense(self) -> Setup:

@@ -72,6 +72,21 @@ def test_tuned_defaults_are_resolved_once_and_recorded():
     assert Setup.from_dict(s.to_dict()) == s
 
 
+def test_another_flow_keeps_the_pools_page_where_it_can_run_on_it():
+    """`with_flow` on a setup whose pool has 2-token pages: a flow that leaves its block size unset
+    runs on the pool's page; a two-level flow, whose pages must hold its units, keeps its own page
+    (16) instead of failing, as a search's speed engine does between trials."""
+    small = resolve(EngineConfig(model=MODEL), flow="block_topk", params={"block_size": "2"}, defaults="published")
+    assert small.page_size == 2
+    assert small.with_flow("quest", {"budget": "64"}, defaults="published").page_size == 2
+    for flow, unit in (("quest_2l", "2"), ("block_topk_2l", "4")):
+        s = small.with_flow(flow, {"select_block": unit}, defaults="published")
+        assert (s.page_size, s.flow.params["block_size"], s.flow.origin["block_size"]) == (16, 16, "published")
+    four = resolve(EngineConfig(model=MODEL), flow="block_topk", params={"block_size": "4"}, defaults="published")
+    assert four.with_flow("quest_2l", {"select_block": "4"}, defaults="published").page_size == 16
+    assert four.with_flow("quest_2l", {"select_block": "2"}, defaults="published").page_size == 4
+
+
 def test_bad_setups_are_one_line():
     with pytest.raises(SparsetuneError, match="--param needs --flow"):
         resolve(params={"budget": "1"})
