@@ -8,7 +8,7 @@ of `select_block` tokens inside pages) or `page:unit:coarse` (two levels: the be
 pages first, then units inside them). Each flow step is `perf.speed.decode_step_seconds` (the
 search's measured speed: requests on blocks of whatever KV the pool holds, the flow's fields built
 over them, CUDA-graph steps), beside dense on the same engine at the same page size, so every ratio
-is measured side by side. `--profile`: also break one eager step of each unit config into stages
+is measured side by side. `--profile`: also break one eager step of each config into stages and kernels
 (`perf.step_profile.profile_decode`: the indexer, the top-k, attention, ...; it prefills the
 requests for real).
 """
@@ -60,7 +60,7 @@ def main() -> None:
             llm.apply(llm.setup.with_flow(flow, params, defaults="published"))
             step = decode_step_seconds(llm, args.batch, args.context)
             prof = None
-            if args.profile and unit:
+            if args.profile:
                 prof = profile_decode(llm, args.batch, args.context, steps=3)
             bs = llm.engine.kv.block_size
             if bs not in dense:
@@ -69,7 +69,8 @@ def main() -> None:
             row = {"flow": flow, "page": int(page), "unit": int(unit or page), "coarse": float(coarse) if coarse else None,
                    "step_ms": round(step * 1e3, 3),
                    "dense_ms": round(dense[bs] * 1e3, 3), "speedup": round(dense[bs] / step, 3),
-                   "profile": None if prof is None else {k: v["ms"] for k, v in prof["categories"].items()}}
+                   "profile": None if prof is None else {k: v["ms"] for k, v in prof["categories"].items()},
+                   "kernels": None if prof is None else {k: v["top"] for k, v in prof["categories"].items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| flow | page | unit | coarse | step ms | dense ms | speedup |\n|---|---|---|---|---|---|---|")

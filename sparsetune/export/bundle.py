@@ -114,9 +114,6 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
     from sparsetune.flow.graph import BUNDLE_HEAD_DIMS, describe
 
     cls, resolved = _resolve(flow_file, params, trust)
-    if resolved.get("coarse") not in (None, "", "None", "none"):
-        raise SparsetuneError("--param coarse: two-level flows do not export to SGLang yet; export the flow without "
-                              "coarse (its select_block units run inside SGLang's pages)")
     is_bundle = (out / MANIFEST).is_file()
     if out.exists() and not (overwrite and is_bundle):
         raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if is_bundle else ""))

@@ -28,7 +28,7 @@ from sparsetune.engine.ranges import stage
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.flow.compile import PagedBlocks
-from sparsetune.flow.stages import EXECUTORS, FlowStages, flow_stages, torch_topk
+from sparsetune.flow.stages import EXECUTORS, FlowStages, candidate_units, flow_stages, torch_topk
 from sparsetune.flow.shapes import field_dims
 from sparsetune.kernels import paged_decode
 from sparsetune.kernels.select_topk import select_topk
@@ -299,16 +299,20 @@ class FlowAttention(DenseAttention):
         pages, kept = self.pages.select(layer, q, kv, meta)  # [B, Hkv, Kp], [B, Hkv]
         b, h, kp = pages.shape
         u = self.units
-        cand = pages.long()[..., None] * u + torch.arange(u, device=q.device)  # [B, Hkv, Kp, U] logical units
-        chosen = torch.arange(kp, device=q.device)[:, None] < kept.long()[..., None, None]
-        cand = torch.where(chosen, cand, -1).view(b * h, kp * u)
-        score, counts = self.stages.candidates_fn(
-            q, self.unit_table(meta.block_tables), meta.seq_lens, self.stores(layer, kv),
-            kv.k[layer] if self.flow.uses_keys else None, h, self.flow.unit, self.null_unit(kv),
-            self.constants(layer, kv), self.rule(q.device), cand)
-        counts = torch.minimum(counts, (score > float("-inf")).sum(1).to(counts.dtype))  # no more than exist
+        pages, kept = pages.view(b * h, kp), kept.view(b * h)
+        generated = self._generated_path(q)
+        kernel = self.stages.indexer_kernel(q.shape[1] // h, kv.head_dim, candidates=True) if generated else None
+        stores, keys, consts, rule = (self.stores(layer, kv), kv.k[layer] if self.flow.uses_keys else None,
+                                      self.constants(layer, kv), self.rule(q.device))
+        if kernel is not None:  # the kernel lists the chosen blocks' units itself
+            score, counts = kernel(q, PagedBlocks(meta.block_tables, kv.null_block), meta.seq_lens, stores, keys, consts,
+                                   h, rule, pages=(pages, kept))
+        else:
+            score, counts = self.stages.candidates_fn(q, self.unit_table(meta.block_tables), meta.seq_lens, stores, keys, h,
+                                                      self.flow.unit, self.null_unit(kv), consts, rule,
+                                                      candidate_units(pages, kept, u))
         k = self.selection_width(meta.block_tables.shape[1], kv.head_dim)
         with stage("topk"):
-            top = (select_topk if self._generated_path(q) else torch_topk)(score, counts, k)
-        units = cand.gather(1, top.long()).to(torch.int32)
+            top = (select_topk if generated else torch_topk)(score, counts, k)  # entries i * U + u
+        units = self.stages.chosen_units_fn(pages, top, u)
         return units.view(b, h, -1), counts.view(b, h)

@@ -21,6 +21,12 @@ top channels of each key (DoubleSparse's label cache). A calibrated flow declare
 
 The runtime always keeps the first `sink_blocks` and last `local_blocks` units (the last one
 holds the newest token) and fills the rest of the budget with the top-scoring units.
+
+Two levels (`coarse`, with `select_block`): whole blocks are scored first, the best `coarse` x
+budget of them kept, and only their units scored by `index`. The blocks are scored by the flow's
+own stages run over whole blocks, or by `cache_page(self, k, v)` / `index_page(self, q, fields)`
+where the flow defines them (e.g. a pricier rule over the few blocks, a cheaper one over the many
+units); `page_flow()` is that first level.
 """
 
 from __future__ import annotations
@@ -86,6 +92,11 @@ class DecodeFlow(Flow):
     full_attention: ClassVar[bool] = False  # True: no selection at all (the `dense` flow)
     uses_keys: ClassVar[bool] = False  # True: the indexer also gets the raw keys as field "k" [S, block, D]
     calibrated: ClassVar[bool] = False  # True: needs a channel calibration; stages get const["channels"]
+    # True: the class defines `cache_page` and `index_page`, the stages of its first level (`page_flow`).
+    page_stages: ClassVar[bool] = False
+    # "": the flow's own level; "_page": the first level of a two-level flow with page stages (whose
+    # `cache`/`index` are the flow's `cache_page`/`index_page`; a traced flow's graphs name them so).
+    level: ClassVar[str] = ""
     # Which stages take `const` (found once per class, so the runtime's traced code only reads a dict).
     _takes_const: ClassVar[dict[str, bool]] = {"cache": False, "index": False}
 
@@ -139,10 +150,34 @@ class DecodeFlow(Flow):
         params = {**self.params(), "select_block": None, "coarse": None, "budget_ratio": ratio,
                   "budget": min(1 << 22, math.ceil(self.coarse * self.budget)),
                   "sink_blocks": -(-self.sink_blocks * u // p), "local_blocks": -(-self.local_blocks * u // p) + 1}
-        return type(self)(**{k: v for k, v in params.items() if k not in self.inapplicable})
+        return type(self).page_level()(**{k: v for k, v in params.items() if k not in self.inapplicable})
+
+    @classmethod
+    def page_level(cls) -> type[DecodeFlow]:
+        """The class of the first level: the class itself, or with page stages a subclass whose
+        stages are `cache_page` / `index_page` (made once per class, so its kernel key is stable)."""
+        if not cls.page_stages or cls.level:
+            return cls
+        made = cls.__dict__.get("_page_level")
+        if made is None:
+            attrs = {"level": "_page", "__module__": cls.__module__, "__doc__": f"The first level of {cls.__name__}.",
+                     **({} if cls.uses_stage_graphs() else {"cache": cls.cache_page, "index": cls.index_page})}
+            made = type(f"{cls.__name__}Pages", (cls,), attrs)
+            cls._page_level = made
+        return made
+
+    @classmethod
+    def uses_stage_graphs(cls) -> bool:
+        """True for a flow whose stages replay traced graphs (`flow.graph.GraphFlow`), not methods."""
+        return False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        own = {"cache_page", "index_page"} & set(vars(cls))
+        if own and own != {"cache_page", "index_page"}:
+            raise TypeError(f"flow {cls.__name__} defines {own.pop()} alone: a first level needs both cache_page and index_page")
+        if own:
+            cls.page_stages = True
         cls._takes_const = {s: "const" in inspect.signature(getattr(cls, s)).parameters for s in ("cache", "index")}
         if cls.calibrated and not {"calibration", "channels"} <= set(cls.param_specs()):
             raise TypeError(f"calibrated flow {cls.__name__} must declare the params `calibration` and `channels`")
@@ -205,3 +240,17 @@ class DecodeFlow(Flow):
     def budget_blocks(self, num_blocks: int) -> int:
         """Blocks attended for a sequence of `num_blocks` blocks (never fewer than the forced ones)."""
         return self.budget_rule.blocks(num_blocks)
+
+
+class TwoLevelFlow(DecodeFlow):
+    """A decode flow that selects in two levels by default: whole blocks (the KV pages, 16 tokens)
+    first, the best `coarse` x budget of them kept, then `select_block`-token units inside those.
+    Its stages score units; `cache_page` / `index_page`, where defined, score the blocks (else its
+    stages do, over whole blocks). The search samples the unit and the multiple, not the page (1-token
+    units are left out of it: their fields cost as much memory as the keys)."""
+
+    block_size = Param(16, choices=(4, 8, 16, 32, 64), doc="tokens per KV page (scored first)", search=Search(off=True))
+    select_block = Param(2, choices=(1, 2, 4, 8), kind=int, optional=True,
+                         doc="tokens per unit scored inside the kept pages (off: the page)", search=Search(choices=(2, 4)))
+    coarse = Param(2.0, low=1.0, high=64.0, kind=float, optional=True,
+                   doc="pages kept, as a multiple of the budget (off: one level)", search=Search(low=1.25, high=8.0, log=True))

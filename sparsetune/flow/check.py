@@ -5,7 +5,8 @@
    torch, no imports); the file's top level and imports keep to the flow API.
 2. Shapes: the stages run on small dummy tensors; every op checks its inputs and a failure
    names the flow file and line. Every cached field must be read by the indexer.
-3. Cost: bytes of cached fields per block, and indexer FLOPs per step (per KV head, per block).
+3. Cost: bytes of cached fields per selection unit, and indexer FLOPs per step (per KV head, per
+   unit); a two-level flow's first level (`DecodeFlow.page_flow`) the same per block, beside.
 4. Full budget equals dense attention on random paged KV.
 """
 
@@ -41,6 +42,9 @@ class CheckReport:
     ops: list[str] = field(default_factory=list)
     full_budget_rel_err: float | None = None
     compiled: dict[str, str] = field(default_factory=dict)  # stage -> how the compiled executor runs it on GPU
+    # A two-level flow's first level, the same costs per whole block, with `units_per_block` and
+    # `coarse` (blocks kept per budget): {fields, field_bytes_per_block, indexer_flops_per_block, ...}.
+    page_level: dict[str, Any] | None = None
     ok: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,6 +101,28 @@ def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, 
     report = CheckReport(cls.name, str(getattr(cls, "path", "")), cls.source, flow.params())
     if cls.full_attention:
         return report
+    cost = level_cost(flow, head_dim, group)
+    report.fields, report.ops = cost.pop("fields"), cost.pop("ops")
+    for k, v in cost.items():
+        setattr(report, k, v)
+    page = flow.page_flow()
+    if page is not None:
+        report.page_level = {**level_cost(page, head_dim, group), "units_per_block": flow.block_size // flow.unit,
+                             "coarse": flow.coarse}
+    report.compiled = compiled_paths(flow, head_dim, group, bool(report.fields))
+    report.full_budget_rel_err = full_budget_error(cls, raw_params or {}, head_dim, group)
+    report.ok = report.full_budget_rel_err < 1e-5
+    if not report.ok:
+        raise SparsetuneError(
+            f"{cls.path}: at full budget the flow differs from dense attention (rel. err {report.full_budget_rel_err:.2e})"
+        )
+    return report
+
+
+def level_cost(flow: DecodeFlow, head_dim: int, group: int) -> dict[str, Any]:
+    """One level's stages on dummy inputs: its fields, their bytes per unit (bf16), the indexer's
+    FLOPs per unit and fixed (per KV head per step) and the ops it calls."""
+    cls = type(flow)
     try:
         out, cache_ops, index_small, fields = _run_stages(flow, head_dim, group, num_blocks=4)
         _, _, index_big, _ = _run_stages(flow, head_dim, group, num_blocks=8)
@@ -106,23 +132,15 @@ def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, 
         raise SparsetuneError(f"{_flow_line(cls, e)}{type(e).__name__}: {e}") from None
     unread = set(out) - fields.read
     if unread:
-        raise SparsetuneError(f"{cls.path}: field(s) {', '.join(sorted(unread))} written by cache() but never read by index()")
-    report.fields = {n: list(t.shape[1:]) for n, t in out.items()}
-    report.field_bytes_per_block = sum(2 * r * c for r, c in report.fields.values())
-    # The indexer's FLOPs grow linearly with the blocks S: fit a + b*S from S = 4 and S = 8.
+        stages = "cache_page() but never read by index_page()" if flow.level else "cache() but never read by index()"
+        raise SparsetuneError(f"{getattr(cls, 'path', cls.name)}: field(s) {', '.join(sorted(unread))} written by {stages}")
+    dims = {n: list(t.shape[1:]) for n, t in out.items()}
+    # The indexer's FLOPs grow linearly with the units S: fit a + b*S from S = 4 and S = 8.
     f4 = sum(r.flops for r in index_small)
-    f8 = sum(r.flops for r in index_big)
-    report.indexer_flops_per_block = max(0, (f8 - f4) // 4)
-    report.indexer_flops_fixed = max(0, f4 - 4 * report.indexer_flops_per_block)
-    report.ops = [r.op for r in cache_ops + index_small]
-    report.compiled = compiled_paths(flow, head_dim, group, bool(report.fields))
-    report.full_budget_rel_err = full_budget_error(cls, raw_params or {}, head_dim, group)
-    report.ok = report.full_budget_rel_err < 1e-5
-    if not report.ok:
-        raise SparsetuneError(
-            f"{cls.path}: at full budget the flow differs from dense attention (rel. err {report.full_budget_rel_err:.2e})"
-        )
-    return report
+    per = max(0, (sum(r.flops for r in index_big) - f4) // 4)
+    return {"fields": dims, "field_bytes_per_block": sum(2 * r * c for r, c in dims.values()),
+            "indexer_flops_per_block": per, "indexer_flops_fixed": max(0, f4 - 4 * per),
+            "ops": [r.op for r in cache_ops + index_small]}
 
 
 def compiled_paths(flow: DecodeFlow, head_dim: int, group: int, has_fields: bool) -> dict[str, str]:
@@ -164,11 +182,8 @@ def full_budget_error(cls: type[DecodeFlow], raw: dict[str, str], head_dim: int,
     # A calibrated flow is checked without a model: a synthetic channel order stands in.
     calibration = synthetic_calibration(1, hkv, head_dim) if flow.calibrated else None
     attn = FlowAttention(flow, head_dim**-0.5, calibration=calibration)
-    # Cache stage over every full unit, as a prefill that wrote all tokens would run it.
-    units = attn.unit_table(bt)
-    done = torch.cat([units[i, : lens[i] // flow.unit] for i in range(len(lens))]).long()
-    if done.numel():
-        attn.run_cache(0, kv, done, done)
+    for i, n in enumerate(lens):  # the cache stage (both levels') as a prefill that wrote all tokens runs it
+        attn.rebuild_fields(0, kv, bt[i], n)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=g, dtype=torch.float64)
     meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
                              torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), [0, 1, 2])

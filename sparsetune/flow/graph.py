@@ -43,7 +43,8 @@ BUNDLE_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
 # (query group, blocks) the indexer is traced at; equal graphs at each mean the graph holds for all.
 _INDEX_SHAPES = ((2, 5), (3, 7), (1, 4))
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple}
-_TRAITS = ("uses_keys", "calibrated", "full_attention")
+_TRAITS = ("uses_keys", "calibrated", "full_attention", "page_stages")
+STAGES = ("cache", "index", "cache_page", "index_page")  # a graph pair per level; the page pair where defined
 MAX_NODES = 4096
 
 
@@ -117,7 +118,20 @@ def _graph(nodes, inputs: dict[int, str], outputs: Callable[[Callable[[FT], Any]
 
 
 def trace_stages(flow: DecodeFlow, head_dim: int) -> dict[str, Any]:
-    """Both stages of `flow` at `head_dim` as graphs: {"cache": ..., "index": ...}."""
+    """The stages of `flow` at `head_dim` as graphs: {"cache": ..., "index": ...}, and with page stages
+    (`DecodeFlow.page_stages`) "cache_page" and "index_page", traced at the same params."""
+    out = _trace_pair(flow, head_dim)
+    if flow.page_stages and not flow.level:
+        page = type(flow).page_level()(**_own_params(flow))
+        out.update({f"{s}_page": g for s, g in _trace_pair(page, head_dim).items()})
+    return out
+
+
+def _own_params(flow: DecodeFlow) -> dict[str, Any]:
+    return {k: v for k, v in flow.params().items() if k not in flow.inapplicable}
+
+
+def _trace_pair(flow: DecodeFlow, head_dim: int) -> dict[str, Any]:
     x = dummy_inputs(flow, head_dim)
     names = {id(x.k): "k", id(x.v): "v", **{id(t): f"c:{n}" for n, t in x.const.items()}}
     with tracing() as t:
@@ -161,6 +175,7 @@ def describe(cls: type[DecodeFlow], params: dict[str, Any], head_dims: tuple[int
             raise NotTraceable(f"param {n!r}: kind must be one of {', '.join(_KINDS)}")
         decl[n] = {"default": _plain(p.default), "choices": _plain(p.choices), "low": _plain(p.low),
                    "high": _plain(p.high), "log": bool(p.log), "kind": kind, "doc": str(p.doc),
+                   "optional": bool(p.optional),
                    "search": None if p.search is None else {k: _plain(getattr(p.search, k))
                                                            for k in Search.__dataclass_fields__}}
     flow = cls.from_strings(params)
@@ -169,12 +184,13 @@ def describe(cls: type[DecodeFlow], params: dict[str, Any], head_dims: tuple[int
         flow.prefetch(head_dims)
     if not cls.full_attention:
         sizes = (cls.param_specs()["block_size"].choices or ()) if block_sizes else ()
-        own = {k: v for k, v in flow.params().items() if k not in cls.inapplicable}
+        own = _own_params(flow)
         unit = own.get("select_block")  # kept where it fits inside the block (else the block is the unit)
         others = [cls.from_strings({**own, "block_size": b, "coarse": None,
                                     **({"select_block": unit if b % unit == 0 else None} if unit else {})})
                   for b in sizes if b != flow.block_size]
-        first = [f for f in [flow.page_flow()] if f is not None]  # a two-level flow's first level
+        # A two-level flow's first level: the class at its params (the page stages traced with them).
+        first = [type(flow)(**_own_params(f)) for f in [flow.page_flow()] if f is not None]
         for f in [flow] + first + others:
             graphs[graph_key(f)] = {str(d): trace_stages(f, d) for d in head_dims}
     return {
@@ -234,12 +250,17 @@ class GraphFlow(DecodeFlow):
         super().__init__(**values)
         self._stage_graphs: dict[tuple[int, str], dict[str, Any]] = {}
 
+    @classmethod
+    def uses_stage_graphs(cls) -> bool:
+        return True
+
     def _stage(self, head_dim: int, stage: str) -> dict[str, Any]:
-        """A stage's graph, found once per instance: the runtime calls the stages inside
-        torch.compile, where the lookup (JSON of the params) would break the compiled graph."""
+        """A stage's graph (of this level: the first level of a two-level flow replays the page
+        stages), found once per instance: the runtime calls the stages inside torch.compile, where
+        the lookup (JSON of the params) would break the compiled graph."""
         g = self._stage_graphs.get((head_dim, stage))
         if g is None:
-            g = self._stage_graphs[(head_dim, stage)] = self._find(head_dim, stage)
+            g = self._stage_graphs[(head_dim, stage)] = self._find(head_dim, stage + self.level)
         return g
 
     def _find(self, head_dim: int, stage: str) -> dict[str, Any]:
@@ -248,9 +269,9 @@ class GraphFlow(DecodeFlow):
         if str(head_dim) not in cls.graphs.get(key, {}):
             self.prefetch((head_dim,))
         by_dim = cls.graphs.get(key, {})
-        if str(head_dim) not in by_dim:
-            raise SparsetuneError(f"flow {self.name!r} ({cls.origin}) has no traced graph for head dimension {head_dim} "
-                                  f"at these params; traced: {', '.join(by_dim) or 'none'}")
+        if str(head_dim) not in by_dim or stage not in by_dim[str(head_dim)]:
+            raise SparsetuneError(f"flow {self.name!r} ({cls.origin}) has no traced {stage} graph for head dimension "
+                                  f"{head_dim} at these params; traced: {', '.join(by_dim) or 'none'}")
         return by_dim[str(head_dim)][stage]
 
     def prefetch(self, head_dims: tuple[int, ...]) -> None:
@@ -295,7 +316,7 @@ def flow_class(desc: dict[str, Any], fetch: Callable | None = None, origin: str 
             search = p.get("search")
             attrs[n] = Param(_unplain(p.get("default")), choices=_unplain(p.get("choices")), low=_unplain(p.get("low")),
                              high=_unplain(p.get("high")), log=bool(p.get("log")), kind=_KINDS.get(kind) if kind else None,
-                             doc=str(p.get("doc", ""))[:500],
+                             doc=str(p.get("doc", ""))[:500], optional=bool(p.get("optional", False)),
                              search=None if search is None else Search(**{k: _unplain(search.get(k)) for k in
                                                                          Search.__dataclass_fields__ if k in search}))
         for k in ("low", "high"):
@@ -315,15 +336,21 @@ def _checked_keyed(by_dim: dict[str, Any]) -> dict[str, Any]:
 
 def _checked_graphs(g: dict[str, Any]) -> dict[str, Any]:
     """A stage pair's JSON, shape-checked (every op name in the op set; values decode)."""
-    for stage in ("cache", "index"):
+    if set(g) - set(STAGES) or not {"cache", "index"} <= set(g) or ("cache_page" in g) != ("index_page" in g):
+        raise NotTraceable(f"a graph entry holds stages {sorted(map(str, g))[:6]}; expected cache and index "
+                           "(and cache_page, index_page)")
+    for stage in g:
         nodes = g[stage]["nodes"]
         if not isinstance(nodes, list) or len(nodes) > MAX_NODES:
             raise NotTraceable(f"{stage} graph: nodes must be a list of at most {MAX_NODES}")
         for node in nodes:
             if not isinstance(OPS.get(node["op"]), Op):
                 raise NotTraceable(f"{stage} graph: {str(node['op'])[:40]!r} is not a flow op")
-    for n in g["cache"]["out"]:
-        check_name(n, "field name")
-    for n in list(g["index"]["saved"]) + list(g["index"]["read"]):
-        check_name(n, "field name")
+    for level in ("", "_page"):
+        if f"cache{level}" not in g:
+            continue
+        for n in g[f"cache{level}"]["out"]:
+            check_name(n, "field name")
+        for n in list(g[f"index{level}"]["saved"]) + list(g[f"index{level}"]["read"]):
+            check_name(n, "field name")
     return g

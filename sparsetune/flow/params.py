@@ -35,7 +35,8 @@ class Search:
 @dataclass(frozen=True)
 class Param:
     """One hyperparameter. `choices` or `low`/`high` are the values it accepts, and the search space
-    unless `search` says otherwise; `None` default = off."""
+    unless `search` says otherwise; `None` default = off. `optional`: None (off) is accepted beside a
+    default that is on."""
 
     default: Any
     choices: tuple | None = None
@@ -45,6 +46,7 @@ class Param:
     kind: type | None = None  # inferred from the default when None
     doc: str = ""
     search: Search | None = None
+    optional: bool = False
 
     @property
     def type(self) -> type:
@@ -58,7 +60,7 @@ class Param:
         """Parse a `--param name=text` value and validate it."""
         t = self.type
         try:
-            if text.lower() in ("none", "off") and self.default is None:
+            if text.lower() in ("none", "off") and (self.default is None or self.optional):
                 value = None
             elif t is bool:
                 if text.lower() not in ("true", "false", "1", "0"):
@@ -91,7 +93,7 @@ class Param:
 
     def validate(self, name: str, value: Any) -> None:
         if value is None:
-            if self.default is not None:
+            if self.default is not None and not self.optional:
                 raise SparsetuneError(f"--param {name}: a value is required")
             return
         if isinstance(value, float) and not math.isfinite(value):  # nan passes every range test

@@ -82,7 +82,9 @@ _METHOD_DECORATORS = frozenset({"staticmethod", "classmethod", "property"})
 
 # Decode-flow stages: what they may call, and their parameters.
 VALUE_BUILTINS = frozenset({"dict", "len", "range", "tuple", "list", "float", "int", "round"})
-STAGES = {"cache": "self, k, v", "index": "self, q, fields"}  # stage → its parameters
+# stage → its parameters (the page pair: a two-level flow's first level, `DecodeFlow.page_stages`)
+STAGES = {"cache": "self, k, v", "index": "self, q, fields", "cache_page": "self, k, v", "index_page": "self, q, fields"}
+DECODE_BASES = ("DecodeFlow", "TwoLevelFlow")  # the flow API's decode-flow classes a file may subclass
 _STAGE_BANNED_NAMES = frozenset({"torch", "np", "numpy"})
 
 _DUNDER = re.compile(r"^__\w+__$")
@@ -190,8 +192,8 @@ class FlowSource:
                     break
                 base = (self.imports.get(b.id, (None, None))[1] if isinstance(b, ast.Name)
                         else b.attr if isinstance(b, ast.Attribute) else None)
-                if base in ("DecodeFlow", "ReuseFlow"):
-                    kinds[node.name] = "decode" if base == "DecodeFlow" else "reuse"
+                if base in DECODE_BASES + ("ReuseFlow",):
+                    kinds[node.name] = "decode" if base in DECODE_BASES else "reuse"
                     break
         return kinds
 

@@ -71,23 +71,25 @@ class FlowStages:
         self.flow = flow  # the flow the stages trace; only its kernel-key params are ever read
         self.executor = executor
         self.select_fn, self.score_fn, self.cache_fn = self.select_tensors, self.score_tensors, self.cache_tensors
-        self.candidates_fn = self.score_candidates
+        self.candidates_fn, self.chosen_units_fn = self.score_candidates, chosen_units
         if executor == "compiled":
-            self.select_fn, self.score_fn, self.cache_fn, self.candidates_fn = map(
-                _compile, (self.select_fn, self.score_fn, self.cache_fn, self.candidates_fn))
+            self.select_fn, self.score_fn, self.cache_fn, self.candidates_fn, self.chosen_units_fn = map(
+                _compile, (self.select_fn, self.score_fn, self.cache_fn, self.candidates_fn, self.chosen_units_fn))
         # The generated kernels by (stage, shapes...), built on first use; None: not block-local.
         self.generated: dict[tuple, IndexerKernel | CacheKernel | None] = {}
         self.paths: dict[str, str] = {}  # stage -> how the compiled executor runs it (for reports)
         self._traits: dict[int, IndexTraits] = {}  # head_dim -> what the indexer does
 
-    def indexer_kernel(self, group: int, head_dim: int) -> IndexerKernel | None:
+    def indexer_kernel(self, group: int, head_dim: int, candidates: bool = False) -> IndexerKernel | None:
         """The generated indexer for these shapes (None: not block-local; the compiled torch indexer
-        runs), built once per shape: engines of different models share these stages."""
-        key = ("index", group, head_dim)
+        runs), built once per shape: engines of different models share these stages. `candidates`:
+        the one over a list of units per row (a two-level flow's second level)."""
+        key = ("candidates" if candidates else "index", group, head_dim)
         if key not in self.generated:
             try:
-                self.generated[key] = build_indexer(self.flow, group, head_dim)
-                self.paths["index"] = "generated Triton kernel + radix-select top-k"
+                self.generated[key] = build_indexer(self.flow, group, head_dim, candidates=candidates)
+                self.paths["index"] = ("generated Triton kernel over the chosen blocks' units" if candidates else
+                                       "generated Triton kernel") + " + radix-select top-k"
             except ForcedOnly:
                 self.generated[key] = None
                 self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
@@ -204,8 +206,9 @@ class FlowStages:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer over the units `candidates` `[R, C]` of each (request, KV head) row only (logical
         unit indices; -1: none), as `score_tensors` scores them (the second level of a two-level
-        flow: the units of its chosen blocks). Returns the masked scores `[R, C]` and the units each
-        row attends `[R]` (the budget rule over all of its units)."""
+        flow: the units of its chosen blocks, `candidate_units`). Returns the masked scores `[R, C]`
+        and the units each row attends `[R]` (the budget rule over all of its units, capped at the
+        live entries of its list)."""
         b, hq, d = q.shape
         rows = b * h
         nb = ((seq_lens.long() + bs - 1) // bs).repeat_interleave(h)  # [R] units of each row's sequence
@@ -226,7 +229,25 @@ class FlowStages:
                                   const_rows({n: wide(c) for n, c in const.items()}, b))
         if fields.saved or sel.score is None:
             raise SparsetuneError(f"flow {self.flow.name!r}: a two-level flow's indexer must score units and save no state")
-        return _masked(sel.score.data.reshape(rows, -1), rule, logical, nb, valid), BudgetRule.counts_of(rule, nb).to(torch.int32)
+        counts = torch.minimum(BudgetRule.counts_of(rule, nb), valid.sum(1))  # no more than the list holds
+        return _masked(sel.score.data.reshape(rows, -1), rule, logical, nb, valid), counts.to(torch.int32)
+
+
+def candidate_units(pages: torch.Tensor, kept: torch.Tensor, units: int) -> torch.Tensor:
+    """The units a two-level flow's second level scores: entry `i * units + u` of row r is unit u of
+    chosen block `pages[r, i]` (logical unit `pages[r, i] * units + u`), -1 for i >= kept[r].
+    `pages` `[R, Kp]`, `kept` `[R]` → `[R, Kp * units]` (int64). The generated candidates kernel
+    computes the same entries itself (`flow.compile.indexer`)."""
+    cand = pages.long()[..., None] * units + torch.arange(units, device=pages.device)
+    chosen = torch.arange(pages.shape[1], device=pages.device)[:, None] < kept.long()[:, None, None]
+    return torch.where(chosen, cand, -1).flatten(1)
+
+
+def chosen_units(pages: torch.Tensor, top: torch.Tensor, units: int) -> torch.Tensor:
+    """The logical units of the entries `top` `[R, K]` a top-k chose from `candidate_units(pages, ..,
+    units)` (entry `i * units + u`: unit u of block `pages[r, i]`), int32 (one fused kernel compiled)."""
+    top = top.long()
+    return (pages.long().gather(1, top // units) * units + top % units).to(torch.int32)
 
 
 def _masked(score: torch.Tensor, rule: torch.Tensor, logical: torch.Tensor, nb: torch.Tensor,

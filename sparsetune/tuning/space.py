@@ -145,7 +145,7 @@ def spec_dicts(cls: type[Flow]) -> dict[str, Any]:
     for name, spec in cls.param_specs().items():
         search = search_of(cls, name, spec)
         params[name] = {"default": spec.default, "choices": spec.choices, "low": spec.low, "high": spec.high,
-                        "log": spec.log, "kind": spec.type.__name__, "doc": spec.doc,
+                        "log": spec.log, "kind": spec.type.__name__, "doc": spec.doc, "optional": spec.optional,
                         "search": None if search is None else asdict(search)}
     return {"name": cls.name, "params": params, "inapplicable": dict(cls.inapplicable)}
 
@@ -164,5 +164,6 @@ def spec_class(data: dict[str, Any]) -> type[Flow]:
         default = tup(p["default"])
         s = p.get("search")
         search = None if s is None else Search(**{**s, "choices": tup(s.get("choices"))})
-        attrs[name] = Param(default, tup(p["choices"]), p["low"], p["high"], p["log"], kind, p.get("doc", ""), search)
+        attrs[name] = Param(default, tup(p["choices"]), p["low"], p["high"], p["log"], kind, p.get("doc", ""), search,
+                            bool(p.get("optional", False)))
     return type(f"Spec_{data['name']}", (Flow,), attrs)

@@ -10,7 +10,9 @@ import pytest
 
 from helpers import SyntheticEvaluator
 from sparsetune.errors import SparsetuneError
-from sparsetune.export.bundle import MANIFEST, check_bundle, export_run, pick_point, read_bundle, write_bundle
+from sparsetune.export.bundle import (MANIFEST, SGLANG_CONFIG, check_bundle, export_run, flow_of, pick_point,
+                                      read_bundle, write_bundle)
+from sparsetune.flow.shapes import field_dims
 from sparsetune.records import file_sha256
 from sparsetune.loader import build_flow, flow_path
 from sparsetune.tuning.config import SearchConfig
@@ -262,7 +264,16 @@ def test_check_model_names_what_keeps_sglang_from_serving_the_bundle_on_a_model(
     assert len(problems) == 2 and "names no architectures" in problems[0] and "MLA model" in problems[1]
 
 
-def test_a_two_level_flow_is_refused_for_export(tmp_path):
-    with pytest.raises(SparsetuneError, match="two-level flows do not export to SGLang yet"):
-        write_bundle(tmp_path / "q", flow_path("quest"), {"select_block": "2", "coarse": "2"})
-    assert not (tmp_path / "q").exists()
+def test_a_two_level_flow_exports_with_both_levels_graphs(tmp_path):
+    """quest_2l's bundle keeps SGLang's page at 16 and holds the graphs of both levels (its page
+    stages at the first level's params), so the host rebuilds it as a two-level flow from data."""
+    write_bundle(tmp_path / "q", flow_path("quest_2l"), {"budget_ratio": "0.125"})
+    manifest = json.loads((tmp_path / "q" / MANIFEST).read_text())
+    assert manifest["params"]["block_size"] == "16" and manifest["params"]["coarse"] == "2.0"
+    assert json.loads((tmp_path / "q" / SGLANG_CONFIG).read_text())["server_args"]["page_size"] == 16
+    assert check_bundle(tmp_path / "q") == []
+    flow = flow_of(tmp_path / "q", read_bundle(tmp_path / "q"))
+    assert flow.uses_stage_graphs() and (flow.unit, flow.coarse) == (2, 2.0)
+    page = flow.page_flow()
+    assert page.level == "_page" and set(field_dims(page, 128)) == {"kmax", "kmin"}
+    assert set(field_dims(flow, 128)) == {"centroid"}

@@ -257,6 +257,20 @@ def test_decode_helper_called_by_a_stage_uses_ops_only(tmp_path):
     assert static_problems(load_file(good)) == []  # the public per-class form of the same rule
 
 
+def test_a_two_level_flows_page_stages_are_held_to_the_stage_rules(tmp_path):
+    """A `TwoLevelFlow` is a decode flow to the source check: its page stages (and the helpers they
+    call) use flow ops only, take the stage parameters, and a page stage alone is refused at load."""
+    quest_2l = (Path(__file__).parents[2] / "flows" / "quest_2l.py").read_text()
+    assert file_problems(write(tmp_path / "ok.py", quest_2l)) == []
+    bad = write(tmp_path / "bad.py", quest_2l.replace('F.max(upper, dim=2)', 'upper.amax(2)'))
+    assert file_problems(bad) == [f"{bad}:26: `upper.amax(...)` is not a flow op; use F.* ops only"]
+    args = write(tmp_path / "args.py", quest_2l.replace("def index_page(self, q, fields):", "def index_page(self, q):"))
+    assert any("index_page() takes (self, q, fields)" in x for x in file_problems(args))
+    alone = write(tmp_path / "alone.py", quest_2l.replace("def cache_page(self, k, v):", "def cache_pages(self, k, v):"))
+    with pytest.raises(Exception, match="index_page alone: a first level needs both cache_page and index_page"):
+        load_file(alone, trust=True)
+
+
 def test_reuse_flow_methods_are_plain_torch(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSETUNE_TRUST_FLOW_CODE", "1")  # a reuse flow file runs only opted in (issue #40)
     path = write(tmp_path / "myreuse.py", '''

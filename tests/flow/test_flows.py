@@ -91,18 +91,32 @@ def _rule_scores(name, keys, qg):
     return (qg @ keys.mean(1).T).amax(0)
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk"])
+# (flow, its rule over blocks, its rule over units): quest and block_topk run their own rule at both
+# levels; quest_2l's page stages are Quest's bound and its units are scored by the mean key.
+TWO_LEVEL = [("quest", "quest", "quest"), ("block_topk", "block_topk", "block_topk"),
+             ("quest_2l", "quest", "block_topk"), ("block_topk_2l", "block_topk", "block_topk")]
+
+
+@pytest.mark.parametrize("name,page_rule,unit_rule", TWO_LEVEL)
 @pytest.mark.parametrize("unit,coarse", [(2, 2.0), (4, 1.5), (1, 3.0)])
-def test_two_level_selection_is_every_unit_scored_inside_the_top_blocks(name, unit, coarse):
-    """A two-level flow (`coarse`): the flow's rule over whole 16-token blocks keeps the best
+def test_two_level_selection_is_every_unit_scored_inside_the_top_blocks(name, page_rule, unit_rule, unit, coarse,
+                                                                        tmp_path):
+    """A two-level flow (`coarse`): the page rule over whole 16-token blocks keeps the best
     coarse x budget of them (its always-kept blocks hold the always-kept units), then the units are
     ranked inside those blocks only: exactly the units a plain torch ranking of every unit picks once
-    the units outside the chosen blocks are struck out."""
+    the units outside the chosen blocks are struck out. quest_2l runs from an untrusted copy too:
+    its page stages replayed from traced graphs."""
     page, budget = 16, 24 * unit
     lens = [23 * page + 5, 9 * page, 40 * page - 1]
     kv, bt, meta, q = paged_case(page, lens, seed=50 + unit)
-    flow = build_flow(name, {"budget": str(budget), "select_block": str(unit), "coarse": str(coarse),
+    spec = name
+    if name == "quest_2l" and unit == 2:  # not the shipped file's bytes: a traced graph flow
+        spec = str(tmp_path / "my_quest_2l.py")
+        (tmp_path / "my_quest_2l.py").write_text(get_flow_class("quest_2l").path.read_text().replace(
+            '"quest_2l"', '"my_quest_2l"'))
+    flow = build_flow(spec, {"budget": str(budget), "select_block": str(unit), "coarse": str(coarse),
                              "sink_blocks": "1", "local_blocks": "2"})
+    assert flow.uses_stage_graphs() == (spec != name)
     first = flow.page_flow()
     assert (first.sink_blocks, first.local_blocks) == (1, 2) and first.budget == -(-int(coarse * budget) // 1)
     attn = FlowAttention(flow, HEAD_DIM**-0.5)
@@ -116,10 +130,10 @@ def test_two_level_selection_is_every_unit_scored_inside_the_top_blocks(name, un
         tokens = kv.k[0][bt[b, pos // page].long(), :, pos % page]
         for h in range(HKV):
             qg = q[b, h * GROUP : (h + 1) * GROUP]
-            pscore = torch.cat([_rule_scores(name, tokens[: pfull * page, h].reshape(pfull, page, HEAD_DIM), qg),
+            pscore = torch.cat([_rule_scores(page_rule, tokens[: pfull * page, h].reshape(pfull, page, HEAD_DIM), qg),
                                 torch.zeros(npages - pfull, dtype=q.dtype)])
             pages = reference_selection(pscore, npages, first.budget_blocks(npages), 1, 2)
-            uscore = torch.cat([_rule_scores(name, tokens[: nfull * unit, h].reshape(nfull, unit, HEAD_DIM), qg),
+            uscore = torch.cat([_rule_scores(unit_rule, tokens[: nfull * unit, h].reshape(nfull, unit, HEAD_DIM), qg),
                                 torch.zeros(nunits - nfull, dtype=q.dtype)])
             inside = torch.tensor([x * unit // page in pages for x in range(nunits)])
             want = reference_selection(uscore.masked_fill(~inside, float("-inf")), nunits, flow.budget_blocks(nunits), 1, 2)

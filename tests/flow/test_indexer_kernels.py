@@ -83,6 +83,7 @@ from sparsetune.flow.compile.emit import p2  # noqa: E402
 from sparsetune.models.artifacts import synthetic_calibration  # noqa: E402
 from sparsetune.loader import build_flow  # noqa: E402
 from sparsetune.flow.attention import FlowAttention  # noqa: E402
+from sparsetune.flow.stages import candidate_units  # noqa: E402
 from helpers import GROUP, HEAD_DIM, HKV, paged_case, prefill_cache  # noqa: E402
 
 # Every block-local op, non-power-of-two group (3) and slices, all three gemm forms.
@@ -206,6 +207,17 @@ def test_generated_indexer_tensor_core_products(name, dtype, block_size, tmp_pat
     torch.testing.assert_close(score, plain, rtol=1e-5, atol=1e-5)
 
 
+def _assert_selects_alike(ref, gen, q, kv, meta, step=0):
+    """The same number of units and the same set of them in every (request, KV head) row."""
+    want, want_n = ref.select(0, q, kv, meta)
+    got, got_n = gen.select(0, q, kv, meta)
+    assert torch.equal(got_n, want_n)
+    for b in range(want.shape[0]):
+        for h in range(want.shape[1]):
+            n = int(want_n[b, h])
+            assert set(got[b, h, :n].tolist()) == set(want[b, h, :n].tolist()), (step, b, h)
+
+
 @pytest.mark.parametrize("name", ["block_topk", "quest", "h2o", "tidal", "streaming", "double_sparse"])
 def test_generated_executor_selects_like_reference(name, tmp_path):
     """The compiled executor on the Triton path (generated kernels where block-local, else the
@@ -219,14 +231,74 @@ def test_generated_executor_selects_like_reference(name, tmp_path):
     for attn in (ref, gen):
         prefill_cache(attn, kv, bt, lens)
     for step in range(2):  # h2o: the saved state must evolve the same way
-        want, want_n = ref.select(0, q, kv, meta)
-        got, got_n = gen.select(0, q, kv, meta)
-        assert torch.equal(got_n, want_n)
-        for b in range(len(lens)):
-            for h in range(HKV):
-                n = int(want_n[b, h])
-                assert set(got[b, h, :n].tolist()) == set(want[b, h, :n].tolist()), (step, b, h)
+        _assert_selects_alike(ref, gen, q, kv, meta, step)
     assert ("generated" in gen.paths["index"]) == (name in ("block_topk", "quest", "double_sparse"))
+
+
+# A two-level flow's second level: (flow, page, unit) scored over candidate lists.
+CANDIDATE_CASES = [("quest", 16, "2"), ("block_topk", 16, "4"), ("wide", 16, "4"), ("keys", 16, "2"),
+                   ("double_sparse", 8, "1")]
+
+
+def _two_level_flow(name: str, page: int, unit: str, tmp_path, **extra):
+    if name == "keys":
+        (tmp_path / "keys.py").write_text(KEYS_FLOW)
+        name = str(tmp_path / "keys.py")
+    extra = {"channels": "8", **extra} if name == "double_sparse" else extra
+    return _flow(name, page, tmp_path, select_block=unit, **extra)
+
+
+@pytest.mark.parametrize("name,page,unit", CANDIDATE_CASES)
+def test_generated_candidate_indexer_equals_reference(name, page, unit, tmp_path):
+    """The generated indexer over the units of chosen blocks (`candidates=True`) gives the
+    reference's `score_candidates` scores and counts over `candidate_units`: blocks in any order,
+    the last one always chosen, the first sometimes, entries past each row's kept count garbage."""
+    lens = [23 * page + 5, 9 * page, 40 * page - 1]
+    kv, bt, meta, q = _case(page, lens, seed=11)
+    flow = _two_level_flow(name, page, unit, tmp_path)
+    ref = _attn(flow)
+    prefill_cache(ref, kv, bt, lens)
+    u = page // flow.unit
+    g = torch.Generator().manual_seed(5)
+    kp = 7
+    npages = [-(-n // page) for n in lens]
+    rows = []
+    for r in range(len(lens) * HKV):
+        n = npages[r // HKV]
+        perm = torch.randperm(n - 1, generator=g)[: kp - 1]
+        rows.append(torch.cat([torch.tensor([n - 1]), perm, torch.full((kp - 1 - len(perm),), 10**6)]))
+    pages = torch.stack(rows).to(torch.int32)
+    kept = torch.randint(1, kp + 1, (len(rows),), generator=g).to(torch.int32)
+    kept[0] = kp
+    pages, kept = pages.to(DEVICE), kept.to(DEVICE)
+    rule = flow.budget_rule.tensor(q.device)
+    keys = kv.k[0] if flow.uses_keys else None
+    want, want_n = ref.stages.score_candidates(q, ref.unit_table(bt), meta.seq_lens, ref.fields[0], keys, HKV, flow.unit,
+                                               ref.null_unit(kv), ref.constants(0, kv), rule,
+                                               candidate_units(pages, kept, u))
+    kernel = _attn(flow, "compiled", use_triton=True).stages.indexer_kernel(GROUP, HEAD_DIM, candidates=True)
+    got, got_n = kernel(q, PagedBlocks(bt, kv.null_block), meta.seq_lens, ref.fields[0], keys, ref.constants(0, kv), HKV,
+                        rule, pages=(pages, kept))
+    assert (want_n < torch.tensor([flow.budget_blocks(-(-lens[r // HKV] // flow.unit)) for r in range(len(rows))],
+                                  dtype=torch.int32, device=DEVICE)).any()  # a cap at the list
+    assert torch.equal(got_n, want_n)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(got).any() and torch.isfinite(got).any()
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,page,unit", CANDIDATE_CASES[:3] + [("quest_2l", 16, "2")])
+def test_generated_executor_selects_two_levels_like_reference(name, page, unit, tmp_path):
+    """A two-level flow on the compiled executor's Triton path (generated first-level indexer,
+    radix select, generated candidate indexer, radix select) picks the reference's units."""
+    lens = [23 * page + 5, 9 * page, 40 * page - 1]
+    kv, bt, meta, q = _case(page, lens, seed=12)
+    flow = _two_level_flow(name, page, unit, tmp_path, coarse="2", dense_layers="")
+    ref, gen = _attn(flow), _attn(flow, "compiled", use_triton=True)
+    for attn in (ref, gen):
+        prefill_cache(attn, kv, bt, lens)
+        prefill_cache(attn.pages, kv, bt, lens)
+    _assert_selects_alike(ref, gen, q, kv, meta)
+    assert "chosen blocks' units" in gen.paths["index"]
 
 
 @pytest.mark.parametrize("name,block_size,unit", [("quest", 4, None), ("double_sparse", 4, None), ("quest", 16, "2")])

@@ -33,6 +33,18 @@ def test_quest_space_is_its_declared_params():
     assert tidal.layers == "spread" and tidal.distribution == IntDistribution(1, 4)
 
 
+def test_two_level_flows_search_the_unit_and_the_multiple_not_the_page():
+    """quest_2l and block_topk_2l keep the KV page (16, SGLang's page too) and sample the unit inside
+    it and how many pages the first level keeps, on a log scale; each point is a two-level flow."""
+    for name in ("quest_2l", "block_topk_2l"):
+        dims = {d.name: d.distribution for d in dimensions(get_flow_class(name), LAYERS)}
+        assert "block_size" not in dims
+        assert dims["select_block"] == CategoricalDistribution((2, 4))
+        assert dims["coarse"] == FloatDistribution(1.25, 8.0, log=True)
+        flow = get_flow_class(name).from_strings({})
+        assert (flow.block_size, flow.unit, flow.coarse) == (16, 2, 2.0) and flow.page_flow().unit == 16
+
+
 def test_flow_specific_params_and_inapplicable_ones():
     assert _dims("h2o")["decay"].distribution == FloatDistribution(0.5, 1.0)
     assert _dims("double_sparse")["channels"].distribution == CategoricalDistribution((4, 8, 16, 32, 64))
@@ -89,7 +101,8 @@ def test_fixed_params_are_not_sampled_and_move_the_spread_layers():
     assert "dense_layers" not in trial.params and "budget_ratio" not in trial.params
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk", "streaming", "h2o", "tidal", "double_sparse"])
+@pytest.mark.parametrize("name", ["quest", "block_topk", "streaming", "h2o", "tidal", "double_sparse", "quest_2l",
+                                  "block_topk_2l"])
 def test_every_sampled_point_is_a_valid_flow(name):
     """Random points of the space build the flow, and its select layers start at the first sparse
     layer (the runtime's rule: later layers reuse that selection)."""
@@ -140,7 +153,8 @@ def test_every_sampled_point_is_a_valid_reuse_flow(name):
         study.tell(trial, 0.0)
 
 
-@pytest.mark.parametrize("flow", ["quest", "block_topk", "tidal", "h2o", "double_sparse", "streaming", "sparsex", "cacheblend"])
+@pytest.mark.parametrize("flow", ["quest", "block_topk", "tidal", "h2o", "double_sparse", "streaming", "sparsex", "cacheblend",
+                                  "quest_2l"])
 def test_a_flow_class_crosses_a_process_boundary_as_its_params(flow):
     """What the search reads of a proposed flow comes from the sandbox as JSON: the class rebuilt
     from it has the same dimensions, defaults and seeds as the flow itself."""
@@ -156,3 +170,5 @@ def test_a_flow_class_crosses_a_process_boundary_as_its_params(flow):
     assert seed_trials(spec, 30, {}) == seed_trials(cls, 30, {})
     assert {k: p.default for k, p in spec.param_specs().items()} == {k: p.default for k, p in cls.param_specs().items()}
     assert spec.inapplicable == cls.inapplicable
+    if flow == "quest_2l":  # None beside a default that is on (one level) crosses too
+        assert spec.from_strings({"coarse": "off"}).params() == cls.from_strings({"coarse": "off"}).params()

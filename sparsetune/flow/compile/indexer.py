@@ -1,5 +1,13 @@
 """The generated indexer: one program owns `BLOCK_S` blocks of one (request, KV head) row.
 
+With `candidates` (the second level of a two-level flow) a row scores the units of its chosen
+blocks instead of every unit of its sequence: given the first level's blocks `pages[r, :kept[r]]`
+(logical block indices), entry c = i * U + u of row r is unit u of block `pages[r, i]`, i.e. logical
+unit `pages[r, i] * U + u` (`flow.stages.candidate_units`); entries with i >= kept[r] are dead. A
+program owns `BLOCK_S` entries; each score is masked as above by its unit's own index, and the
+row's count is capped at its live entries (the last block is always among the chosen: it holds
+the newest token).
+
 It loads the group's query heads once and each block's fields once (the group shares them;
 Inductor's fused reduction re-read them per query head), evaluates the flow's indexer in fp32
 registers, and writes the row's masked score (always-kept blocks +inf, blocks past the sequence
@@ -45,6 +53,7 @@ class IndexerKernel:
     block_s: int
     layout: KVLayout
     block_s_dot: int = 0  # BLOCK_S of the tensor-core form of its products (`Emitter.dot_matvec`); 0: none
+    candidates: bool = False  # scores the units of chosen blocks (`pages`), not every unit of the sequence
 
     @cached_property
     def kernel(self) -> object:
@@ -53,22 +62,29 @@ class IndexerKernel:
     def __call__(
         self, q: torch.Tensor, blocks: object, seq_lens: torch.Tensor, stores: dict[str, torch.Tensor],
         k_pool: torch.Tensor | None, consts: dict[str, torch.Tensor], hkv: int, rule: torch.Tensor,
+        pages: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`blocks`: the step's block map of the layout (paged: `PagedBlocks`); `rule`: the budget
-        rule's device tensor (`BudgetRule.tensor`)."""
+        rule's device tensor (`BudgetRule.tensor`); `pages`: a candidates kernel's chosen blocks
+        `[B*Hkv, Kp]` and how many count `[B*Hkv]` (int32), whose units' scores come back `[B*Hkv, Kp * U]`."""
+        assert (pages is not None) == self.candidates
         b, width = self.layout.grid(blocks)
         rows = b * hkv
-        out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
+        units = width // blocks.table.shape[1] if pages is not None else 1
+        cols = width if pages is None else pages[0].shape[1] * units
+        out = torch.empty(rows, cols, dtype=torch.float32, device=q.device)
         counts = torch.empty(rows, dtype=torch.int32, device=q.device)
         args: list[object] = [q, q.stride(0), q.stride(1), seq_lens, out, out.stride(0), counts, width, hkv, rule,
                               *self.layout.index_args(blocks)]
+        if pages is not None:
+            args += [pages[0], pages[0].stride(0), pages[1], cols]
         args += [a for name in self.fields for a in with_strides(stores[name])]
         if self.uses_keys:
             assert k_pool is not None
             args += self.layout.pool_args(k_pool)
         args += [a for name in self.consts for a in with_strides(consts[name])]
         block_s, dot_t = self.tile(q, stores)
-        grid = (rows, -(-width // block_s))
+        grid = (rows, -(-cols // block_s))
         self.kernel[grid](*args, BLOCK_S=block_s, DOT=dot_t is not None, DOT_T=dot_t or tl.float32,  # type: ignore[index]
                           num_warps=NUM_WARPS)
         return out, counts
@@ -89,11 +105,13 @@ class IndexerKernel:
         return tl.float32 if triton.knobs.runtime.interpret else _DOT_TYPES[q.dtype]
 
 
-def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout | None = None) -> IndexerKernel:
+def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout | None = None,
+                  candidates: bool = False) -> IndexerKernel:
     """The generated indexer of this flow and shapes (raises NotBlockLocal, or ForcedOnly), the
     same object for every flow that generates the same code: flows differing only in budget,
     sink or local blocks share it. Compiled on first call. `layout`: default the engine's paged
-    pool, its blocks split into the flow's selection units (`paged_layout`)."""
+    pool, its blocks split into the flow's selection units (`paged_layout`). `candidates`: the
+    kernel scores a list of units per row (a two-level flow's second level)."""
     layout = layout or paged_layout(flow)
     bs = flow.unit
     x = dummy_inputs(flow, head_dim)
@@ -121,7 +139,7 @@ def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout 
     block_s_dot = block_s_dot if em.dots and block_s_dot >= 16 else 0  # tl.dot takes >= 16 rows
 
     sig = ["q", "stride_qb", "stride_qh", "seq_lens", "out", "stride_o", "counts", "W", "HKV", BudgetRule.TRITON_PARAM,
-           *layout.index_params()]
+           *layout.index_params(), *(["pages", "stride_p", "kept", "C"] if candidates else [])]
     loads = [tile_load("q_in", "q", f"b * stride_qb + h * {group} * stride_qh", group, head_dim, "stride_qh", "1", False)]
     fields_used = tuple(n for n in dims if f"f_{n}" in em.used)
     for n in fields_used:
@@ -136,14 +154,27 @@ def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout 
     consts_used, const_params, const_loads = em.const_loads(x.const)
     sig += const_params
     loads += const_loads
+    # Entry `col` of the row holds the score of logical unit j: the same unit, or unit col % U of
+    # chosen block col // U (dead past the row's kept blocks; j 0 stands in).
+    units = flow.block_size // bs
+    entries = (["col = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)",
+                "n_kept = tl.load(kept + row)",
+                f"chosen = (col < C) & (col // {units} < n_kept)",
+                f"j = tl.load(pages + row * stride_p + col // {units}, mask=chosen, other=0) * {units} + col % {units}",
+                "live = chosen & (j < nb)",
+                "j = tl.where(chosen, j, 0)"] if candidates else
+               ["j = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)", "col = j", "live = j < nb"])
+    # A candidates row attends no more units than its chosen blocks hold: all U of each, but the
+    # last block's units past the sequence (that block is always chosen).
+    cap = ([f"want = tl.minimum(want, n_kept * {units} - ((seq_len + {flow.block_size - 1}) // {flow.block_size}) * "
+            f"{units} + nb)"] if candidates else [])
     lines = [
         "row = tl.program_id(0)",
         "b = row // HKV",
         "h = row % HKV",
-        "j = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)",
         "seq_len = tl.load(seq_lens + b)",
         f"nb = (seq_len + {bs - 1}) // {bs}",
-        "live = j < nb",
+        *entries,
         *BudgetRule.TRITON_LOAD,
         *layout.index_rows(bs),
         *loads,
@@ -153,10 +184,11 @@ def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout 
         f"sc = tl.minimum(tl.maximum(sc, -{_F32_MAX}), {_F32_MAX})",
         "sc = tl.where((j < SINK) | (j >= nb - LOCAL), float('inf'), sc)",
         "sc = tl.where(live, sc, float('-inf'))",
-        "tl.store(out + row * stride_o + j, sc, mask=j < W)",
+        f"tl.store(out + row * stride_o + col, sc, mask=col < {'C' if candidates else 'W'})",
         *BudgetRule.TRITON,
+        *cap,
         "tl.store(counts + row, want, mask=tl.program_id(1) == 0)",
     ]
     doc = f"Generated by sparsetune.flow.compile: the indexer of flow {flow.name!r} (group {group}, head_dim {head_dim})."
     src = kernel_source("flow_indexer", sig + [f"{c}: tl.constexpr" for c in ("BLOCK_S", "DOT", "DOT_T")], lines, doc)
-    return shared(IndexerKernel(src, fields_used, consts_used, uses_keys, block_s, layout, block_s_dot))
+    return shared(IndexerKernel(src, fields_used, consts_used, uses_keys, block_s, layout, block_s_dot, candidates))

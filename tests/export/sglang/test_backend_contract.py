@@ -144,12 +144,20 @@ def test_at_a_budget_covering_the_context_the_backend_equals_torch_native(tmp_pa
     assert set(ours.attn.last_selection) == set(range(LAYERS))  # every layer decoded through the flow
 
 
-@pytest.mark.parametrize("flow", ["quest", "block_topk"])
-def test_at_a_partial_budget_it_selects_and_attends_as_this_engine_does(flow, tmp_path):
+# (flow, params beside the budget): one level over pages; two levels (pages, then 2- or 1-token
+# units inside the best of them: units of SGLang's own pages, which stay P tokens).
+PARTIAL = [("quest", {}), ("block_topk", {}), ("quest_2l", {"select_block": 2, "coarse": 2}),
+           ("block_topk", {"select_block": 1, "coarse": 1.5})]
+
+
+@pytest.mark.parametrize("flow,extra", PARTIAL)
+def test_at_a_partial_budget_it_selects_and_attends_as_this_engine_does(flow, extra, tmp_path):
     world = World(seed=2)
-    params = dict(block_size=P, budget=6 * P, sink_blocks=1, local_blocks=2, dense_layers="0")
+    unit = extra.get("select_block", P)
+    params = dict(block_size=P, budget=6 * unit, sink_blocks=1, local_blocks=2, dense_layers="0", **extra)
     ours = SparsetuneBackend(world.runner, bundle=bundle(tmp_path, flow, **params), dense="torch_native")
     engine = FlowAttention(build_flow(flow, {k: str(v) for k, v in params.items()}), SCALE)
+    assert (ours.flow.coarse is None) == (engine.pages is None) == ("coarse" not in extra)
     outs = run_steps(world, {"ours": ours}, engine)
     for got, want in zip(outs["ours"], outs["engine"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -158,6 +166,10 @@ def test_at_a_partial_budget_it_selects_and_attends_as_this_engine_does(flow, tm
         blocks, counts = ours.attn.last_selection[layer]
         want_blocks, want_counts = engine.last_selection[layer]
         assert torch.equal(counts, want_counts) and int(counts.min()) == 6  # the budget, not the whole context
+        if "coarse" in extra:  # every unit inside one of the pages the first level kept
+            pages, kept = ours.attn.pages.last_selection[layer]
+            for row, n, prow, pn in zip(blocks.flatten(0, 1), counts.flatten(), pages.flatten(0, 1), kept.flatten()):
+                assert {x * unit // P for x in row[:n].tolist()} <= set(prow[:pn].tolist())
         for got_row, want_row, n in zip(blocks.flatten(0, 1), want_blocks.flatten(0, 1), counts.flatten()):
             assert sorted(got_row[:n].tolist()) == sorted(want_row[:n].tolist())
 
