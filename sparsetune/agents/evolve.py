@@ -20,7 +20,11 @@ genome) and applies one mutation:
   norm (a block's contribution to the output, not only its attention), or stop doing so;
 - `state`: add or remove an exponential moving average of the estimated mass across steps
   (H2O's accumulation, with the decay as a searched param);
-- `combine`: recombine two parents: the sum of their terms' attention masses (a searched weight).
+- `combine`: recombine two parents: the sum of their terms' attention masses (a searched weight);
+- `levels`: select in two levels (`TwoLevelFlow`: 16-token pages scored by a page term, the best
+  `coarse` x budget kept, then 2-token units inside them by the unit term), or back to one. A
+  two-level program's unit score is one term, block-local (no mass over blocks, no value weight,
+  no state), as its second level scores a list of units; `field` then swaps either level's term.
 
 Everything comes from `random.Random(seed, round)`: the same seed and the same feedback give
 the same candidates.
@@ -40,7 +44,9 @@ from sparsetune.agents.proposer import Context, NoMoreProposals, Proposal
 TERMS = ("centroid", "bound", "absbound", "sub2", "sub4", "keys")
 VIEWS = ("q", "qmean", "qnorm")
 HEADS = ("max", "mean", "lse")
-MUTATIONS = ("reduction", "view", "field", "value", "state", "combine")
+MUTATIONS = ("reduction", "view", "field", "value", "state", "combine", "levels")
+PAGE_TERMS = ("centroid", "bound", "absbound", "sub2", "sub4")  # a page's score (its keys would cost as much as dense)
+UNIT_TERMS = ("centroid", "bound", "absbound", "keys")  # a 2-token unit's (sub-blocks of it would be empty)
 GENOME_LINE = "# genome: "
 MAX_TRIES = 64  # draws for a child unlike every genome seen
 
@@ -53,9 +59,13 @@ class Genome:
     value: bool = False  # weight the mass by sqrt(max value norm of the block)
     ema: bool = False  # accumulate the mass across steps
     dense_layers: tuple[int, ...] = (0,)
+    pages: tuple[str, ...] | None = None  # two levels: the page term (None: one level)
 
     def key(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if self.pages is None:  # one-level genomes keep the keys (and names) they had before two levels
+            del d["pages"]
+        return json.dumps(d, sort_keys=True)
 
     def name(self) -> str:
         return "evo_" + hashlib.sha256(self.key().encode()).hexdigest()[:8]
@@ -65,14 +75,21 @@ class Genome:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Genome:
+        pages = d.get("pages")
         return cls(terms=tuple(d["terms"]), view=d["view"], heads=d["heads"], value=bool(d["value"]),
-                   ema=bool(d["ema"]), dense_layers=tuple(d["dense_layers"]))
+                   ema=bool(d["ema"]), dense_layers=tuple(d["dense_layers"]), pages=None if pages is None else tuple(pages))
 
     def describe(self) -> str:
         view = {"q": "every query head", "qmean": "the group's mean query", "qnorm": "L2-normalized query heads"}[self.view]
         what = " + ".join(self.terms)
         extra = (", weighted by value norm" if self.value else "") + (", accumulated across steps (EMA)" if self.ema else "")
-        return f"{what} on {view}, heads reduced by {self.heads}{extra}"
+        level = "" if self.pages is None else f"two levels: pages by {' + '.join(self.pages)}, then 2-token units by "
+        return f"{level}{what} on {view}, heads reduced by {self.heads}{extra}"
+
+    def applies(self, how: str) -> bool:
+        """Whether mutation `how` can make a valid child of this genome (a two-level program's unit
+        score stays one block-local term)."""
+        return self.pages is None or how not in ("value", "state", "combine")
 
 
 # The built-in flows' programs in this grammar (tests: the generated file selects as the built-in does).
@@ -80,6 +97,8 @@ BUILTIN_GENOMES = {
     "block_topk": Genome(("centroid",)),
     "quest": Genome(("bound",), dense_layers=(0, 1)),
     "h2o": Genome(("centroid",), ema=True),
+    "block_topk_2l": Genome(("centroid",), pages=("centroid",)),
+    "quest_2l": Genome(("centroid",), dense_layers=(0, 1), pages=("bound",)),
 }
 
 
@@ -149,32 +168,47 @@ def source(genome: Genome, *, parents: tuple[str, ...] = (), mutation: str = "")
         params.append('    decay = Param(1.0, low=0.5, high=1.0, doc="multiplier of the running mass each step (1: plain sum)")')
     if genome.dense_layers != (0,):
         params.append(f'    dense_layers = Param({genome.dense_layers!r}, kind=tuple, doc="layers that keep full attention")')
-    uses_k = any(re.search(r"\bn\b", e) for e in fields.values())  # sub-block bounds need the block's length
-    cache = ["    def cache(self, k, v):"] + (["        n = k.shape[1]"] if uses_k else [])
-    cache += ["        return {"] + [f'            "{f}": {e},' for f, e in fields.items()] + ["        }"]
-    views = {"q": "q", "qmean": "F.mean(q, dim=1)", "qnorm": "F.div(q, F.l2norm(q, dim=2))"}
-    index = ["    def index(self, q, fields):", "        scale = q.shape[2] ** -0.5", f"        qv = {views[genome.view]}"]
-    for i, t in enumerate(genome.terms):
-        expr, axis = _term(t)
-        index.append(f"        s{i} = {_heads(expr, axis, genome.heads)}  # [S, 1, 1]")
-    mass = len(genome.terms) > 1 or genome.value or genome.ema  # an attention-mass estimate over blocks
-    sm = "" if genome.heads == "lse" else ", scale=scale"  # log-sum-exp scores are scaled logits already
-    if len(genome.terms) > 1:
-        index.append(f"        score = F.add(F.softmax(s0, dim=0{sm}), F.scale(F.softmax(s1, dim=0{sm}), alpha=self.mix))")
-    elif mass:
-        index.append(f"        score = F.softmax(s0, dim=0{sm})")
+    cache, index = _stages(genome, genome.terms, fields, "")
+    if genome.pages is not None:  # the first level: the page term over whole pages, the same query view and heads
+        page_cache, page_index = _stages(genome, genome.pages, {f: e for t in genome.pages for f, e in _FIELDS[t].items()},
+                                         "_page")
+        cache, index = page_cache + [""] + page_index + [""] + cache, index
     else:
-        index.append("        score = s0")
-    if genome.value:
-        index.append('        score = F.mul(score, F.exp(F.scale(F.log(F.scale(fields["vnorm"], beta=1e-6)), alpha=0.5)))')
-    if genome.ema:
-        index += ['        score = F.add(F.scale(fields["acc"], alpha=self.decay), score)', '        F.save(fields, "acc", score)']
-    index.append("        return F.topk(score)")
+        mass = len(genome.terms) > 1 or genome.value or genome.ema  # an attention-mass estimate over blocks
+        sm = "" if genome.heads == "lse" else ", scale=scale"  # log-sum-exp scores are scaled logits already
+        if len(genome.terms) > 1:
+            index.append(f"        score = F.add(F.softmax(s0, dim=0{sm}), F.scale(F.softmax(s1, dim=0{sm}), alpha=self.mix))")
+        elif mass:
+            index.append(f"        score = F.softmax(s0, dim=0{sm})")
+        else:
+            index.append("        score = s0")
+        if genome.value:
+            index.append('        score = F.mul(score, F.exp(F.scale(F.log(F.scale(fields["vnorm"], beta=1e-6)), alpha=0.5)))')
+        if genome.ema:
+            index += ['        score = F.add(F.scale(fields["acc"], alpha=self.decay), score)', '        F.save(fields, "acc", score)']
+        index.append("        return F.topk(score)")
     cls = "Evo" + name[4:].upper()
-    head = ["from sparsetune.flow import DecodeFlow" + (", Param" if params else ""), "from sparsetune.flow import ops as F", "",
-            GENOME_LINE + genome.key(), "", "", f"class {cls}(DecodeFlow):", f'    name = "{name}"',
+    base = "DecodeFlow" if genome.pages is None else "TwoLevelFlow"
+    head = [f"from sparsetune.flow import {base}" + (", Param" if params else ""), "from sparsetune.flow import ops as F", "",
+            GENOME_LINE + genome.key(), "", "", f"class {cls}({base}):", f'    name = "{name}"',
             f'    source = "evolve: {mutation or "seed"}' + (f" of {', '.join(parents)}" if parents else "") + '"']
     return "\n".join(doc + head + params + [""] + cache + [""] + index) + "\n"
+
+
+def _stages(genome: Genome, terms: tuple[str, ...], fields: dict[str, str], level: str) -> tuple[list[str], list[str]]:
+    """The cache stage and the indexer's lines up to its per-term scores `s0`, `s1` of one level
+    (`level`: "" or "_page"); a two-level program's indexers end here in `return F.topk(s0)`."""
+    uses_k = any(re.search(r"\bn\b", e) for e in fields.values())  # sub-block bounds need the block's length
+    cache = [f"    def cache{level}(self, k, v):"] + (["        n = k.shape[1]"] if uses_k else [])
+    cache += ["        return {"] + [f'            "{f}": {e},' for f, e in fields.items()] + ["        }"]
+    views = {"q": "q", "qmean": "F.mean(q, dim=1)", "qnorm": "F.div(q, F.l2norm(q, dim=2))"}
+    index = [f"    def index{level}(self, q, fields):", "        scale = q.shape[2] ** -0.5", f"        qv = {views[genome.view]}"]
+    for i, t in enumerate(terms):
+        expr, axis = _term(t)
+        index.append(f"        s{i} = {_heads(expr, axis, genome.heads)}  # [S, 1, 1]")
+    if genome.pages is not None:
+        index.append("        return F.topk(s0)")
+    return cache, index
 
 
 # ---- mutation -------------------------------------------------------------------------------------------
@@ -185,10 +219,19 @@ def mutate(rng: random.Random, parent: Genome, other: Genome | None, how: str) -
         return replace(parent, heads=rng.choice([h for h in HEADS if h != parent.heads]))
     if how == "view":
         return replace(parent, view=rng.choice([v for v in VIEWS if v != parent.view]))
+    if how == "field" and parent.pages is not None:  # either level's term
+        if rng.random() < 0.5:
+            return replace(parent, pages=(rng.choice([t for t in PAGE_TERMS if t not in parent.pages]),))
+        return replace(parent, terms=(rng.choice([t for t in UNIT_TERMS if t not in parent.terms]),))
     if how == "field":
         i = rng.randrange(len(parent.terms))
         new = rng.choice([t for t in TERMS if t not in parent.terms])
         return replace(parent, terms=parent.terms[:i] + (new,) + parent.terms[i + 1:])
+    if how == "levels" and parent.pages is not None:
+        return replace(parent, pages=None)
+    if how == "levels":  # its first term at the units (one a unit can hold), a page term drawn
+        unit = parent.terms[0] if parent.terms[0] in UNIT_TERMS else "centroid"
+        return replace(parent, terms=(unit,), value=False, ema=False, pages=(rng.choice(PAGE_TERMS),))
     if how == "value":
         return replace(parent, value=not parent.value)
     if how == "state":
@@ -238,6 +281,8 @@ class Evolve:
             p1 = self._parent(rng, [f for f in frontier if f in usable])
             if p1 not in usable:
                 p1 = rng.choice(sorted(usable))
+            if not self.population[p1].applies(how):
+                continue
             p2 = rng.choice(sorted(usable - {p1})) if how == "combine" and len(usable) > 1 else None
             child = mutate(rng, self.population[p1], self.population.get(p2) if p2 else None, how)
             if child.key() in self.seen:

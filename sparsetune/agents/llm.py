@@ -96,7 +96,7 @@ TOOL_SCHEMA: dict[str, Any] = {
     },
     "required": ["source", "rationale"],
 }
-EXAMPLE_FLOWS = ("block_topk", "quest", "h2o")
+EXAMPLE_FLOWS = ("block_topk", "quest", "h2o", "quest_2l")
 DEFAULT_CLAUDE_MODEL = "claude-sonnet-4-6"
 MAX_TOKENS = 8192  # a flow file and a rationale; well under the SDK's non-streaming limit (~21k)
 
@@ -257,14 +257,19 @@ the verdicts, do not resubmit a rejected idea unchanged.
 
 {_doc_paragraphs(ops.__doc__, 2)}
 
-A flow file imports `DecodeFlow` and `Param` from `sparsetune.flow` and `ops as F` from `sparsetune.flow`, \
-and defines one class that subclasses `DecodeFlow` with:
+A flow file imports `DecodeFlow` (or `TwoLevelFlow`) and `Param` from `sparsetune.flow` and `ops as F` from \
+`sparsetune.flow`, and defines one class that subclasses `DecodeFlow` (or `TwoLevelFlow`) with:
 - `name = "..."`: a new lowercase identifier ([a-z][a-z0-9_]*, at most 64 characters), unused in the search;
 - `source = "..."`: one line on the idea (and its paper, if it has one);
 - optional hyperparameters `Param(default, low=..., high=..., log=..., choices=..., doc="...")`: the search \
 tunes each one in its range (read them as `self.<name>` in the stages);
 - `cache(self, k, v)` returning a dict of fields, and `index(self, q, fields)` ending in \
-`return F.topk(score)` with `score` of shape [S, 1, 1]; helper methods called through `self` are allowed.
+`return F.topk(score)` with `score` of shape [S, 1, 1]; helper methods called through `self` are allowed;
+- for two levels, subclass `TwoLevelFlow` (16-token pages, 2-token units, the best `coarse` = 2 x the budget \
+pages kept; the search tunes the unit and `coarse`) and optionally define `cache_page(self, k, v)` and \
+`index_page(self, q, fields)`, the same stages over whole pages (without them the unit stages score pages \
+too). Its `index` must be block-local (no `dim=0` reduction, no `F.save`): the second level scores only the \
+kept pages' units.
 
 Every flow inherits these params:
 {_inherited_params()}
@@ -305,7 +310,11 @@ What counts in speed: a decode step reads the weights, the K/V of the blocks att
 selecting layer the cached fields of EVERY block of the context. A field's bytes (2 bytes per element, per \
 block and KV head) are read every step, so fields must be much smaller than the block's keys \
 (block_size x head_dim): caching the keys themselves (or anything as large) reads as many bytes as dense \
-attention and gains nothing. The indexer's arithmetic also costs time on a GPU. A flow that scores every \
+attention and gains nothing. A two-level flow reads every page's page fields, then the unit fields of the \
+kept pages only (`coarse` x the budget), so its unit fields may be richer; on an H200 at 16 x 32K its \
+two top-k passes and the second scoring cost about 2.5 ms a step more than one level over 16-token pages \
+(1.98x over dense against 2.56x), and a page score that misses a page's best unit costs accuracy. The \
+indexer's arithmetic also costs time on a GPU. A flow that scores every \
 block the same (a constant score) passes the checks but selects nothing useful; the search scores it, \
 it is not refused.
 

@@ -1,6 +1,6 @@
 """The evolve proposer: its grammar holds the built-in flows' programs (the generated files select
-what quest, block_topk and h2o select), it is reproducible from its seed, and most of what it
-proposes passes the harness."""
+what quest, block_topk, h2o and the two-level quest_2l and block_topk_2l select), it is
+reproducible from its seed, and most of what it proposes passes the harness."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def decode_outputs(cls: type, steps: int = 3, head_dim: int = 64, group: int = 3
     width = max(nblk)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     attn = FlowAttention(flow, head_dim**-0.5)
-    blocks = torch.cat([bt[i, : lens[i] // bs] for i in range(len(lens))]).long()
-    attn.run_cache(0, kv, blocks, blocks)
+    for i, n in enumerate(lens):  # the cache stage (a two-level flow's both levels) over what a prefill wrote
+        attn.rebuild_fields(0, kv, bt[i], n)
     meta = AttentionMetadata(False, torch.tensor([n - 1 for n in lens]), torch.zeros(len(lens), dtype=torch.long), bt,
                              torch.tensor(lens, dtype=torch.int32), lens, list(range(len(lens) + 1)), [0, 1, 2])
     outs = []
@@ -63,7 +63,55 @@ def test_builtin_genomes_select_as_the_builtin_files(tmp_path, name):
 def test_genome_round_trips_through_the_file():
     g = Genome(("bound", "sub2"), view="qnorm", heads="lse", value=True, ema=True, dense_layers=(0, 1))
     assert genome_of(source(g)) == g
+    two = Genome(("keys",), view="qmean", heads="lse", pages=("sub4",))
+    assert genome_of(source(two)) == two
     assert genome_of("class X: pass") is None
+    # a one-level genome's name is what it was before the grammar had two levels (resumed studies)
+    assert Genome(("centroid",)).name() == "evo_" + __import__("hashlib").sha256(
+        b'{"dense_layers": [0], "ema": false, "heads": "max", "terms": ["centroid"], "value": false, "view": "q"}'
+    ).hexdigest()[:8]
+
+
+def test_two_level_children_keep_a_block_local_unit_score():
+    """`levels` makes a two-level child (one unit term a 2-token unit can hold, no mass, value or
+    state), and back; `field` swaps either level's term; value, state and combine do not apply to
+    a two-level program; every such child is a flow the two-level runtime accepts."""
+    import random
+
+    from sparsetune.agents.evolve import PAGE_TERMS, UNIT_TERMS, mutate
+    from sparsetune.flow.attention import FlowAttention
+    from sparsetune.loader import build_flow
+
+    rng = random.Random(0)
+    parent = Genome(("sub4", "bound"), value=True, ema=True)
+    two = mutate(rng, parent, None, "levels")
+    assert two.pages[0] in PAGE_TERMS and two.terms == ("centroid",) and not (two.value or two.ema)
+    assert mutate(rng, two, None, "levels") == Genome(("centroid",))
+    assert not any(two.applies(h) for h in ("value", "state", "combine")) and all(parent.applies(h) for h in MUTATIONS)
+    seen = set()
+    for _ in range(30):
+        child = mutate(rng, two, None, "field")
+        assert child.pages is not None and child.terms[0] in UNIT_TERMS and child.pages[0] in PAGE_TERMS
+        seen.add((child.terms, child.pages))
+    assert len(seen) > 4
+
+
+@pytest.mark.parametrize("genome", [Genome(("keys",), view="qnorm", pages=("sub2",)),
+                                    Genome(("bound",), heads="lse", pages=("absbound",))])
+def test_two_level_programs_run_in_two_levels(tmp_path, genome):
+    """A two-level program's file passes the source check, is a TwoLevelFlow whose first level is
+    its page stages (their own fields), and decodes (float64)."""
+    from sparsetune.flow.shapes import field_dims
+    from sparsetune.flow.source_check import file_problems
+
+    path = tmp_path / "two.py"
+    path.write_text(source(genome))
+    assert file_problems(path) == []
+    flow = load_file(path).from_strings({})
+    assert flow.coarse == 2.0 and flow.unit == 2 and flow.page_flow().level == "_page"
+    assert set(field_dims(flow.page_flow(), 64)).isdisjoint({"keys"}) and set(field_dims(flow, 64)) != set(
+        field_dims(flow.page_flow(), 64))
+    assert all(torch.isfinite(o).all() for o in decode_outputs(type(flow), steps=1))
 
 
 FRONTIER = [{"flow": "quest"}, {"flow": "block_topk"}]
