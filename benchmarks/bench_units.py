@@ -58,6 +58,7 @@ def main() -> None:
             params = {**extra, "block_size": page, **({"select_block": unit} if unit else {}),
                       **({"coarse": coarse} if coarse else {})}
             llm.apply(llm.setup.with_flow(flow, params, defaults="published"))
+            ran = llm.flow  # as applied: a two-level flow's own unit and coarse where the config leaves them
             step = decode_step_seconds(llm, args.batch, args.context)
             prof = None
             if args.profile:
@@ -66,7 +67,7 @@ def main() -> None:
             if bs not in dense:
                 llm.apply(llm.setup.dense())
                 dense[bs] = decode_step_seconds(llm, args.batch, args.context)
-            row = {"flow": flow, "page": int(page), "unit": int(unit or page), "coarse": float(coarse) if coarse else None,
+            row = {"flow": flow, "page": int(page), "unit": ran.unit, "coarse": ran.coarse,
                    "step_ms": round(step * 1e3, 3),
                    "dense_ms": round(dense[bs] * 1e3, 3), "speedup": round(dense[bs] / step, 3),
                    "profile": None if prof is None else {k: v["ms"] for k, v in prof["categories"].items()},
