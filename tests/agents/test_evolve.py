@@ -79,8 +79,6 @@ def test_two_level_children_keep_a_block_local_unit_score():
     import random
 
     from sparsetune.agents.evolve import PAGE_TERMS, UNIT_TERMS, mutate
-    from sparsetune.flow.attention import FlowAttention
-    from sparsetune.loader import build_flow
 
     rng = random.Random(0)
     parent = Genome(("sub4", "bound"), value=True, ema=True)
