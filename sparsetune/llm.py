@@ -172,7 +172,8 @@ class LLM:
             return
         from sparsetune.flow.stages import flow_stages
 
-        if flow_stages(flow, self._executor(executor)).traits(self.model_config.head_dim).saves_state:
+        levels = [f for f in (flow, flow.page_flow()) if f is not None]  # a two-level flow's first level too
+        if any(flow_stages(f, self._executor(executor)).traits(self.model_config.head_dim).saves_state for f in levels):
             raise SparsetuneError(f"prefix caching cannot be combined with the decode flow {flow.name!r}: its indexer "
                                   "saves per-request state in its blocks (F.save); drop --prefix-caching or pick a "
                                   "flow without F.save")

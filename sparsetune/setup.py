@@ -142,11 +142,9 @@ class Setup:
                            executor=self.executor, defaults=self.defaults if defaults is None else defaults)
 
         new = again(params)
-        if new.flow is not None and new.flow.origin["block_size"] == "published" and new.page_size != self.page_size:
-            try:  # unset: the pool's, as it is laid out
-                new = again({**(params or {}), "block_size": self.page_size})
-            except SparsetuneError:  # a page this flow does not run on: its own, and the pool is laid out again
-                pass
+        if (new.flow is not None and new.flow.origin["block_size"] == "published" and new.page_size != self.page_size
+                and lookup_flow_class(new.flow.spec).from_strings(new.flow.params).runs_on_page(self.page_size)):
+            new = again({**(params or {}), "block_size": self.page_size})  # unset: the pool's, as it is laid out
         return replace(new, reuse=self.reuse)
 
     def dense(self) -> Setup:

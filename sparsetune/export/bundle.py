@@ -94,12 +94,20 @@ def _resolve(flow_file: Path, raw: dict[str, str], trust: bool | None = None) ->
     if not issubclass(cls, DecodeFlow):
         raise SparsetuneError(f"{flow_file} is a reuse flow; only decode flows export (reuse flows do not run in SGLang yet)")
     flow = cls.from_strings(raw)
-    return cls, as_text(flow.params())
+    return cls, as_text(flow)
 
 
-def as_text(params: dict[str, Any]) -> dict[str, str]:
-    """Typed param values as the manifest keeps them (tuples comma-joined; None left out)."""
-    return {k: ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v) for k, v in params.items() if v is not None}
+def as_text(flow) -> dict[str, str]:
+    """A flow's typed param values as the manifest keeps them (tuples comma-joined; None left out,
+    except "off" where the default is on: an optional param turned off, e.g. a two-level flow's coarse)."""
+    specs, out = flow.param_specs(), {}
+    for k, v in flow.params().items():
+        if v is None:
+            if specs[k].default is not None:
+                out[k] = "off"
+            continue
+        out[k] = ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+    return out
 
 
 # The files a bundle writes besides its flow's source (what `--force` replaces; nothing else is touched).
@@ -288,7 +296,7 @@ def check_bundle(path: Path) -> list[str]:
         return [f"{m['graph']} is not JSON ({e}); export again"]
     except SparsetuneError as e:
         return [str(e)]
-    resolved = as_text(flow.params())
+    resolved = as_text(flow)
     if cls.name != m["flow"]:
         problems.append(f"{m['graph']} holds flow {cls.name!r}, the manifest says {m['flow']!r}")
     changed = {k: (v, m["params"].get(k)) for k, v in resolved.items() if m["params"].get(k) != v}
@@ -299,6 +307,9 @@ def check_bundle(path: Path) -> list[str]:
         diff = ", ".join(f"{k}={m['params'].get(k)}" for k in now if now[k] != traced.get(k))
         problems.append(f"params {diff} change what the flow computes, and its graphs were traced at other values; "
                         "export again with them")
+    elif flow.page_flow() is not None and graph_key(flow.page_flow()) not in cls.graphs:  # coarse set after export
+        problems.append(f"coarse={m['params'].get('coarse')} selects in two levels, but the bundle holds no graphs "
+                        "of its first level (it was exported with one); export again with coarse")
     if str(m.get("block_size")) != resolved.get("block_size"):
         problems.append(f"block_size {m.get('block_size')!r} differs from the flow's {resolved.get('block_size')!r}")
     if m.get("setup") is not None:  # the setup it was exported as (params edited since are named apart)

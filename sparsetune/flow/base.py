@@ -152,6 +152,12 @@ class DecodeFlow(Flow):
                   "sink_blocks": -(-self.sink_blocks * u // p), "local_blocks": -(-self.local_blocks * u // p) + 1}
         return type(self).page_level()(**{k: v for k, v in params.items() if k not in self.inapplicable})
 
+    def runs_on_page(self, page: int) -> bool:
+        """Whether this flow, its other params as they are, runs on KV pages of `page` tokens (the
+        block size it declares; its units inside; a two-level flow's units smaller than the page)."""
+        spec, unit = self.param_specs()["block_size"], self.select_block or page
+        return (spec.choices is None or page in spec.choices) and page % unit == 0 and (self.coarse is None or unit < page)
+
     @classmethod
     def page_level(cls) -> type[DecodeFlow]:
         """The class of the first level: the class itself, or with page stages a subclass whose
@@ -173,10 +179,11 @@ class DecodeFlow(Flow):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        own = {"cache_page", "index_page"} & set(vars(cls))
-        if own and own != {"cache_page", "index_page"}:
-            raise TypeError(f"flow {cls.__name__} defines {own.pop()} alone: a first level needs both cache_page and index_page")
-        if own:
+        found = {n for n in ("cache_page", "index_page") if callable(getattr(cls, n, None))}  # own or inherited
+        if found and found != {"cache_page", "index_page"}:
+            raise TypeError(f"flow {cls.__name__} defines {found.pop()} alone: a first level needs both cache_page and "
+                            "index_page")
+        if found:
             cls.page_stages = True
         cls._takes_const = {s: "const" in inspect.signature(getattr(cls, s)).parameters for s in ("cache", "index")}
         if cls.calibrated and not {"calibration", "channels"} <= set(cls.param_specs()):

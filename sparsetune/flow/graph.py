@@ -119,9 +119,11 @@ def _graph(nodes, inputs: dict[int, str], outputs: Callable[[Callable[[FT], Any]
 
 def trace_stages(flow: DecodeFlow, head_dim: int) -> dict[str, Any]:
     """The stages of `flow` at `head_dim` as graphs: {"cache": ..., "index": ...}, and with page stages
-    (`DecodeFlow.page_stages`) "cache_page" and "index_page", traced at the same params."""
+    (`DecodeFlow.page_stages`) "cache_page" and "index_page", traced at the same params where the
+    unit is the whole block: the params of a two-level flow's first level (`page_flow`), the only
+    ones its page stages run at (they may assume a whole page)."""
     out = _trace_pair(flow, head_dim)
-    if flow.page_stages and not flow.level:
+    if flow.page_stages and not flow.level and flow.unit == flow.block_size:
         page = type(flow).page_level()(**_own_params(flow))
         out.update({f"{s}_page": g for s, g in _trace_pair(page, head_dim).items()})
     return out
@@ -310,6 +312,8 @@ def flow_class(desc: dict[str, Any], fetch: Callable | None = None, origin: str 
         attrs["inapplicable"] = {check_name(k, "param name"): str(v)[:300] for k, v in desc.get("inapplicable", {}).items()}
         for n, p in desc["params"].items():
             check_name(n, "param name")
+            if hasattr(GraphFlow, n) and not isinstance(getattr(GraphFlow, n), Param):  # level, page_stages, graphs, ...
+                raise NotTraceable(f"param {n!r} would replace the runtime's attribute of that name; rename it")
             kind = p.get("kind")
             if kind is not None and kind not in _KINDS:
                 raise NotTraceable(f"param {n!r}: kind {str(kind)[:20]!r}")

@@ -88,8 +88,10 @@ class FlowStages:
         if key not in self.generated:
             try:
                 self.generated[key] = build_indexer(self.flow, group, head_dim, candidates=candidates)
-                self.paths["index"] = ("generated Triton kernel over the chosen blocks' units" if candidates else
-                                       "generated Triton kernel") + " + radix-select top-k"
+                if candidates:  # a two-level flow's second level (the same stages serve it one-level too)
+                    self.paths["index_units"] = "generated Triton kernel over the kept blocks' units + radix-select top-k"
+                else:
+                    self.paths["index"] = "generated Triton kernel + radix-select top-k"
             except ForcedOnly:
                 self.generated[key] = None
                 self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"

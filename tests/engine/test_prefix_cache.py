@@ -3,6 +3,8 @@ results equal an engine without it."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
@@ -52,9 +54,35 @@ def test_freed_cached_block_taken_by_another_holder_is_forgotten():
     assert not bm.by_hash and bm.match_prefix(Sequence(list(range(7)), SamplingParams())) == 0
 
 
-def test_prefix_caching_refuses_only_a_decode_flow_with_per_request_state():
+def test_prefix_caching_refuses_only_a_decode_flow_with_per_request_state(tmp_path):
     with pytest.raises(SparsetuneError, match="prefix caching cannot be combined with the decode flow 'h2o'.*F.save"):
         LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, prefix_caching=True, flow="h2o")
+    # a two-level flow whose first level keeps state (its page stages save a running total)
+    path = tmp_path / "stateful_pages.py"
+    path.write_text(textwrap.dedent('''
+        from sparsetune.flow import TwoLevelFlow
+        from sparsetune.flow import ops as F
+
+
+        class StatefulPages(TwoLevelFlow):
+            name = "stateful_pages"
+
+            def cache_page(self, k, v):
+                return {"centroid": F.mean(k, dim=1), "acc": F.fill(F.max(F.max(k, dim=1), dim=2), 0.0)}
+
+            def index_page(self, q, fields):
+                score = F.add(fields["acc"], F.max(F.gemm(fields["centroid"], q), dim=2))
+                F.save(fields, "acc", score)
+                return F.topk(score)
+
+            def cache(self, k, v):
+                return {"centroid": F.mean(k, dim=1)}
+
+            def index(self, q, fields):
+                return F.topk(F.max(F.gemm(fields["centroid"], q), dim=2))
+    '''))
+    with pytest.raises(SparsetuneError, match="decode flow 'stateful_pages'.*F.save"):
+        LLM(model="smollm2-135m", device="cpu", num_kv_blocks=64, prefix_caching=True, flow=str(path))
 
 
 QUEST = {"block_size": "8", "budget": "32", "sink_blocks": "1", "local_blocks": "1"}

@@ -277,3 +277,15 @@ def test_a_two_level_flow_exports_with_both_levels_graphs(tmp_path):
     page = flow.page_flow()
     assert page.level == "_page" and set(field_dims(page, 128)) == {"kmax", "kmin"}
     assert set(field_dims(flow, 128)) == {"centroid"}
+
+
+def test_a_bundle_exported_with_one_level_refuses_coarse_set_later(tmp_path):
+    """coarse is a runtime param, but a first level needs its own graphs: a manifest edited to set it
+    is one line of `export --check`, not a failure inside SGLang at the first decode."""
+    write_bundle(tmp_path / "q", flow_path("quest_2l"), {"coarse": "off"})
+    path = tmp_path / "q" / MANIFEST
+    m = json.loads(path.read_text())
+    assert m["params"]["coarse"] == "off" and check_bundle(tmp_path / "q") == []
+    m["params"]["coarse"] = "2.0"
+    path.write_text(json.dumps(m))
+    assert any("holds no graphs of its first level" in p for p in check_bundle(tmp_path / "q"))

@@ -269,6 +269,16 @@ def test_a_two_level_flows_page_stages_are_held_to_the_stage_rules(tmp_path):
     alone = write(tmp_path / "alone.py", quest_2l.replace("def cache_page(self, k, v):", "def cache_pages(self, k, v):"))
     with pytest.raises(Exception, match="index_page alone: a first level needs both cache_page and index_page"):
         load_file(alone, trust=True)
+    # a subclass may override one page stage and inherit the other
+    base = load_file(write(tmp_path / "base.py", quest_2l), trust=True)
+
+    class Quest2LMean(base):
+        name = "quest_2l_mean"
+
+        def index_page(self, q, fields):
+            return base.index(self, q, fields)
+
+    assert Quest2LMean.page_stages and Quest2LMean.page_level().index is Quest2LMean.index_page
 
 
 def test_reuse_flow_methods_are_plain_torch(tmp_path, monkeypatch):

@@ -298,7 +298,7 @@ def test_generated_executor_selects_two_levels_like_reference(name, page, unit, 
         prefill_cache(attn, kv, bt, lens)
         prefill_cache(attn.pages, kv, bt, lens)
     _assert_selects_alike(ref, gen, q, kv, meta)
-    assert "chosen blocks' units" in gen.paths["index"]
+    assert "kept blocks' units" in gen.paths["index_units"] and "index_units" not in ref.paths
 
 
 @pytest.mark.parametrize("name,block_size,unit", [("quest", 4, None), ("double_sparse", 4, None), ("quest", 16, "2")])

@@ -325,6 +325,16 @@ def test_tampered_graphs_are_refused():
     d["params"]["block_size"]["kind"] = "os.system"
     with pytest.raises(NotTraceable, match="kind"):
         flow_class(d)
+    for attr in ("level", "page_stages", "graphs", "fetch", "run_index"):  # a param may not replace the runtime's
+        d = json.loads(json.dumps(desc))
+        d["params"][attr] = dict(d["params"]["budget"])
+        with pytest.raises(NotTraceable, match="would replace the runtime's attribute"):
+            flow_class(d)
+    two = describe(loader.get_flow_class("quest_2l"), {})  # a page pair without its partner
+    page_key = next(k for k, g in two["graphs"].items() if "cache_page" in g["64"])
+    del two["graphs"][page_key]["64"]["index_page"]
+    with pytest.raises(NotTraceable, match="expected cache and index"):
+        flow_class(two)
 
 
 @pytest.mark.parametrize("name", ['x"""\nimport os\n"""', "../../escape", "a/b", ""])
@@ -370,3 +380,36 @@ def test_graph_cache_and_kernel_cache_are_private(tmp_path, monkeypatch):
     link.symlink_to(d)
     with pytest.raises(SparsetuneError, match="a link"):
         private_dir(link)
+
+
+def test_page_stages_that_assume_a_whole_page_trace(tmp_path):
+    """A two-level flow's page stages run on whole pages only: they are traced at the first level's
+    params (the unit the page), never on a unit's few tokens, so a stage shaped for the page traces
+    and its graph flow replays both levels."""
+    path = tmp_path / "paged.py"
+    path.write_text(textwrap.dedent('''
+        from sparsetune.flow import TwoLevelFlow
+        from sparsetune.flow import ops as F
+
+
+        class Paged(TwoLevelFlow):
+            name = "paged"
+
+            def cache_page(self, k, v):  # the page's 16 tokens as 4 rows of 4: a page's shape only
+                return {"rows": F.max(F.reshape(k, 4, 4 * k.shape[2]), dim=1)}
+
+            def index_page(self, q, fields):
+                return F.topk(F.sum(fields["rows"], dim=2))  # [S, 1, 1]
+
+            def cache(self, k, v):
+                return {"centroid": F.mean(k, dim=1)}
+
+            def index(self, q, fields):
+                return F.topk(F.max(F.gemm(fields["centroid"], q), dim=2))
+    '''))
+    desc = describe(loader.load_file(path, trust=True), {})
+    keys = [k for k, g in desc["graphs"].items() if "cache_page" in g["64"]]
+    assert keys and all(json.loads(k)["select_block"] is None for k in keys)
+    flow = flow_class(desc).from_strings({})
+    x = dummy_inputs(flow.page_flow(), 64)
+    assert set(flow.page_flow().run_cache(x.k, x.v, x.const)) == {"rows"}
