@@ -197,8 +197,7 @@ class LLM:
             sparse = flow.sparse_layers(self.model_config.num_hidden_layers)
             attn = self._flow_backend
             executor = self._executor(executor)
-            if (attn is not None and attn.flow.kernel_key() == flow.kernel_key() and attn.executor == executor
-                    and (attn.pages is None) == (flow.coarse is None)):  # as many levels (coarse is a runtime param)
+            if attn is not None and attn.executor == executor and attn.serves(flow):
                 attn.retune(flow)
             else:
                 attn = self._flow_backend = self._new_flow_backend(flow, executor)

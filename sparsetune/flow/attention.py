@@ -90,10 +90,15 @@ class FlowAttention(DenseAttention):
         """Stage -> how the compiled executor runs it (for reports)."""
         return self.stages.paths
 
+    def serves(self, flow: DecodeFlow) -> bool:
+        """Whether `retune` can move this backend to `flow`: the same kernel key and as many levels
+        (`coarse` is a runtime param, but a first level is a backend of its own)."""
+        return flow.kernel_key() == self.flow.kernel_key() and (flow.coarse is None) == (self.pages is None)
+
     def retune(self, flow: DecodeFlow) -> None:
         """Run `flow`, of this backend's kernel key, from now on: its budget rule is written into the
         same device tensor (captured graphs read the new values); stores and kernels are kept."""
-        if flow.kernel_key() != self.flow.kernel_key() or (flow.coarse is None) != (self.pages is None):
+        if not self.serves(flow):
             raise ValueError(f"retune needs a flow of the same kernel key and levels as {self.flow.name!r}")
         self.flow, self.name = flow, flow.name
         if self.pages is not None:

@@ -85,19 +85,18 @@ class FlowStages:
         runs), built once per shape: engines of different models share these stages. `candidates`:
         the one over a list of units per row (a two-level flow's second level)."""
         key = ("candidates" if candidates else "index", group, head_dim)
+        path = "index_units" if candidates else "index"  # a two-level flow's second level, reported apart
         if key not in self.generated:
             try:
                 self.generated[key] = build_indexer(self.flow, group, head_dim, candidates=candidates)
-                if candidates:  # a two-level flow's second level (the same stages serve it one-level too)
-                    self.paths["index_units"] = "generated Triton kernel over the kept blocks' units + radix-select top-k"
-                else:
-                    self.paths["index"] = "generated Triton kernel + radix-select top-k"
+                self.paths[path] = ("generated Triton kernel over the kept blocks' units" if candidates else
+                                    "generated Triton kernel") + " + radix-select top-k"
             except ForcedOnly:
                 self.generated[key] = None
-                self.paths["index"] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
+                self.paths[path] = "torch.compile (always-kept blocks only: arithmetic, no top-k)"
             except NotBlockLocal as e:
                 self.generated[key] = None
-                self.paths["index"] = f"torch.compile (not block-local: {e}) + radix-select top-k"
+                self.paths[path] = f"torch.compile (not block-local: {e}) + radix-select top-k"
         return self.generated[key]  # type: ignore[return-value]
 
     def cache_kernel(self, head_dim: int) -> CacheKernel | None:
