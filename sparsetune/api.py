@@ -215,6 +215,7 @@ def search(flows: str | list[str] | tuple[str, ...] | None = None, *, reuse: str
         options["kind"] = "reuse"
     cfg = SearchConfig(flows=tuple(names(reuse) or names(flows) or DEFAULT_FLOWS), study=study, **options)
     check_search(cfg)  # before torch loads
+    cfg = cfg.pinned()  # the speed shape in the study's fingerprint
     from sparsetune.tuning.storage import is_rdb, open_storage, stored_config
 
     url = cfg.storage_url()

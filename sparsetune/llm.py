@@ -22,6 +22,7 @@ from sparsetune.engine.engine import Completion, Engine
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.shapes import field_elems_per_block
 from sparsetune.models.artifacts import resolve_calibration
 from sparsetune.reuse.base import ReuseFlow
 from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
@@ -42,7 +43,7 @@ class LLM:
             raise TypeError("pass a Setup or options, not both")
         self.setup = setup
         self.flow: DecodeFlow | None = setup.flow.build() if setup.flow is not None else None
-        self.engine = Engine(setup.engine, extra_elems_per_block=_flow_elems_per_block(self.flow, setup.engine.check()[1]),
+        self.engine = Engine(setup.engine, extra_elems_per_block=field_elems_per_block(self.flow, setup.engine.check()[1]),
                              capture=False)
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
@@ -129,7 +130,7 @@ class LLM:
         self._check_sharing(new, setup.engine.prefix_caching, setup.executor)
         self.engine.set_prefix_caching(setup.engine.prefix_caching)
         if new is not None and (new.block_size != self.engine.config.block_size
-                                or _flow_elems_per_block(new, self.model_config) > self.engine.extra_elems_per_block):
+                                or field_elems_per_block(new, self.model_config) > self.engine.extra_elems_per_block):
             try:  # another page size, or fields larger than the pool reserved (units inside its pages)
                 self._relayout(new)
             except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
@@ -227,7 +228,7 @@ class LLM:
         self._flow_backend, self._route = None, False
         self.segments = self.reuse_executor = None
         try:
-            self.engine.set_block_size(flow.block_size, _flow_elems_per_block(flow, self.model_config))
+            self.engine.set_block_size(flow.block_size, field_elems_per_block(flow, self.model_config))
         finally:  # a new pool either way (the old layout again when the new one did not fit)
             if self.engine.has_pool:
                 self._attach_segments()
@@ -378,18 +379,3 @@ class LLM:
         for out, stats in zip(outs, reuse):
             out.reuse = None if stats is None else stats.to_dict()
         return outs
-
-
-def _flow_elems_per_block(flow: DecodeFlow | None, mcfg) -> int:
-    """A flow's fields per KV block (those of each selection unit in it) on its sparse layers, in pool
-    elements: they live beside the pool."""
-    if flow is None:
-        return 0
-    from sparsetune.flow.shapes import field_dims
-
-    dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
-    layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)
-    units = flow.block_size // flow.unit
-    page = flow.page_flow()  # a two-level flow keeps its blocks' fields too
-    own = layers * units * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values())
-    return own + (0 if page is None else _flow_elems_per_block(page, mcfg))

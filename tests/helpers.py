@@ -194,11 +194,11 @@ class SyntheticEvaluator:
 
     def speedup(self, flow, params, accuracy=None):
         from sparsetune.models.resolve import model_config
-        from sparsetune.perf.cost import modeled_speedup
+        from sparsetune.perf.cost import byte_floor_speedup
         from sparsetune.loader import build_flow
 
         mcfg = model_config(self.cfg.model, False)[1]
-        return round(modeled_speedup(mcfg, build_flow(flow, params), self.cfg.batch, self.cfg.context, 2), 4), {"kind": "modeled"}
+        return round(byte_floor_speedup(mcfg, build_flow(flow, params), self.cfg.batch, self.cfg.context, 2), 4), {"kind": "modeled"}
 
     def accuracy(self, flow, params, *, samples, seed, out, on_chunk=None):
         import time as _time

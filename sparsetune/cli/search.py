@@ -142,10 +142,10 @@ def search(
     save_defaults: bool = typer.Option(False, "--save-defaults", help="Make each flow's fastest confirmed point at "
                                        "--min-accuracy the model's default for it (eval and generate use it)."),
     seed: int = opt.seed_option("Seed for prompts and the samplers."),
-    speed: str = typer.Option("auto", "--speed", help="measured (GPU), modeled (the step's bytes) or auto (measured on a GPU)."),
-    speed_model: str = typer.Option(None, "--speed-model", help="Measure speed on this architecture with random weights."),
-    speed_batch: int = typer.Option(None, "--speed-batch", help="Batch for speed (default: --batch)."),
-    speed_context: int = typer.Option(None, "--speed-context", help="Context for speed (default: --context)."),
+    speed: str = typer.Option("auto", "--speed", help="measured (GPU), modeled (step time from per-operation costs measured on an H200) or auto (measured on a GPU)."),
+    speed_model: str = typer.Option(None, "--speed-model", help="Take speed on this architecture with random weights. Default: the search's model; a modeled decode speed with no --speed-* option: qwen3-8b at 16 x 32768 tokens (where the H200 cost model is tested), unless a flow's budget is a fixed window."),
+    speed_batch: int = typer.Option(None, "--speed-batch", help="Batch for speed (default: --batch, or 16 for a modeled decode speed; see --speed-model)."),
+    speed_context: int = typer.Option(None, "--speed-context", help="Context for speed (default: --context, or 32768 for a modeled decode speed; see --speed-model)."),
     agent: str = typer.Option(None, "--agent", help="Also propose new decode flows: evolve (LLM-free program evolution), claude "
                               "(ANTHROPIC_API_KEY) or openai (--agent-endpoint); each is checked in a sandbox, gated, then "
                               "searched like the others (runs/<study>/candidates/)."),

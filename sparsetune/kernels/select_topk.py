@@ -21,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsetune.kernels.limits import TOPK_MAX_WIDTH
+
 __all__ = ["select_topk", "select_topk_ref", "MAX_WIDTH"]
 
 _INTERPRET: bool = bool(triton.knobs.runtime.interpret)
-MAX_WIDTH = 16384 + 1024  # widest row in registers that ran on a GPU (a 32K context at block 2: ~16.4K); wider: torch
+MAX_WIDTH = TOPK_MAX_WIDTH  # wider rows use the twin (torch)
 NUM_WARPS = 0  # 0: by row width
 PASS_BITS = 1  # key bits per counting pass: 1 (measured) or 2 (one packed sum; bench_indexer.py --topk-block-sizes)
 

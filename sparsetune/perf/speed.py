@@ -80,6 +80,24 @@ def measure_speed(llm: LLM, batch: int, context: int, gen_tokens: int, seed: int
     return out
 
 
+def speed_engine(model: str, random_weights: bool, batch: int, context: int, device=None, seed: int = 0) -> LLM:
+    """The engine a decode speed is measured on (the search's measured speed, the cost model's
+    data): `batch` sequences of `context` tokens, K and V for them in the pool (a flow's fields
+    come on top: a block-size change keeps the tokens, so a flow whose fields do not fit beside them
+    fails, with the reason), CUDA graphs at `batch`. Sequences are no longer than the measured
+    ones: the decode graphs' block tables (and a small-unit flow's top-k row) are as wide as the
+    longest sequence the engine admits, not the model's context (at 2-token units, 40K tokens
+    overflow the radix select's row: BENCHMARKS.md, #43)."""
+    from sparsetune.device import resolve_device, resolve_dtype
+    from sparsetune.models.resolve import model_config
+
+    dtype = resolve_dtype(None, resolve_device(device), "bfloat16")
+    per_token = model_config(model, random_weights)[1].kv_bytes_per_token(dtype.itemsize)
+    return LLM(model=model, random_weights=random_weights, device=device, max_num_seqs=batch, defaults="published",
+               kv_memory=batch * (context + 64) * per_token, seed=seed, cuda_graph_batch_sizes=(batch,),
+               max_model_len=context + 64)
+
+
 def decode_step_seconds(llm: LLM, batch: int, context: int, steps: int = 16, warmup: int = 3, seed: int = 0) -> float:
     """Median seconds of one decode step of `batch` requests at `context` tokens, without a prefill:
     the requests take blocks holding whatever KV the pool has (the step reads the same bytes and

@@ -10,6 +10,8 @@ figures depend on is refused.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 import shlex
@@ -95,7 +97,7 @@ class SearchConfig(BaseModel):
     storage: str | None = None  # None: a journal file in the run folder
     out: str = str(DEFAULT_RUNS_DIR)
     seed: int = 0
-    speed: str = "auto"  # measured on a GPU, modeled (the step's bytes) on CPU
+    speed: str = "auto"  # measured on a GPU, modeled (`perf.cost`: measured per-operation costs) on CPU
     speed_model: str | None = None  # architecture speed is measured on (random weights); None: model
     speed_batch: int | None = None  # None: batch
     speed_context: int | None = None  # None: context
@@ -107,6 +109,37 @@ class SearchConfig(BaseModel):
     agent_budget_usd: float | None = None  # proposing stops once the proposer's calls cost this much
     agent_model: str | None = None  # claude: the Anthropic model id; openai: the served model's name
     agent_endpoint: str | None = None  # openai: the server's base URL (e.g. http://localhost:30000/v1)
+
+    def speed_kind(self) -> str:
+        """measured or modeled: `speed`, where auto is measured on a GPU."""
+        if self.speed != "auto":
+            return self.speed
+        from sparsetune.device import resolve_device
+
+        return "measured" if resolve_device(self.device).type == "cuda" else "modeled"
+
+    def speed_shape(self) -> tuple[str, bool, int, int]:
+        """The model speed is taken on (random weights when it is not the search's), batch and
+        context. Options given win; unset, the search's own, except a decode speed that is modeled
+        over flows whose budget is a share of the context (no --param budget): then the shape the cost
+        model is tested at (`perf.cost.Costs.shape`, Qwen3-8B at 16 x 32K, inside its fitted shapes),
+        since a small model at a short context lies far outside its data."""
+        model, batch, context = self.speed_model, self.speed_batch, self.speed_context
+        if (self.kind == "decode" and model is None and batch is None and context is None
+                and "budget" not in self.params and self.speed_kind() == "modeled" and _shares_of_context(self.flows)):
+            from sparsetune.perf.cost import Costs
+
+            model, batch, context = Costs.load().shape
+        model = model or self.model
+        return model, model != self.model, batch or self.batch, context or self.context
+
+    def pinned(self) -> "SearchConfig":
+        """This config with its speed shape written out (`speed_shape`), so the study's fingerprint
+        holds the shape its speeds were taken at: a later run resolving it otherwise is refused."""
+        model, random, batch, context = self.speed_shape()
+        if self.kind != "decode" or (model, batch, context) == (self.model, self.batch, self.context):
+            return self
+        return self.model_copy(update={"speed_model": model, "speed_batch": batch, "speed_context": context})
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -205,6 +238,24 @@ def resume_command(cfg: SearchConfig, workers: int = 1) -> str:
     return shlex.join(args + (["--workers", str(workers)] if workers > 1 else []) + ["--resume"])
 
 
+@functools.lru_cache(maxsize=64)
+def _shares_of_context(flows: tuple[str, ...]) -> bool:
+    """Whether every flow's budget can be a share of the context (not a fixed window of tokens)."""
+    from sparsetune.loader import flow_path, load_file
+
+    return all("budget_ratio" not in load_file(flow_path(f)).inapplicable for f in flows)
+
+
+def check_speed_context(cfg: SearchConfig, flow: str, cls: type) -> None:
+    """A decode flow with a fixed window of tokens (no budget ratio) is refused where speed is taken
+    at another context than accuracy: the two would describe different points."""
+    speed_context = cfg.speed_shape()[3]
+    if cfg.kind == "decode" and "budget_ratio" in cls.inapplicable and speed_context != cfg.context:
+        raise SparsetuneError(f"--flow {flow} attends a fixed window of tokens, not a share of the context: its "
+                              f"accuracy at --context {cfg.context} and its speed at --speed-context {speed_context} "
+                              f"would describe different points; search it with --speed-context {cfg.context}")
+
+
 def check_search(cfg: SearchConfig) -> None:
     """Every check that needs neither torch nor weights: flows and their params, tasks, the model
     and its context, the speed model."""
@@ -227,11 +278,7 @@ def check_search(cfg: SearchConfig) -> None:
             if key not in specs:
                 raise SparsetuneError(f"--param {key}: {flow} has no such param (it has {', '.join(specs)})")
         cls.from_strings(dict(cfg.params))  # what each trial's flow checks of them (values, ones it does not use), now
-        speed_context = cfg.speed_context or cfg.context
-        if cfg.kind == "decode" and "budget_ratio" in cls.inapplicable and speed_context != cfg.context:
-            raise SparsetuneError(f"--flow {flow} attends a fixed window of tokens, not a share of the context: its "
-                                  f"accuracy at --context {cfg.context} and its speed at --speed-context {speed_context} "
-                                  f"would describe different points; search it with --speed-context {cfg.context}")
+        check_speed_context(cfg, flow, cls)
         dims = dimensions(cls, mcfg.num_hidden_layers)
         if not dims:
             raise SparsetuneError(f"{option} {flow}: it has no param to search")

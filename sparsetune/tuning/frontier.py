@@ -23,7 +23,7 @@ class Point:
 
     name: str  # e.g. "quest#12" (flow and trial number)
     accuracy: float  # relative to dense on the same prompts (1.0: dense)
-    speedup: float  # decode speedup over dense (measured, or modeled from the step's bytes)
+    speedup: float  # decode speedup over dense (measured, or modeled: `perf.cost.modeled_speedup`)
     params: dict[str, Any] = field(default_factory=dict, compare=False)
 
 

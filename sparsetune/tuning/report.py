@@ -23,7 +23,8 @@ from sparsetune.tuning.frontier import (Point, confirmed_frontier, confirmed_rec
 
 SCHEMA = "sparsetune.search/1"
 SPEED_NOTES = {
-    ("decode", "modeled"): "modeled: dense decode-step bytes / the flow's (weights, KV read, fields)",
+    ("decode", "modeled"): "modeled: dense decode step time / the flow's, from per-operation costs measured on a GPU "
+                           "(perf/costs: bytes, attention units, indexer, top-k, launches)",
     ("decode", "measured"): "measured: dense decode step time / the flow's, on the GPU",
     ("reuse", "modeled"): "modeled: a full prefill's token-layers / the flow's (the reuse prefills of the evaluation)",
     ("reuse", "measured"): "measured: full recompute's time to first token / the flow's, on the GPU "
@@ -32,6 +33,13 @@ SPEED_NOTES = {
 
 
 SHARE_OF = {"decode": "K/V read", "reuse": "token-layers computed"}
+
+
+def _shape_note(shape: dict[str, Any] | None) -> str:
+    if not shape or not shape.get("batch"):
+        return ""
+    weights = " (random weights)" if shape.get("random_weights") and shape.get("kind") == "measured" else ""
+    return f", on {shape['model']}{weights} at {shape['batch']} x {shape['context']} tokens"
 
 
 def budget_shares(cfg: SearchConfig, records: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -87,12 +95,14 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
     held = [r for r in confirmed if r["confirm"]["holds"]]
     confirmed_front = confirmed_frontier(records)
     speed_kind = next((r["speed"]["kind"] for r in records if r.get("speed")), None)
+    speed_on = next((r["speed"] for r in records if r.get("speed") and r["speed"].get("batch")), None)
     shares = budget_shares(cfg, records)
     defaults = [_row(r, shares) for r in records if r["role"] == "defaults" and r["state"] == "COMPLETE"]
     s = {
         "schema": SCHEMA, "kind": cfg.kind, "study": cfg.study, "run_dir": str(cfg.run_dir), "model": cfg.model, "flows": list(cfg.flows), "context": cfg.context,
         "samples_per_task": cfg.samples, "confirm_samples_per_task": cfg.confirm_samples, "min_accuracy": cfg.min_accuracy,
         "share_of": SHARE_OF[cfg.kind], "speed": speed_kind, "speed_note": SPEED_NOTES[cfg.kind, speed_kind or "modeled"],
+        "speed_shape": None if speed_on is None else {k: speed_on.get(k) for k in ("kind", "model", "random_weights", "batch", "context")},
         "complete": complete, "stopped": stopped,
         "trials": {"finished": len(finished), "failed": sum(r["state"] == "FAIL" for r in records),
                    "stopped_by_cascade": sum(r.get("stage") in ("speed", "quick") for r in finished)},
@@ -185,7 +195,7 @@ def markdown(s: dict[str, Any]) -> str:
 
     lines = [f"# Search `{s['study']}`: {', '.join(s['flows'])} on {s['model']} at {s['context']} tokens", "",
              f"Accuracy is relative to dense on the same prompts (dense: {pct(s['dense']['accuracy'])} absolute). "
-             f"Speed is {s['speed_note']}.", ""]
+             f"Speed is {s['speed_note']}{_shape_note(s.get('speed_shape'))}.", ""]
     if s["min_accuracy"] is not None:
         lines += [f"Constraint: at least {pct(s['min_accuracy'])} of dense accuracy.", ""]
     lines += ["## Confirmed frontier (fresh prompts)", ""]

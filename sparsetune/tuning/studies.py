@@ -19,7 +19,7 @@ import optuna
 from optuna.trial import TrialState
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.tuning.config import SearchConfig, flow_key, masked_url
+from sparsetune.tuning.config import SearchConfig, check_speed_context, flow_key, masked_url
 from sparsetune.tuning.space import dimensions
 from sparsetune.tuning.storage import open_storage, record_of, stored_config, study_name
 
@@ -120,6 +120,8 @@ def add_flow(cfg: SearchConfig, flows: Studies, flow: str, cls: type, *, storage
     from optuna.samplers import TPESampler
 
     key, name = flow_key(flow), study_name(cfg.study, flow)
+    if foreign:  # a proposed flow meets the check the given ones met
+        check_speed_context(cfg, flow, cls)
     storage = storage if storage is not None else next(iter(flows.studies.values()))._storage
     seeds = seed_trials(cls, flows.num_layers, fixed_params(cfg, cls))
     if foreign:  # a proposed flow starts at its defaults; its short study samples the rest

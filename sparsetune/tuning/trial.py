@@ -8,7 +8,8 @@ model (random weights when it is another architecture) at the speed batch and co
 - accuracy: `evaluate` (the evaluation `sparsetune eval` runs) on the search set, relative to
   dense on the same prompts, with fidelity beside it; each trial's run folder is kept.
 - speed: measured decode speedup over dense (median step times, side by side on one engine), or
-  modeled: dense step bytes over the flow's (weights, KV read, the flow's fields; `perf.cost`).
+  modeled: dense step time over the flow's, each modeled from what the step does with per-operation
+  costs measured on a GPU (`perf.cost`; the speed info names the GPU and the fields' memory share).
   Reuse flows: measured, time to first token of full recompute over the flow's on a prompt whose
   90% is reused segments (`perf.speed.reuse_ttft_seconds`, the speed model at the speed context);
   modeled, a full prefill's token-layers over the flow's, as its evaluation counted them (so a
@@ -93,38 +94,19 @@ class EngineEvaluator:
         return self._llm
 
     def speed_kind(self) -> str:
-        if self.cfg.speed != "auto":
-            return self.cfg.speed
-        from sparsetune.device import resolve_device
-
-        return "measured" if resolve_device(self.cfg.device).type == "cuda" else "modeled"
+        return self.cfg.speed_kind()
 
     def speed_shape(self) -> tuple[str, bool, int, int]:
-        """The model speed is taken on (random weights when it is not the search's), batch, context."""
-        cfg = self.cfg
-        model = cfg.speed_model or cfg.model
-        return model, cfg.speed_model is not None and cfg.speed_model != cfg.model, cfg.speed_batch or cfg.batch, \
-            cfg.speed_context or cfg.context
+        return self.cfg.speed_shape()
 
     def _speed_engine(self):
         if self._speed_llm is None:
-            from sparsetune.device import resolve_device, resolve_dtype
-            from sparsetune.llm import LLM
-            from sparsetune.models.resolve import model_config
+            from sparsetune.perf.speed import speed_engine
 
             model, random, batch, context = self.speed_shape()
             if self.cfg.kind == "reuse":  # one request: its prompt, the stored segments (90% as many tokens, each
                 batch, context = 1, 3 * context  # in blocks of its own), and the room a pool needs to keep them
-            # K and V for the timed steps (a flow's fields come on top: a block-size change keeps the
-            # tokens, so a flow whose fields do not fit beside them fails as a trial, with the reason)
-            dtype = resolve_dtype(None, resolve_device(self.cfg.device), "bfloat16")
-            per_token = model_config(model, random)[1].kv_bytes_per_token(dtype.itemsize)
-            # Sequences no longer than the measured ones: the decode graphs' block tables (and a small-unit
-            # flow's top-k row) are as wide as the longest sequence the engine admits, not the model's
-            # context (at 2-token units, 40K tokens overflow the radix select's row: BENCHMARKS.md, #43).
-            self._speed_llm = LLM(model=model, random_weights=random, device=self.cfg.device, max_num_seqs=batch, defaults="published",
-                                  kv_memory=batch * (context + 64) * per_token, seed=self.cfg.seed,
-                                  cuda_graph_batch_sizes=(batch,), max_model_len=context + 64)
+            self._speed_llm = speed_engine(model, random, batch, context, self.cfg.device, self.cfg.seed)
         return self._speed_llm
 
     # ---- objectives ------------------------------------------------------------------------------
@@ -139,7 +121,7 @@ class EngineEvaluator:
         if self.cfg.kind == "reuse":
             return self._reuse_speedup(flow, params, accuracy)
         from sparsetune.models.resolve import model_config
-        from sparsetune.perf.cost import kv_share, modeled_speedup
+        from sparsetune.perf.cost import Costs, field_memory_share, kv_share, modeled_speedup
         from sparsetune.setup import lookup_flow_class
 
         model, random, batch, context = self.speed_shape()
@@ -150,8 +132,10 @@ class EngineEvaluator:
                                 "kv_share": share}
         if self.speed_kind() == "modeled":
             _name, mcfg = model_config(model, random)
-            value = modeled_speedup(mcfg, built, batch, context, 2)
-            return round(value, 4), {"kind": "modeled", "what": "dense step bytes / flow step bytes (16-bit)", **info}
+            costs = Costs.load()
+            value = modeled_speedup(mcfg, built, batch, context, costs)
+            return round(value, 4), {"kind": "modeled", "what": costs.describe(), "costs": costs.gpu,
+                                     "field_memory_share": round(field_memory_share(mcfg, built), 4), **info}
         from sparsetune.perf.speed import decode_step_seconds
 
         llm = self._speed_engine()

@@ -8,7 +8,7 @@ import torch
 from sparsetune.engine.sequence import SamplingParams
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.models.registry import REGISTRY
-from sparsetune.perf.cost import attended_tokens, decode_step_bytes, field_bytes_per_unit, kv_share, modeled_speedup, weight_bytes
+from sparsetune.perf.cost import attended_tokens, decode_step_bytes, field_bytes_per_unit, kv_share, byte_floor_speedup, weight_bytes
 from sparsetune.loader import build_flow
 
 CFG = REGISTRY["smollm2-135m"].config  # 30 layers, 3 KV heads, head dim 64, tied embeddings
@@ -43,7 +43,7 @@ def test_dense_and_quest_by_hand():
     assert got.kv == 2 * KV_TOKEN_LAYER * (2 * 4096 + 28 * 512)
     assert got.fields == 2 * 256 * (3 * 2 * 64 * 4) * 28  # kmax + kmin of 256 blocks on 28 layers
     assert got.weights == dense.weights
-    assert modeled_speedup(CFG, quest, 2, 4096, 4) == dense.total / got.total > 1
+    assert byte_floor_speedup(CFG, quest, 2, 4096, 4) == dense.total / got.total > 1
 
 
 def test_window_flows_and_shared_selection():

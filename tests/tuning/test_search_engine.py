@@ -36,6 +36,16 @@ def test_trials_share_one_engine_and_match_sparsetune_eval(tmp_path):
     alone = alone.dump()
     assert (alone["relative_accuracy"], alone["fidelity"]) == (rec["accuracy"]["relative_accuracy"], rec["accuracy"]["fidelity"])
     assert ev.llm is llm and rec["speed"]["kind"] == "modeled"
+    # modeled with the shipped GPU costs, on the speed shape, with the fields' memory beside it
+    from sparsetune.loader import build_flow
+    from sparsetune.models.registry import REGISTRY
+    from sparsetune.perf.cost import field_memory_share, modeled_speedup
+
+    point, qwen = build_flow("quest", rec["params"]), REGISTRY["qwen3-8b"].config  # the costs' shape: no --speed-* given
+    assert rec["speed"]["costs"] == "NVIDIA H200" and "H200" in rec["speed"]["what"]
+    assert (rec["speed"]["model"], rec["speed"]["batch"], rec["speed"]["context"]) == ("qwen3-8b", 16, 32768)
+    assert rec["speed"]["speedup"] == round(modeled_speedup(qwen, point, 16, 32768), 4)
+    assert rec["speed"]["field_memory_share"] == round(field_memory_share(qwen, point), 4)
     # The trial's record holds its setup, the value a re-run of the point resolves to from the command line
     from sparsetune.api import resolve_options
     from sparsetune.cli.options import setup_options

@@ -281,3 +281,31 @@ def test_a_reuse_search_ends_with_the_eval_command_that_runs_its_point(cli, tmp_
     reuse = ecfg.setup.reuse
     assert (reuse.name, reuse.user_params(), ecfg.setup.defaults) == ("cacheblend", {"ratio": 0.07, "check_layer": 2}, "published")
     assert (tuple(ecfg.tasks), ecfg.context, ecfg.samples) == (cfg.tasks, 512, cfg.confirm_samples)
+
+
+def test_a_modeled_speed_shape_defaults_to_the_costs_shape_and_is_pinned_in_the_fingerprint(tmp_path):
+    """A modeled decode speed with no --speed-* options is taken where the GPU costs were measured and
+    tested (Qwen3-8B, 16 x 32K); anything else keeps the search's own shape or the options given."""
+    base = dict(model="smollm2-135m", context=1024, batch=8, out=str(tmp_path), device="cpu")
+    assert SearchConfig(flows=("quest", "block_topk"), **base).speed_shape() == ("qwen3-8b", True, 16, 32768)
+    assert SearchConfig(flows=("quest",), speed_context=4096, **base).speed_shape() == ("smollm2-135m", False, 8, 4096)
+    assert SearchConfig(flows=("quest",), speed_model="qwen3-1.7b", **base).speed_shape() == ("qwen3-1.7b", True, 8, 1024)
+    assert SearchConfig(flows=("quest", "streaming"), **base).speed_shape() == ("smollm2-135m", False, 8, 1024)  # a fixed window
+    assert SearchConfig(flows=("quest",), params={"budget": "128"}, **base).speed_shape() == ("smollm2-135m", False, 8, 1024)
+    assert SearchConfig(flows=("quest",), speed="measured", **base).speed_shape() == ("smollm2-135m", False, 8, 1024)
+    reuse = SearchConfig(kind="reuse", flows=("cacheblend",), **base)
+    assert reuse.speed_shape() == ("smollm2-135m", False, 8, 1024) and reuse.pinned() is reuse
+    # the study stores the shape it resolved: a run that would resolve another one is told apart
+    pinned = SearchConfig(flows=("quest",), **base).pinned()
+    assert (pinned.speed_model, pinned.speed_batch, pinned.speed_context) == ("qwen3-8b", 16, 32768)
+    assert pinned.fingerprint() != SearchConfig(flows=("quest",), **base).fingerprint()
+    assert pinned.pinned() == pinned and pinned.speed_shape() == ("qwen3-8b", True, 16, 32768)
+
+
+def test_a_proposed_fixed_window_flow_is_refused_where_speed_is_taken_at_another_context(tmp_path):
+    from sparsetune.loader import flow_path, load_file
+
+    cfg = SearchConfig(flows=("quest",), model="smollm2-135m", context=1024, out=str(tmp_path), device="cpu").pinned()
+    with pytest.raises(SparsetuneError, match="fixed window of tokens.*--speed-context 1024"):
+        config.check_speed_context(cfg, "streaming", load_file(flow_path("streaming")))
+    config.check_speed_context(cfg, "block_topk", load_file(flow_path("block_topk")))  # a share of the context
