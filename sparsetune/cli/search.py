@@ -241,7 +241,7 @@ def _report(s: dict[str, Any], json_out: bool) -> None:
         emit_json({k: v for k, v in s.items() if k != "records"})
     console = err if json_out else out
     t = Table(title=f"search {s['study']}: {', '.join(s['flows'])} on {s['model']}, context {s['context']} "
-                    f"(accuracy relative to dense; speed {s['speed']})")
+                    f"(accuracy relative to dense; speed {s['speed']}{s.get('speed_on', '')})")
     for col in ("", "trial", "acc.", "top-1", "speedup", "confirmed [95%]", "params"):  # params last: the long one
         t.add_column(col, overflow="fold", min_width=14 if col == "params" else None,
                      no_wrap=col not in ("confirmed [95%]", "params"))  # in a narrow terminal these two wrap

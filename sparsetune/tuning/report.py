@@ -103,6 +103,7 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
         "samples_per_task": cfg.samples, "confirm_samples_per_task": cfg.confirm_samples, "min_accuracy": cfg.min_accuracy,
         "share_of": SHARE_OF[cfg.kind], "speed": speed_kind, "speed_note": SPEED_NOTES[cfg.kind, speed_kind or "modeled"],
         "speed_shape": None if speed_on is None else {k: speed_on.get(k) for k in ("kind", "model", "random_weights", "batch", "context")},
+        "speed_on": _shape_note(speed_on),
         "complete": complete, "stopped": stopped,
         "trials": {"finished": len(finished), "failed": sum(r["state"] == "FAIL" for r in records),
                    "stopped_by_cascade": sum(r.get("stage") in ("speed", "quick") for r in finished)},
@@ -195,7 +196,7 @@ def markdown(s: dict[str, Any]) -> str:
 
     lines = [f"# Search `{s['study']}`: {', '.join(s['flows'])} on {s['model']} at {s['context']} tokens", "",
              f"Accuracy is relative to dense on the same prompts (dense: {pct(s['dense']['accuracy'])} absolute). "
-             f"Speed is {s['speed_note']}{_shape_note(s.get('speed_shape'))}.", ""]
+             f"Speed is {s['speed_note']}{s['speed_on']}.", ""]
     if s["min_accuracy"] is not None:
         lines += [f"Constraint: at least {pct(s['min_accuracy'])} of dense accuracy.", ""]
     lines += ["## Confirmed frontier (fresh prompts)", ""]
