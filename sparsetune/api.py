@@ -398,11 +398,11 @@ def against_defaults_lines(summary: dict[str, Any]) -> list[str]:
     return lines(summary)
 
 
-def sglang_range() -> tuple[str, str]:
-    """The SGLang versions a bundle runs in (`export.bundle.supported_range`)."""
-    from sparsetune.export.bundle import supported_range
+def sglang_versions() -> str:
+    """The SGLang versions a bundle runs in, in words (`export.bundle.supported_versions`)."""
+    from sparsetune.export.bundle import supported_versions
 
-    return supported_range()
+    return supported_versions()
 
 
 # ---- flows ----------------------------------------------------------------------------------------

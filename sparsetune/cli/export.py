@@ -69,5 +69,5 @@ def export(
         acc = measured["accuracy"]
         figures = f": {acc['confirmed']:.0%} of dense on fresh prompts, {measured['speedup']:.2f}x decode ({measured.get('speed_kind')})"
     err.print(f"bundle {out}: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())}){figures}")
-    lo, hi = api.sglang_range()
-    err.print(f"serve it: {out}/launch_sglang.sh MODEL_PATH   (needs SGLang {lo} to {hi} with sparsetune installed beside it)")
+    err.print(f"serve it: {out}/launch_sglang.sh MODEL_PATH   (needs SGLang {api.sglang_versions()} with sparsetune "
+              "installed beside it)")

@@ -9,7 +9,7 @@
                          measured where (the search's figures with their confidence interval)
       sglang.json        how SGLang serves it: the attention backend, page size = block size, the
                          environment, the SGLang versions the backend supports, whether SGLang has
-                         a native flag for the flow (no sparse flow has one on 0.5.16)
+                         a native flag for the flow (no sparse flow has one on 0.5.16 or 0.5.23)
       launch_sglang.sh   `launch_sglang.sh MODEL_PATH [launch_server args]`: checks the bundle and
                          SGLang, then `python -m sglang.launch_server` with the backend
 
@@ -38,11 +38,13 @@ SGLANG_CONFIG = "sglang.json"
 LAUNCH = "launch_sglang.sh"
 GRAPH = "flow.graph.json"
 # Serving in SGLang (`export/sglang/`): the backend's name, the variable that gives it the bundle,
-# and the SGLang versions it is written for (0.5.16; 0.5.13 is the first with the out-of-graph /
-# in-graph metadata hooks and the pools on the backend rather than the batch).
+# and the SGLang versions it is contract-tested on (ranges, oldest to newest): 0.5.13 (the first with
+# the out-of-graph / in-graph metadata hooks and the pools on the backend) to 0.5.16, and 0.5.23 (the
+# current release; its backend interface, pools and plugin loader are 0.5.16's). 0.5.17-0.5.22 are
+# untested, so refused.
 BACKEND = "sparsetune"
 BUNDLE_ENV = "SPARSETUNE_BUNDLE"
-SUPPORTED = ((0, 5, 13), (0, 5, 16))
+SUPPORTED = (((0, 5, 13), (0, 5, 16)), ((0, 5, 23), (0, 5, 23)))
 
 
 def _flow_source(run_dir: Path, flow: str) -> Path:
@@ -191,14 +193,13 @@ def flow_of(path: Path, manifest: dict[str, Any]):
 def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
     """`sglang.json`: what serving the bundle in SGLang takes (`launch_sglang.sh` is its command line)."""
     dense = manifest["flow"] == "dense"
-    lo, hi = supported_range()
     return {
-        "sglang": f">={lo},<={hi}",
+        "sglang": supported_specs(),
         "plugin": "sparsetune (entry point sglang.srt.plugins; pip install sparsetune in SGLang's environment)",
         "server_args": {"attention_backend": "triton" if dense else BACKEND, "page_size": manifest["block_size"]},
         "env": {} if dense else {BUNDLE_ENV: "this bundle's folder (launch_sglang.sh sets it)"},
         "native": ("dense attention is SGLang's own backend: no plugin needed" if dense else
-                   f"SGLang {hi} has no launch flag for {manifest['flow']!r}: the {BACKEND} attention backend (plugin) runs it"),
+                   f"SGLang {supported_versions()} has no launch flag for {manifest['flow']!r}: the {BACKEND} attention backend (plugin) runs it"),
         "cuda_graph": "on: the backend captures the flow's decode with the dense backend's graph hooks",
         "memory": "the flow's per-page fields are allocated beside SGLang's KV pool: lower --mem-fraction-static "
                   "a little if the first decode runs out of memory",
@@ -378,9 +379,25 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def supported_range() -> tuple[str, str]:
-    """The oldest and newest SGLang the backend supports, as version strings."""
-    return ".".join(map(str, SUPPORTED[0])), ".".join(map(str, SUPPORTED[1]))
+def _v(t: tuple[int, ...]) -> str:
+    return ".".join(map(str, t))
+
+
+def supported_versions() -> str:
+    """The SGLang versions the backend supports, in words ("0.5.13 to 0.5.16, or 0.5.23")."""
+    return ", or ".join(_v(lo) if lo == hi else f"{_v(lo)} to {_v(hi)}" for lo, hi in SUPPORTED)
+
+
+def supported_specs() -> list[str]:
+    """The same as pip requirement specifiers, one per range (pip has no "or": pick one)."""
+    return [f"sglang=={_v(lo)}" if lo == hi else f"sglang>={_v(lo)},<={_v(hi)}" for lo, hi in SUPPORTED]
+
+
+def install_hint() -> str:
+    """What to install: the newest supported SGLang (its torch), or the newest of the older range."""
+    newest, older = SUPPORTED[-1][1], SUPPORTED[-2][1]
+    return (f"pip install sglang=={_v(newest)} (or 'sparsetune[sglang]'; it pins torch 2.14.1), or sglang=={_v(older)} "
+            "(torch 2.11) where the GPU host's torch is older")
 
 
 def sglang_version() -> str | None:
@@ -396,9 +413,9 @@ def sglang_version() -> str | None:
 def sglang_problem(version: str | None = None) -> str | None:
     """Why an SGLang (by default the installed one) cannot host the backend (None: it can)."""
     version = sglang_version() if version is None else version
-    lo, hi = supported_range()
     if version is None:
-        return f"SGLang is not installed: pip install 'sglang>={lo},<={hi}' (or 'sparsetune[sglang]')"
-    if not SUPPORTED[0] <= version_tuple(version)[:3] <= SUPPORTED[1]:
-        return f"SGLang {version} is not supported by sparsetune's backend (supported: {lo} to {hi}): pip install sglang=={hi}"
+        return f"SGLang is not installed: {install_hint()}"
+    v = version_tuple(version)[:3]
+    if not any(lo <= v <= hi for lo, hi in SUPPORTED):
+        return f"SGLang {version} is not supported by sparsetune's backend (supported: {supported_versions()}): {install_hint()}"
     return None

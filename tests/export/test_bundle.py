@@ -200,7 +200,7 @@ def test_the_cli_exports_checks_and_refuses_a_bundle_that_changed(search_run, tm
     assert ok.returncode == 0 and json.loads(ok.stdout)["problems"] == [], ok.stderr
     # here SGLang is not installed: a launch's check says so in one line
     assert_clean_error(run("export", "--check", str(tmp_path / "b"), "--require-sglang"), "SGLang is not installed")
-    assert "(or 'sparsetune[sglang]')" in ok.stderr  # the hint as written (not eaten as console markup)
+    assert "(or 'sparsetune[sglang]';" in ok.stderr  # the hint as written (not eaten as console markup)
     source = tmp_path / "b" / m["source"]
     source.write_text(source.read_text() + "\n# edited\n")
     refused = run("export", "--check", str(tmp_path / "b"))
@@ -215,8 +215,11 @@ def test_sglang_versions_outside_the_supported_range_are_refused_by_name():
     from sparsetune.export.bundle import sglang_problem
 
     assert sglang_problem("0.5.16") is None and sglang_problem("0.5.13.post1") is None
+    assert sglang_problem("0.5.23") is None and sglang_problem("0.5.23.post2") is None
     assert "SGLang 0.5.12 is not supported" in sglang_problem("0.5.12")
-    assert "pip install sglang==0.5.16" in sglang_problem("0.5.23")
+    refused = sglang_problem("0.5.20")  # between the ranges: untested
+    assert "supported: 0.5.13 to 0.5.16, or 0.5.23" in refused and "pip install sglang==0.5.23" in refused
+    assert "sglang==0.5.16 (torch 2.11)" in refused and "pip install sglang==0.5.23" in sglang_problem("0.5.24")
     assert "is not supported" in sglang_problem("garbage")
 
 

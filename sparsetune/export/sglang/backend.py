@@ -1,4 +1,4 @@
-"""`SparsetuneBackend`: a bundle's decode flow as an SGLang attention backend (SGLang 0.5.13-0.5.16).
+"""`SparsetuneBackend`: a bundle's decode flow as an SGLang attention backend (SGLang 0.5.13-0.5.16 and 0.5.23).
 
 SGLang builds it through the plugin (`plugin.register`, `--attention-backend sparsetune`), with the
 bundle from `SPARSETUNE_BUNDLE` or the server argument `--json-model-override-args

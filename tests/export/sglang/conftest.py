@@ -1,5 +1,5 @@
 """Tests that import SGLang itself. They run where SGLang imports: `tests/export/test_sglang.py` runs
-them in a child process whose path starts with a site folder holding SGLang 0.5.16 and the few
+them in a child process whose path starts with a site folder holding one supported SGLang (0.5.16 or 0.5.23) and the few
 packages its import chain needs (installed with `--no-deps`, so this venv's torch stays). Where
 SGLang is not importable (the main test process), this folder is not collected."""
 

@@ -1,4 +1,4 @@
-"""The `sparsetune` backend on SGLang's own objects (0.5.16, CPU): its real `ReqToTokenPool`,
+"""The `sparsetune` backend on SGLang's own objects (0.5.16 and 0.5.23, CPU): its real `ReqToTokenPool`,
 `MHATokenToKVPool`, `RadixAttention` layers and `ForwardBatch`es, through an extend and decodes.
 
 - At a budget that covers the context, the backend's output equals SGLang's `torch_native` backend.
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -257,7 +258,8 @@ def test_a_bundle_checks_against_this_sglang(tmp_path):
     from sparsetune.api import check_export
 
     result = check_export(bundle(tmp_path, "quest", block_size=P), require_sglang=True)
-    assert result["ok"] and result["sglang"] == "0.5.16" and result["sglang_problem"] is None
+    expected = os.environ.get("SPARSETUNE_SGLANG_EXPECT")  # the version tests/export/test_sglang.py installed
+    assert result["ok"] and result["sglang"] == expected and result["sglang_problem"] is None
 
 
 def test_a_launch_that_cannot_work_says_why(tmp_path, monkeypatch):
