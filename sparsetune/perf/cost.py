@@ -155,22 +155,23 @@ def decode_step_work(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, cont
     selecting = [i for i in sparse if not flow.select_layers or i in flow.select_layers]
     dense_pages = rows * -(-context // flow.block_size) * (layers - len(sparse))
     nb = -(-context // flow.unit)
-    units = rows * flow.attended_blocks(nb, not forced_only(cfg, flow)) * len(sparse)
+    forced = forced_only(cfg, flow)  # runs the indexer once on dummy inputs: asked once
+    units = rows * flow.attended_blocks(nb, not forced) * len(sparse)
     waves = -(-rows // num_sms)
     keys = cfg.num_key_value_heads * cfg.head_dim * dtype_bytes  # a token's raw keys, for an indexer that reads them
     page_flow = flow.page_flow()
-    if forced_only(cfg, flow):  # sinks and the local window: nothing scored, no top-k (one tensor function)
+    if forced:  # sinks and the local window: nothing scored, no top-k (one tensor function)
         scored, widths, extra = 0, [], 0
     elif page_flow is None:
         scored, widths = nb, [nb]
         extra = nb * flow.unit * keys if flow.uses_keys else 0
     else:
         npages = -(-context // page_flow.block_size)
-        kept = page_flow.attended_blocks(npages)
-        scored, widths = npages + kept * (flow.block_size // flow.unit), [npages, kept * (flow.block_size // flow.unit)]
-        units = min(units, rows * kept * (flow.block_size // flow.unit) * len(sparse))  # no more than the kept pages hold
+        chosen = page_flow.attended_blocks(npages) * (flow.block_size // flow.unit)  # the kept pages' units
+        scored, widths = npages + chosen, [npages, chosen]
+        units = min(units, rows * chosen * len(sparse))  # no more than the kept pages hold
         extra = (npages * page_flow.block_size * keys if page_flow.uses_keys else 0) + \
-            (kept * flow.block_size * keys if flow.uses_keys else 0)
+            (chosen * flow.unit * keys if flow.uses_keys else 0)
     lanes = waves * sum(topk_lanes(w) for w in widths if w <= MAX_WIDTH)
     wide = rows * sum(w for w in widths if w > MAX_WIDTH)
     sel = len(selecting)

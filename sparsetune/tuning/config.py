@@ -243,14 +243,19 @@ def _shares_of_context(flows: tuple[str, ...]) -> bool:
     """Whether every flow's budget can be a share of the context (not a fixed window of tokens)."""
     from sparsetune.loader import flow_path, load_file
 
-    return all("budget_ratio" not in load_file(flow_path(f)).inapplicable for f in flows)
+    return not any(_fixed_window(load_file(flow_path(f))) for f in flows)
+
+
+def _fixed_window(cls: type) -> bool:
+    """A decode flow whose budget is a fixed window of tokens (it takes no budget ratio)."""
+    return "budget_ratio" in cls.inapplicable
 
 
 def check_speed_context(cfg: SearchConfig, flow: str, cls: type) -> None:
     """A decode flow with a fixed window of tokens (no budget ratio) is refused where speed is taken
     at another context than accuracy: the two would describe different points."""
     speed_context = cfg.speed_shape()[3]
-    if cfg.kind == "decode" and "budget_ratio" in cls.inapplicable and speed_context != cfg.context:
+    if cfg.kind == "decode" and _fixed_window(cls) and speed_context != cfg.context:
         raise SparsetuneError(f"--flow {flow} attends a fixed window of tokens, not a share of the context: its "
                               f"accuracy at --context {cfg.context} and its speed at --speed-context {speed_context} "
                               f"would describe different points; search it with --speed-context {cfg.context}")

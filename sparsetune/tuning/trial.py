@@ -93,17 +93,11 @@ class EngineEvaluator:
                             cuda_graph_batch_sizes=graph_batch_sizes(cfg.batch))
         return self._llm
 
-    def speed_kind(self) -> str:
-        return self.cfg.speed_kind()
-
-    def speed_shape(self) -> tuple[str, bool, int, int]:
-        return self.cfg.speed_shape()
-
     def _speed_engine(self):
         if self._speed_llm is None:
             from sparsetune.perf.speed import speed_engine
 
-            model, random, batch, context = self.speed_shape()
+            model, random, batch, context = self.cfg.speed_shape()
             if self.cfg.kind == "reuse":  # one request: its prompt, the stored segments (90% as many tokens, each
                 batch, context = 1, 3 * context  # in blocks of its own), and the room a pool needs to keep them
             self._speed_llm = speed_engine(model, random, batch, context, self.cfg.device, self.cfg.seed)
@@ -113,7 +107,7 @@ class EngineEvaluator:
 
     def speed_after_accuracy(self) -> bool:
         """A reuse flow's modeled speed is what its evaluation computed: it comes after accuracy."""
-        return self.cfg.kind == "reuse" and self.speed_kind() == "modeled"
+        return self.cfg.kind == "reuse" and self.cfg.speed_kind() == "modeled"
 
     def speedup(self, flow: str, params: dict[str, str], accuracy: Accuracy | None = None) -> tuple[float, dict[str, Any]]:
         """Speedup over dense (decode) or full recompute (reuse) and how it was taken; a reuse
@@ -124,13 +118,13 @@ class EngineEvaluator:
         from sparsetune.perf.cost import Costs, field_memory_share, kv_share, modeled_speedup
         from sparsetune.setup import lookup_flow_class
 
-        model, random, batch, context = self.speed_shape()
+        model, random, batch, context = self.cfg.speed_shape()
         built = lookup_flow_class(flow).from_strings(params)  # the point as the trial ran it (published defaults)
         # the budget on the search's model and context (report.budget_shares): recorded here, where the flow runs
         share = round(kv_share(model_config(self.cfg.model, True)[1], built, self.cfg.context), 4)
         info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context,
                                 "kv_share": share}
-        if self.speed_kind() == "modeled":
+        if self.cfg.speed_kind() == "modeled":
             _name, mcfg = model_config(model, random)
             costs = Costs.load()
             value = modeled_speedup(mcfg, built, batch, context, costs)
@@ -155,8 +149,8 @@ class EngineEvaluator:
                                              "dense_step_ms": round(1e3 * dense_s, 4), **info}
 
     def _reuse_speedup(self, flow: str, params: dict[str, str], accuracy: Accuracy | None) -> tuple[float, dict[str, Any]]:
-        model, random, _batch, context = self.speed_shape()
-        if self.speed_kind() == "modeled":
+        model, random, _batch, context = self.cfg.speed_shape()
+        if self.cfg.speed_kind() == "modeled":
             stats = (accuracy.extra.get("reuse") if accuracy is not None else None) or {}
             fraction = stats.get("compute_fraction")
             if not fraction:
