@@ -244,7 +244,7 @@ def bench_decode_point(
     scale = HEAD_DIM**-0.5
     kv_bytes = batch * ctx * HKV * HEAD_DIM * 2 * 2
     out = torch.empty_like(q)
-    auto_splits = choose_num_splits(batch, HKV, bt.shape[1], BLOCK_SIZE, paged_decode._num_sms(q.device))
+    auto_splits = choose_num_splits(batch, HKV, bt.shape[1], BLOCK_SIZE, paged_decode.num_sms(q.device))
     res: dict[str, Any] = {"batch": batch, "ctx": ctx, "kv_bytes": kv_bytes, "auto_splits": auto_splits, "variants": {}}
 
     def run(cfg: Config, splits: int | None) -> float:
@@ -296,7 +296,7 @@ def bench_sparse_point(
     # Bytes actually read: K and V of the selected tokens (all blocks are full).
     kv_bytes = batch * HKV * k_sel * BLOCK_SIZE * HEAD_DIM * 2 * 2
     out = torch.empty_like(q)
-    auto_splits = choose_num_splits(batch, HKV, k_sel, BLOCK_SIZE, paged_decode._num_sms(q.device), sparse=True)
+    auto_splits = choose_num_splits(batch, HKV, k_sel, BLOCK_SIZE, paged_decode.num_sms(q.device), sparse=True)
     res: dict[str, Any] = {"batch": batch, "ctx": ctx, "k_sel": k_sel, "block_size": BLOCK_SIZE, "kv_bytes": kv_bytes,
                            "auto_splits": auto_splits, "variants": {}}
 

@@ -47,13 +47,12 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .fused_ops import cast_rtne
+from .limits import DEFAULT_NUM_SMS, num_sms
 
 __all__ = [
     "paged_decode_attention",
@@ -64,8 +63,6 @@ __all__ = [
     "DEFAULT_NUM_SMS",
 ]
 
-# H100/H200 SXM have 132 SMs; used when no CUDA device is visible (interpreter).
-DEFAULT_NUM_SMS = 132
 # Target number of stage-1 programs per SM. All programs of a launch have about
 # the same length, so they retire in lock-step waves of (SMs x resident programs,
 # ~3-5 per SM here); many short programs (~8 waves) keep the idle tail of the
@@ -119,13 +116,6 @@ def choose_num_splits(
         want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, pairs)
         cap = max_tokens // _MIN_TOKENS_PER_SPLIT
     return int(max(1, min(want, cap, _MAX_SPLITS)))
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_NUM_SMS
 
 
 def _default_block_n(head_dim: int, elem_size: int) -> int:
@@ -623,7 +613,7 @@ def paged_decode_attention(
     out = _prepare_out(q, out)
     if num_splits is None:
         batch, num_kv_heads, block_size = q.shape[0], k_cache.shape[1], k_cache.shape[2]
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, num_sms(q.device))
     block_n = _resolve_block_n(block_n, q.shape[2], k_cache.element_size())
     if q.shape[0] == 0:
         return out
@@ -686,7 +676,7 @@ def sparse_paged_decode_attention(
     out = _prepare_out(q, out)
     max_sel = sel_blocks.shape[2]
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_sel, unit, _num_sms(q.device), sparse=True)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_sel, unit, num_sms(q.device), sparse=True)
     block_n = _resolve_block_n(block_n, q.shape[2], k_cache.element_size())
     if batch == 0:
         return out

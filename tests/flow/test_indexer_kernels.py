@@ -524,3 +524,43 @@ def test_sglang_pool_runs_through_the_paged_layout(name, tmp_path):
     got_out = paged_decode.sparse_paged_decode_attention(q.to(dt), k_view, v_view, pages, *args)
     assert want_out.abs().sum() > 0
     torch.testing.assert_close(got_out, want_out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("per_sm", [1, 2])
+@pytest.mark.parametrize("candidates", [False, True])
+def test_a_tiled_indexer_scores_alike_at_any_tile_count(per_sm, candidates, tmp_path, monkeypatch):
+    """A flow with math over the query and constants alone (DoubleSparse's query on its channels)
+    gets a tiled indexer: a program computes that math once and scores TILES x BLOCK_S entries in a
+    loop. On a device of one SM a program takes every tile of its row (per_sm 1) or half of them,
+    the last tile ragged (per_sm 2): the reference's scores and counts either way."""
+    page, unit = 8, 1
+    lens = [23 * page + 5, 9 * page, 40 * page - 1]
+    kv, bt, meta, q = _case(page, lens, seed=13)
+    flow = _two_level_flow("double_sparse", page, str(unit), tmp_path) if candidates else \
+        _flow("double_sparse", page, tmp_path, channels="8", select_block=str(unit))
+    ref = _attn(flow)
+    prefill_cache(ref, kv, bt, lens)
+    rule = flow.budget_rule.tensor(q.device)
+    kernel = _attn(flow, "compiled", use_triton=True).stages.indexer_kernel(GROUP, HEAD_DIM, candidates=candidates)
+    assert kernel.tiled and "for t in range(TILES):" in kernel.source
+    monkeypatch.setattr(indexer_mod, "num_sms", lambda device: 1)
+    monkeypatch.setattr(indexer_mod, "PROGRAMS_PER_SM", per_sm)
+    call = (q, PagedBlocks(bt, kv.null_block), meta.seq_lens, ref.fields[0], None, ref.constants(0, kv), HKV, rule)
+    args = (q, ref.unit_table(bt), meta.seq_lens, ref.fields[0], None, HKV, flow.unit, ref.null_unit(kv),
+            ref.constants(0, kv), rule)
+    if candidates:
+        npages = [-(-n // page) for n in lens]
+        pages = torch.stack([torch.arange(n - 1, n - 8, -1) for n in npages for _ in range(HKV)]).to(torch.int32).to(DEVICE)
+        kept = torch.full((pages.shape[0],), 7, dtype=torch.int32, device=DEVICE)
+        want, want_n = ref.stages.score_candidates(*args[:-1], rule, candidate_units(pages, kept, page // unit))
+        got, got_n = kernel(*call, pages=(pages, kept))
+        cols = pages.shape[1] * page // unit
+    else:
+        want, want_n, _, _ = ref.stages.score_tensors(*args)
+        got, got_n = kernel(*call)
+        cols = bt.shape[1] * page // unit
+    programs = len(lens) * HKV * -(-cols // kernel.block_s)
+    assert kernel.tiles(programs, q.device) == min(indexer_mod.MAX_TILES, programs // per_sm) > 1
+    assert torch.equal(got_n, want_n)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)

@@ -95,6 +95,10 @@ class Emitter:
     inputs: dict[int, tuple[str, bool]]  # id(FT) -> (variable, varies over blocks)
     tiles: dict[int, Tile] = field(default_factory=dict)
     body: list[str] = field(default_factory=list)
+    # `body` split by what a statement varies over: the query's and constants' own math (`row_math`,
+    # the same for every block of a row) and the rest (`per_block`); each keeps `body`'s order.
+    row_math: list[str] = field(default_factory=list)
+    per_block: list[str] = field(default_factory=list)
     used: set[str] = field(default_factory=set)
     biggest: int = 1  # the largest per-block intermediate over blocks, in elements (sets BLOCK_S)
     biggest_dot: int = 1  # the same where the products emitted by `dot_matvec` run (DOT on)
@@ -188,11 +192,13 @@ class Emitter:
             values = [v for k, v in args.items() if k != "cond"]
             out.exact16 = op.name in _SELECTING_OPS and all(
                 v.exact16 if isinstance(v, Tile) else _exact16(v) for v in values)
+            start = len(self.body)
             code = op.emit(self, out, **args)
             if out.s:  # block-constant values (the query's own math) do not grow with BLOCK_S
                 self.grow(p2(out.a) * p2(out.b))
             self.tiles[id(node.out)] = out
             self.body.append(f"{out.name} = {code}")
+            (self.per_block if out.s else self.row_math).extend(self.body[start:])  # a row value reads row values only
 
     def const_loads(self, const: dict[str, FT]) -> tuple[tuple[str, ...], list[str], list[str]]:
         """The constants the emitted code reads (`c_<name>`, per KV head h): their names,

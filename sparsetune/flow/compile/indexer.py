@@ -1,4 +1,6 @@
-"""The generated indexer: one program owns `BLOCK_S` blocks of one (request, KV head) row.
+"""The generated indexer: one program owns `BLOCK_S` blocks of one (request, KV head) row, or
+`TILES` x `BLOCK_S` of them, a tile at a time, where the flow has math over the query and constants
+alone (a calibrated flow's query on its channels), which a program then computes once.
 
 With `candidates` (the second level of a two-level flow) a row scores the units of its chosen
 blocks instead of every unit of its sequence: given the first level's blocks `pages[r, :kept[r]]`
@@ -31,10 +33,15 @@ from sparsetune.flow.compile.emit import Emitter, ForcedOnly, NotBlockLocal, ker
 from sparsetune.flow.compile.layout import KVLayout
 from sparsetune.flow.compile.paged import paged_layout
 from sparsetune.flow.trace import tracing
+from sparsetune.kernels.limits import num_sms
 from sparsetune.flow.shapes import dummy_inputs, field_dims
 
 ELEMS_PER_PROGRAM = 16384  # the largest intermediate of one program, in fp32 elements (4 warps)
 NUM_WARPS = 4
+# A tiled kernel (row math of its own, e.g. a calibrated flow's projected query) keeps this many programs
+# an SM, each scoring up to MAX_TILES x BLOCK_S entries (`IndexerKernel.tiles`).
+PROGRAMS_PER_SM = 4
+MAX_TILES = 16
 # A centroid-times-query product over 16-bit stores runs on tensor cores (`Emitter.dot_matvec`).
 DOT_PRODUCTS = True
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -55,6 +62,8 @@ class IndexerKernel:
     block_s_dot: int = 0  # BLOCK_S of the tensor-core form of its products (`Emitter.dot_matvec`); 0: none
     # A candidates kernel: units per chosen block, whose units it scores (`pages`); 0: every unit of the sequence.
     candidate_units: int = 0
+    # Row math of its own (query or constants only): a program scores `tiles` x BLOCK_S entries.
+    tiled: bool = False
 
     @cached_property
     def kernel(self) -> object:
@@ -84,10 +93,21 @@ class IndexerKernel:
             args += self.layout.pool_args(k_pool)
         args += [a for name in self.consts for a in with_strides(consts[name])]
         block_s, dot_t = self.tile(q, stores)
-        grid = (rows, -(-cols // block_s))
+        tiles = self.tiles(rows * -(-cols // block_s), q.device)
+        if self.tiled:
+            args.append(tiles)
+        grid = (rows, -(-cols // (block_s * tiles)))
         self.kernel[grid](*args, BLOCK_S=block_s, DOT=dot_t is not None, DOT_T=dot_t or tl.float32,  # type: ignore[index]
                           num_warps=NUM_WARPS)
         return out, counts
+
+    def tiles(self, programs: int, device: torch.device) -> int:
+        """How many BLOCK_S tiles a program of a tiled kernel scores, given the launch's `programs` at
+        one tile each: as many as leave `PROGRAMS_PER_SM` programs on every SM (at most `MAX_TILES`),
+        so the row math is paid once per program where the SMs stay full. 1 untiled."""
+        if not self.tiled:
+            return 1
+        return max(1, min(MAX_TILES, programs // (PROGRAMS_PER_SM * num_sms(device))))
 
     def tile(self, q: torch.Tensor, stores: dict[str, torch.Tensor]) -> tuple[int, object | None]:
         """BLOCK_S of a launch on these tensors, and the dtype of its tensor-core products (None: the
@@ -140,56 +160,68 @@ def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout 
 
     sig = ["q", "stride_qb", "stride_qh", "seq_lens", "out", "stride_o", "counts", "W", "HKV", BudgetRule.TRITON_PARAM,
            *layout.index_params(), *(["pages", "stride_p", "kept", "C"] if candidates else [])]
-    loads = [tile_load("q_in", "q", f"b * stride_qb + h * {group} * stride_qh", group, head_dim, "stride_qh", "1", False)]
+    row_loads = [tile_load("q_in", "q", f"b * stride_qb + h * {group} * stride_qh", group, head_dim, "stride_qh", "1", False)]
+    block_loads = []
     fields_used = tuple(n for n in dims if f"f_{n}" in em.used)
     for n in fields_used:
         sig += ptr_params(f"f_{n}", 4)
-        loads.append(tile_load(f"f_{n}", f"f_{n}_ptr", f"blk * f_{n}_s0 + h * f_{n}_s1", *dims[n],
-                               f"f_{n}_s2", f"f_{n}_s3", True))
+        block_loads.append(tile_load(f"f_{n}", f"f_{n}_ptr", f"blk * f_{n}_s0 + h * f_{n}_s1", *dims[n],
+                                     f"f_{n}_s2", f"f_{n}_s3", True))
     uses_keys = "k_in" in em.used
     if uses_keys:
         sig += layout.pool_params("k")
         live = f" & ((j[:, None, None] * {bs} + tl.arange(0, {p2(bs)})[None, :, None]) < seq_len)"
-        loads += layout.token_tile("k_in", "k", bs, head_dim, True, live)
+        block_loads += layout.token_tile("k_in", "k", bs, head_dim, True, live)
     consts_used, const_params, const_loads = em.const_loads(x.const)
     sig += const_params
-    loads += const_loads
+    row_loads += const_loads
+    # With math of its own over the query and constants (a calibrated flow's projected query), a
+    # program computes it once and scores TILES x BLOCK_S entries in a loop (`IndexerKernel.tiles`),
+    # instead of once per BLOCK_S of them; else a program scores one BLOCK_S.
+    tiled = bool(em.row_math)
+    first = "(tl.program_id(1) * TILES + t) * BLOCK_S" if tiled else "tl.program_id(1) * BLOCK_S"
     # Entry `col` of the row holds the score of logical unit j: the same unit, or unit col % U of
     # chosen block col // U (dead past the row's kept blocks; j 0 stands in).
     units = flow.block_size // bs
-    entries = (["col = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)",
-                "n_kept = tl.load(kept + row)",
+    entries = ([f"col = {first} + tl.arange(0, BLOCK_S)",
                 f"chosen = (col < C) & (col // {units} < n_kept)",
                 f"j = tl.load(pages + row * stride_p + col // {units}, mask=chosen, other=0) * {units} + col % {units}",
                 "live = chosen & (j < nb)",
                 "j = tl.where(chosen, j, 0)"] if candidates else
-               ["j = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)", "col = j", "live = j < nb"])
+               [f"j = {first} + tl.arange(0, BLOCK_S)", "col = j", "live = j < nb"])
     # A candidates row attends no more units than its chosen blocks hold: all U of each, but the
     # last block's units past the sequence (that block is always chosen).
     cap = ([f"want = tl.minimum(want, n_kept * {units} - ((seq_len + {flow.block_size - 1}) // {flow.block_size}) * "
             f"{units} + nb)"] if candidates else [])
-    lines = [
-        "row = tl.program_id(0)",
-        "b = row // HKV",
-        "h = row % HKV",
-        "seq_len = tl.load(seq_lens + b)",
-        f"nb = (seq_len + {bs - 1}) // {bs}",
+    per_block = [
         *entries,
-        *BudgetRule.TRITON_LOAD,
         *layout.index_rows(bs),
-        *loads,
-        *em.body,
+        *block_loads,
+        *em.per_block,
         f"sc = tl.reshape({score}, (BLOCK_S,))",
         f"sc = tl.where(sc != sc, -{_F32_MAX}, sc)",
         f"sc = tl.minimum(tl.maximum(sc, -{_F32_MAX}), {_F32_MAX})",
         "sc = tl.where((j < SINK) | (j >= nb - LOCAL), float('inf'), sc)",
         "sc = tl.where(live, sc, float('-inf'))",
         f"tl.store(out + row * stride_o + col, sc, mask=col < {'C' if candidates else 'W'})",
+    ]
+    lines = [
+        "row = tl.program_id(0)",
+        "b = row // HKV",
+        "h = row % HKV",
+        "seq_len = tl.load(seq_lens + b)",
+        f"nb = (seq_len + {bs - 1}) // {bs}",
+        *(["n_kept = tl.load(kept + row)"] if candidates else []),
+        *BudgetRule.TRITON_LOAD,
+        *row_loads,
+        *em.row_math,
+        *(["for t in range(TILES):", *(f"    {line}" for line in per_block)] if tiled else per_block),
         *BudgetRule.TRITON,
         *cap,
         "tl.store(counts + row, want, mask=tl.program_id(1) == 0)",
     ]
     doc = f"Generated by sparsetune.flow.compile: the indexer of flow {flow.name!r} (group {group}, head_dim {head_dim})."
+    sig += ["TILES"] if tiled else []
     src = kernel_source("flow_indexer", sig + [f"{c}: tl.constexpr" for c in ("BLOCK_S", "DOT", "DOT_T")], lines, doc)
     return shared(IndexerKernel(src, fields_used, consts_used, uses_keys, block_s, layout, block_s_dot,
-                                units if candidates else 0))
+                                units if candidates else 0, tiled))
