@@ -17,6 +17,7 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.flow.check import check_flow
 from sparsetune.loader import build_flow, get_flow_class
 from sparsetune.flow.attention import FlowAttention
+from sparsetune.models.artifacts import synthetic_calibration
 from helpers import HEAD_DIM, HKV, GROUP, paged_case, prefill_cache, selected_sets, reference_selection, block_keys
 
 
@@ -83,18 +84,28 @@ def test_units_inside_blocks_select_and_attend_by_the_published_rule(name, unit)
             torch.testing.assert_close(out[b, h * GROUP : (h + 1) * GROUP], ref, rtol=1e-5, atol=1e-5)  # fp32 softmax
 
 
-def _rule_scores(name, keys, qg):
-    """The published rule's score of each group of keys `[n, size, D]` for the group's queries `qg`."""
+def _rule_scores(name, keys, qg, channels=None):
+    """The published rule's score of each group of keys `[n, size, D]` for the group's queries `qg`
+    (`channels`: the KV head's calibrated channels, for the rules on them)."""
     if name == "quest":
         kmax, kmin = keys.amax(1), keys.amin(1)
         return torch.maximum(qg[:, None] * kmax[None], qg[:, None] * kmin[None]).sum(-1).amax(0)
+    if name == "sub_blocks_on_channels":  # the best of four sub-block centroids, on the channels
+        n, size, _ = keys.shape
+        cents = keys.reshape(n, 4, size // 4, -1).mean(2)[..., channels]  # [n, 4, r]
+        return (cents @ qg[:, channels].T).amax((1, 2))
+    if name == "mean_on_channels":
+        return (qg[:, channels] @ keys.mean(1)[:, channels].T).amax(0)
     return (qg @ keys.mean(1).T).amax(0)
 
 
 # (flow, its rule over blocks, its rule over units): quest and block_topk run their own rule at both
-# levels; quest_2l's page stages are Quest's bound and its units are scored by the mean key.
+# levels; quest_2l's page stages are Quest's bound and its units are scored by the mean key;
+# double_sparse_2l's pages by their best sub-block centroid and its units by their mean key, both on
+# the KV head's calibrated channels.
 TWO_LEVEL = [("quest", "quest", "quest"), ("block_topk", "block_topk", "block_topk"),
-             ("quest_2l", "quest", "block_topk"), ("block_topk_2l", "block_topk", "block_topk")]
+             ("quest_2l", "quest", "block_topk"), ("block_topk_2l", "block_topk", "block_topk"),
+             ("double_sparse_2l", "sub_blocks_on_channels", "mean_on_channels")]
 
 
 @pytest.mark.parametrize("name,page_rule,unit_rule", TWO_LEVEL)
@@ -115,11 +126,12 @@ def test_two_level_selection_is_every_unit_scored_inside_the_top_blocks(name, pa
         (tmp_path / "my_quest_2l.py").write_text(get_flow_class("quest_2l").path.read_text().replace(
             '"quest_2l"', '"my_quest_2l"'))
     flow = build_flow(spec, {"budget": str(budget), "select_block": str(unit), "coarse": str(coarse),
-                             "sink_blocks": "1", "local_blocks": "2"})
+                             "sink_blocks": "1", "local_blocks": "2", **({"channels": "8"} if get_flow_class(name).calibrated else {})})
     assert flow.uses_stage_graphs() == (spec != name)
     first = flow.page_flow()
     assert (first.sink_blocks, first.local_blocks) == (1, 2) and first.budget == -(-int(coarse * budget) // 1)
-    attn = FlowAttention(flow, HEAD_DIM**-0.5)
+    calib = synthetic_calibration(1, HKV, HEAD_DIM) if flow.calibrated else None
+    attn = FlowAttention(flow, HEAD_DIM**-0.5, calibration=calib)
     prefill_cache(attn, kv, bt, lens)
     prefill_cache(attn.pages, kv, bt, lens)
     got = selected_sets(attn, kv, bt, meta, q)
@@ -130,10 +142,11 @@ def test_two_level_selection_is_every_unit_scored_inside_the_top_blocks(name, pa
         tokens = kv.k[0][bt[b, pos // page].long(), :, pos % page]
         for h in range(HKV):
             qg = q[b, h * GROUP : (h + 1) * GROUP]
-            pscore = torch.cat([_rule_scores(page_rule, tokens[: pfull * page, h].reshape(pfull, page, HEAD_DIM), qg),
+            ch = calib[0][h][:flow.channels] if calib else None
+            pscore = torch.cat([_rule_scores(page_rule, tokens[: pfull * page, h].reshape(pfull, page, HEAD_DIM), qg, ch),
                                 torch.zeros(npages - pfull, dtype=q.dtype)])
             pages = reference_selection(pscore, npages, first.budget_blocks(npages), 1, 2)
-            uscore = torch.cat([_rule_scores(unit_rule, tokens[: nfull * unit, h].reshape(nfull, unit, HEAD_DIM), qg),
+            uscore = torch.cat([_rule_scores(unit_rule, tokens[: nfull * unit, h].reshape(nfull, unit, HEAD_DIM), qg, ch),
                                 torch.zeros(nunits - nfull, dtype=q.dtype)])
             inside = torch.tensor([x * unit // page in pages for x in range(nunits)])
             want = reference_selection(uscore.masked_fill(~inside, float("-inf")), nunits, flow.budget_blocks(nunits), 1, 2)
@@ -284,7 +297,6 @@ def test_engine_small_budget_really_selects(smollm):
 @pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse"])
 def test_compiled_executor_equals_reference(name):
     """torch.compile'd stages (Inductor; C++ on CPU, Triton on GPU) select exactly what the reference does."""
-    from sparsetune.models.artifacts import synthetic_calibration
 
     lens = [30 * 16 + 7, 11 * 16]
     kv, bt, meta, q = paged_case(16, lens, seed=3)

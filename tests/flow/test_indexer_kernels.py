@@ -244,7 +244,7 @@ def _two_level_flow(name: str, page: int, unit: str, tmp_path, **extra):
     if name == "keys":
         (tmp_path / "keys.py").write_text(KEYS_FLOW)
         name = str(tmp_path / "keys.py")
-    extra = {"channels": "8", **extra} if name == "double_sparse" else extra
+    extra = {"channels": "8", **extra} if name in ("double_sparse", "double_sparse_2l") else extra
     return _flow(name, page, tmp_path, select_block=unit, **extra)
 
 
@@ -286,7 +286,7 @@ def test_generated_candidate_indexer_equals_reference(name, page, unit, tmp_path
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name,page,unit", CANDIDATE_CASES[:3] + [("quest_2l", 16, "2")])
+@pytest.mark.parametrize("name,page,unit", CANDIDATE_CASES[:3] + [("quest_2l", 16, "2"), ("double_sparse_2l", 16, "2")])
 def test_generated_executor_selects_two_levels_like_reference(name, page, unit, tmp_path):
     """A two-level flow on the compiled executor's Triton path (generated first-level indexer,
     radix select, generated candidate indexer, radix select) picks the reference's units."""

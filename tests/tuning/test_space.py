@@ -34,9 +34,9 @@ def test_quest_space_is_its_declared_params():
 
 
 def test_two_level_flows_search_the_unit_and_the_multiple_not_the_page():
-    """quest_2l and block_topk_2l keep the KV page (16, SGLang's page too) and sample the unit inside
+    """The two-level built-ins keep the KV page (16, SGLang's page too) and sample the unit inside
     it and how many pages the first level keeps, on a log scale; each point is a two-level flow."""
-    for name in ("quest_2l", "block_topk_2l"):
+    for name in ("quest_2l", "block_topk_2l", "double_sparse_2l"):
         dims = {d.name: d.distribution for d in dimensions(get_flow_class(name), LAYERS)}
         assert "block_size" not in dims
         assert dims["select_block"] == CategoricalDistribution((2, 4))
@@ -49,6 +49,7 @@ def test_flow_specific_params_and_inapplicable_ones():
     assert _dims("h2o")["decay"].distribution == FloatDistribution(0.5, 1.0)
     assert _dims("double_sparse")["channels"].distribution == CategoricalDistribution((4, 8, 16, 32, 64))
     assert "calibration" not in _dims("double_sparse")  # a file: not a dimension
+    assert _dims("double_sparse_2l")["channels"].distribution == CategoricalDistribution((16, 32, 64))  # its own Search
     streaming = _dims("streaming")
     assert "budget_ratio" not in streaming and "budget" not in streaming  # inapplicable to a window
     assert streaming["local_blocks"].distribution == IntDistribution(4, 512, log=True)  # its own Search
@@ -102,7 +103,7 @@ def test_fixed_params_are_not_sampled_and_move_the_spread_layers():
 
 
 @pytest.mark.parametrize("name", ["quest", "block_topk", "streaming", "h2o", "tidal", "double_sparse", "quest_2l",
-                                  "block_topk_2l"])
+                                  "block_topk_2l", "double_sparse_2l"])
 def test_every_sampled_point_is_a_valid_flow(name):
     """Random points of the space build the flow, and its select layers start at the first sparse
     layer (the runtime's rule: later layers reuse that selection)."""
