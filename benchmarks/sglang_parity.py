@@ -79,6 +79,8 @@ def main() -> None:
         if args.bundle:
             manifest = json.loads((Path(args.bundle) / "bundle.json").read_text())
             flow, params = str(Path(args.bundle) / manifest["source"]), dict(manifest["params"])
+            if "calibration" in params:  # a calibrated flow: the bundle's own file (a name inside it)
+                params["calibration"] = str(Path(args.bundle) / params["calibration"])
         llm = LLM(model=str(model), flow=flow, params=params, dtype="float16", max_num_seqs=len(samples))
 
         def run(prompts: list[list[int]], lengths: list[int]) -> list[str]:

@@ -314,12 +314,14 @@ def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str
     """A bundle's problems (`export.bundle.check_bundle`; with `model`, the model folder's for serving
     it, `check_model`) and whether this environment's SGLang can serve it; `ok` is False when the
     bundle or the model has a problem, or, with `require_sglang`, SGLang does."""
-    from sparsetune.export.bundle import (MANIFEST, check_bundle, check_model, edited_since_measured, sglang_problem,
-                                          sglang_version)
+    from sparsetune.export.bundle import (MANIFEST, calibration_of, check_bundle, check_model, edited_since_measured,
+                                          sglang_problem, sglang_version)
 
     problems, sglang = check_bundle(Path(bundle)), sglang_problem()
     if model is not None and not problems:  # the manifest reads: it just checked
-        problems = check_model(model, json.loads((Path(bundle) / MANIFEST).read_text())["params"])
+        manifest = json.loads((Path(bundle) / MANIFEST).read_text())
+        calibration = calibration_of(Path(bundle), manifest)
+        problems = check_model(model, manifest["params"], None if calibration is None else calibration[1])
     edited = {} if problems else edited_since_measured(json.loads((Path(bundle) / MANIFEST).read_text()))
     return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
             "edited_since_measured": edited, "ok": not problems and not (require_sglang and sglang)}

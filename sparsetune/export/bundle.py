@@ -2,6 +2,9 @@
 
     DIR/
       <flow>.py          the flow's source, byte for byte (its sha256 is in the manifest): to read
+      calibration.json   a calibrated flow's channel order (`models.artifacts`), the model's file the
+                         export resolved (its sha256 is in the manifest; the flow's `calibration`
+                         param names it); checked against the served model's shapes at launch
       flow.graph.json    the flow as data (`flow.graph.describe`: its params' declarations and both
                          stages traced into op graphs at the bundle's params): what serves it (its
                          sha256 is in the manifest, and checked when SGLang loads the bundle)
@@ -37,6 +40,7 @@ MANIFEST = "bundle.json"
 SGLANG_CONFIG = "sglang.json"
 LAUNCH = "launch_sglang.sh"
 GRAPH = "flow.graph.json"
+CALIBRATION = "calibration.json"
 # Serving in SGLang (`export/sglang/`): the backend's name, the variable that gives it the bundle,
 # and the SGLang versions it is contract-tested on (ranges, oldest to newest): 0.5.13 (the first with
 # the out-of-graph / in-graph metadata hooks and the pools on the backend) to 0.5.16, and 0.5.23 (the
@@ -113,7 +117,7 @@ def as_text(flow) -> dict[str, str]:
 
 
 # The files a bundle writes besides its flow's source (what `--force` replaces; nothing else is touched).
-_WRITES = (MANIFEST, SGLANG_CONFIG, LAUNCH, GRAPH)
+_WRITES = (MANIFEST, SGLANG_CONFIG, LAUNCH, GRAPH, CALIBRATION)
 
 
 def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: str | None = None,
@@ -127,6 +131,9 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
     is_bundle = (out / MANIFEST).is_file()
     if out.exists() and not (overwrite and is_bundle):
         raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if is_bundle else ""))
+    calibration = _calibration(cls, resolved, model)
+    if calibration is not None:  # the bundle's own copy serves it
+        resolved = {**resolved, "calibration": CALIBRATION}
     graph = json.dumps(describe(cls, cls.from_strings(resolved).params(), BUNDLE_HEAD_DIMS, block_sizes=False),
                        sort_keys=True)
     try:
@@ -138,6 +145,8 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
         source = out / f"{cls.name}.py"
         source.write_bytes(flow_file.read_bytes())
         (out / GRAPH).write_text(graph)
+        if calibration is not None:
+            (out / CALIBRATION).write_bytes(calibration[0].read_bytes())
         manifest = {
             "schema": SCHEMA,
             "flow": cls.name,
@@ -145,6 +154,8 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
             "source_sha256": file_sha256(source),
             "graph": GRAPH,
             "graph_sha256": file_sha256(out / GRAPH),
+            **({} if calibration is None else {"calibration_sha256": file_sha256(out / CALIBRATION),
+                                               "calibration_shape": list(calibration[1])}),
             "params": resolved,
             "block_size": int(resolved["block_size"]),
             "model": model,
@@ -162,6 +173,28 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
     except OSError as e:
         raise SparsetuneError(f"cannot write the bundle to {out}: {e.strerror}; pick a writable --out folder") from None
     return manifest
+
+
+def _calibration(cls, resolved: dict[str, str], model: str | None) -> tuple[Path, tuple[int, int, int]] | None:
+    """A calibrated flow's calibration file (its `calibration` param: a file, or "auto", the model's)
+    and its (layers, KV heads, head_dim), checked against the model's where the model is known; None
+    for other flows."""
+    if not cls.calibrated:
+        return None
+    from sparsetune.models.artifacts import calibration_path, calibration_shape
+
+    path = calibration_path(resolved.get("calibration", "auto"), cls.name, model)
+    shape = calibration_shape(path)
+    if model is not None:
+        from sparsetune.models.resolve import model_config
+
+        cfg = model_config(model)[1]
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        if shape != want:
+            raise SparsetuneError(f"calibration file {path} is for {shape[0]} layers x {shape[1]} KV heads x head_dim "
+                                  f"{shape[2]}, {model} has {want[0]} x {want[1]} x {want[2]}: calibrate this model "
+                                  f"(`sparsetune flows calibrate --model {model}`) or pass its file")
+    return path, shape
 
 
 def _setup(model: str, flow_file: Path, params: dict[str, str]):
@@ -311,6 +344,8 @@ def check_bundle(path: Path) -> list[str]:
     elif flow.page_flow() is not None and graph_key(flow.page_flow()) not in cls.graphs:  # coarse set after export
         problems.append(f"coarse={m['params'].get('coarse')} selects in two levels, but the bundle holds no graphs "
                         "of its first level (it was exported with one); export again with coarse")
+    if flow.calibrated:
+        problems += _calibration_problems(path, m)
     if str(m.get("block_size")) != resolved.get("block_size"):
         problems.append(f"block_size {m.get('block_size')!r} differs from the flow's {resolved.get('block_size')!r}")
     if m.get("setup") is not None:  # the setup it was exported as (params edited since are named apart)
@@ -330,6 +365,33 @@ def check_bundle(path: Path) -> list[str]:
     return problems
 
 
+def _calibration_problems(path: Path, m: dict[str, Any]) -> list[str]:
+    """A calibrated flow's bundle: its calibration file there, unchanged, named by the flow's param."""
+    from sparsetune.models.artifacts import calibration_shape
+
+    f = path / CALIBRATION
+    if not f.is_file() or not isinstance(m.get("calibration_sha256"), str):
+        return [f"flow {m['flow']!r} is calibrated but the bundle carries no {CALIBRATION}; export again with --model "
+                "(the model it serves, calibrated: `sparsetune flows calibrate --model M`)"]
+    if file_sha256(f) != m["calibration_sha256"]:
+        return [f"{CALIBRATION} changed since export; export again"]
+    if m["params"].get("calibration") != CALIBRATION:
+        return [f"params: calibration={m['params'].get('calibration')!r}, but the bundle serves its own {CALIBRATION}; "
+                "export again"]
+    try:
+        shape = list(calibration_shape(f))
+    except SparsetuneError as e:
+        return [f"{e}; export again"]
+    return [] if shape == m.get("calibration_shape") else [
+        f"{CALIBRATION} is for {shape}, the manifest says {m.get('calibration_shape')}; export again"]
+
+
+def calibration_of(path: Path, manifest: dict[str, Any]) -> tuple[Path, tuple[int, int, int]] | None:
+    """A checked bundle's calibration file and its (layers, KV heads, head_dim); None: the flow has none."""
+    shape = manifest.get("calibration_shape")
+    return None if shape is None else (path / CALIBRATION, tuple(shape))
+
+
 def edited_since_measured(manifest: dict[str, Any]) -> dict[str, tuple[str | None, str | None]]:
     """Params that differ from those the bundle's figures were measured at: name → (measured, now)."""
     at = manifest.get("measured_params")
@@ -339,10 +401,11 @@ def edited_since_measured(manifest: dict[str, Any]) -> dict[str, tuple[str | Non
     return {k: (at.get(k), now.get(k)) for k in sorted(set(at) | set(now)) if at.get(k) != now.get(k)}
 
 
-def check_model(model: str | Path, params: dict[str, str]) -> list[str]:
+def check_model(model: str | Path, params: dict[str, str], calibration: tuple[int, int, int] | None = None) -> list[str]:
     """What keeps SGLang from serving a bundle's flow on a local model folder (a hub id is SGLang's to
     fetch: nothing to check here): no or an unreadable config.json, no `architectures` (SGLang picks
-    the model class from it), an attention the backend does not serve, layer indices past the model's."""
+    the model class from it), an attention the backend does not serve, layer indices past the model's,
+    a calibration (layers, KV heads, head_dim) of another shape."""
     path = Path(model)
     if not path.is_dir():
         return [] if not str(model).startswith((".", "/", "~")) else [f"model folder {model} does not exist"]
@@ -361,6 +424,15 @@ def check_model(model: str | Path, params: dict[str, str]) -> list[str]:
     if cfg.get("kv_lora_rank") or cfg.get("attention_type") == "mla":
         problems.append(f"{path} is an MLA model: the {BACKEND} backend serves MHA/GQA attention only")
     layers = cfg.get("num_hidden_layers")
+    if calibration is not None:
+        heads = cfg.get("num_attention_heads")
+        hidden = cfg.get("hidden_size")
+        dim = cfg.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads and isinstance(hidden, int) else None)
+        have = (layers, cfg.get("num_key_value_heads", heads), dim)
+        if tuple(calibration) != have:
+            problems.append(f"the bundle's {CALIBRATION} is for {calibration[0]} layers x {calibration[1]} KV heads x "
+                            f"head_dim {calibration[2]}, {path} has {have[0]} x {have[1]} x {have[2]}; export again with "
+                            "this model's calibration")
     for key in ("dense_layers", "select_layers"):
         bad = [i for i in params.get(key, "").split(",") if i.strip() and isinstance(layers, int) and int(i) >= layers]
         if bad:

@@ -99,19 +99,42 @@ def load_calibration(
     return channels
 
 
-def resolve_calibration(
-    spec: str, flow: str, model: str, random_weights: bool, num_layers: int, num_kv_heads: int, head_dim: int
-) -> Calibration:
-    """The channel order the calibrated flow `flow` runs with on `model`: the file `spec`, or for
-    "auto" the model's default file (which must exist: calibration is an explicit, offline step)."""
+def calibration_path(spec: str, flow: str, model: str | None, random_weights: bool = False) -> Path:
+    """The calibration file a calibrated flow `flow` reads: the file `spec`, or for "auto" the
+    model's default file (which must exist: calibration is an explicit, offline step)."""
     if spec != "auto":
-        return load_calibration(spec, num_layers, num_kv_heads, head_dim, model)
+        return Path(spec).expanduser()
+    if model is None:
+        raise SparsetuneError(f"{flow} reads the channel calibration of the model it runs on: name the model "
+                              "(--model M) or pass --param calibration=FILE")
     path = artifact_path(model, random_weights, CALIBRATION)
     if not path.is_file():
         cmd = f"sparsetune flows calibrate --model {model}" + (" --random-weights" if random_weights else "")
         raise SparsetuneError(f"{flow} needs channel calibration for {model}: run `{cmd}` "
                               f"(or pass --param calibration=FILE)")
-    return load_calibration(path, num_layers, num_kv_heads, head_dim, model)
+    return path
+
+
+def resolve_calibration(
+    spec: str, flow: str, model: str, random_weights: bool, num_layers: int, num_kv_heads: int, head_dim: int
+) -> Calibration:
+    """The channel order the calibrated flow `flow` runs with on `model` (`calibration_path`),
+    checked against the model's shapes."""
+    return load_calibration(calibration_path(spec, flow, model, random_weights), num_layers, num_kv_heads, head_dim,
+                            model)
+
+
+def calibration_shape(path: str | Path) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) a calibration file is for, the file checked as `load_calibration`
+    checks it against those shapes (a file carried without its model: a bundle's)."""
+    path, data = read_model_file(path, "calibration file", "re-run `sparsetune flows calibrate`",
+                                 "--param calibration=FILE")
+    shape = tuple(data.get(k) for k in ("num_layers", "num_kv_heads", "head_dim"))
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
+        raise SparsetuneError(f"calibration file {path}: num_layers, num_kv_heads and head_dim must be positive "
+                              "integers; re-run `sparsetune flows calibrate`")
+    load_calibration(path, *shape)
+    return shape  # type: ignore[return-value]
 
 
 def synthetic_calibration(num_layers: int, num_kv_heads: int, head_dim: int, seed: int = 0) -> Calibration:

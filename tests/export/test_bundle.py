@@ -292,3 +292,52 @@ def test_a_bundle_exported_with_one_level_refuses_coarse_set_later(tmp_path):
     m["params"]["coarse"] = "2.0"
     path.write_text(json.dumps(m))
     assert any("holds no graphs of its first level" in p for p in check_bundle(tmp_path / "q"))
+
+
+def test_a_calibrated_flow_carries_its_models_calibration_and_checks_it(tmp_path, monkeypatch):
+    """double_sparse_2l's bundle holds the channel order of the model it serves (the model's file for
+    `calibration=auto`, or the file given), named by the flow's param and hashed; export refuses what
+    cannot be resolved, and `check` names a changed or missing file or a model of other shapes."""
+    from sparsetune.export.bundle import CALIBRATION, check_model
+    from sparsetune.models.artifacts import synthetic_calibration, write_calibration
+
+    monkeypatch.setenv("SPARSETUNE_MODELS", str(tmp_path / "models"))  # no calibration files there
+    with pytest.raises(SparsetuneError, match="name the model"):
+        write_bundle(tmp_path / "none", flow_path("double_sparse_2l"), {})
+    with pytest.raises(SparsetuneError, match="run `sparsetune flows calibrate --model smollm2-135m`"):
+        write_bundle(tmp_path / "none", flow_path("double_sparse_2l"), {}, model="smollm2-135m")
+    assert not (tmp_path / "none").exists()
+    wrong = write_calibration(tmp_path / "wrong.json", "other", synthetic_calibration(4, 3, 64), None, 8, "test")
+    with pytest.raises(SparsetuneError, match="is for 4 layers x 3 KV heads x head_dim 64, smollm2-135m has 30"):
+        write_bundle(tmp_path / "none", flow_path("double_sparse_2l"), {"calibration": str(wrong)}, model="smollm2-135m")
+    # the model's own file, found by calibration=auto (`sparsetune flows calibrate` writes it there)
+    from sparsetune.models.artifacts import artifact_path
+
+    order = synthetic_calibration(30, 3, 64, seed=1)
+    write_calibration(artifact_path("smollm2-135m"), "smollm2-135m", order, None, 8, "test")
+    m = write_bundle(tmp_path / "b", flow_path("double_sparse_2l"), {"channels": "16"}, model="smollm2-135m")
+    b = tmp_path / "b"
+    assert m["params"]["calibration"] == CALIBRATION and m["calibration_shape"] == [30, 3, 64]
+    assert json.loads((b / CALIBRATION).read_text())["channels"] == order
+    assert check_bundle(b) == [] and flow_of(b, read_bundle(b)).channels == 16
+    model = tmp_path / "served"
+    model.mkdir()
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "hidden_size": 576}
+    (model / "config.json").write_text(json.dumps(cfg))
+    assert check_model(model, m["params"], (30, 3, 64)) == []
+    (model / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 9}))
+    assert check_model(model, m["params"], (30, 3, 64)) == [
+        f"the bundle's {CALIBRATION} is for 30 layers x 3 KV heads x head_dim 64, {model} has 30 x 9 x 64; export "
+        "again with this model's calibration"]
+    # a file given by path; then tampered with, then gone
+    given = write_calibration(tmp_path / "given.json", "smollm2-135m", synthetic_calibration(30, 3, 64, seed=2), None, 8, "t")
+    write_bundle(b, flow_path("double_sparse_2l"), {"calibration": str(given)}, model="smollm2-135m", overwrite=True)
+    assert (b / CALIBRATION).read_bytes() == given.read_bytes() and check_bundle(b) == []
+    (b / CALIBRATION).write_text((b / CALIBRATION).read_text().replace("[", "[ ", 1))
+    assert check_bundle(b) == [f"{CALIBRATION} changed since export; export again"]
+    (b / CALIBRATION).unlink()
+    assert "carries no calibration.json" in check_bundle(b)[0]
+    # a flow without calibration writes none, and an overwrite removes an old one
+    write_bundle(b, flow_path("quest"), {}, overwrite=True)
+    assert not (b / CALIBRATION).exists() and check_bundle(b) == []

@@ -22,9 +22,11 @@ dense layers, and decodes the sparse layers with this package's own flow machine
   graph (`init_forward_metadata_in_graph`) into a buffer as wide as the longest request
   SGLang admits; the flow's decode reads tensors only, as in the embedded engine's graphs.
 
-Out of scope (refused with one line when SGLang is launched so): reuse flows, calibrated flows
-(their per-layer constants come from a calibration file of the embedded model), MLA or hybrid
-(SWA) pools, the page-major pool, and a page size other than the bundle's block size.
+A calibrated flow (DoubleSparse's channels) reads the bundle's calibration file, checked against the
+served model's layers, KV heads and head_dim. Out of scope (refused with one line when SGLang is
+launched so): reuse flows, a calibrated flow under tensor parallelism (a rank would need its KV
+heads' global indices), MLA or hybrid (SWA) pools, the page-major pool, and a page size other than
+the bundle's block size.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sparsetune.engine.attention import AttentionMetadata
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import BACKEND as NAME
-from sparsetune.export.bundle import BUNDLE_ENV, flow_of, read_bundle
+from sparsetune.export.bundle import BUNDLE_ENV, calibration_of, flow_of, read_bundle
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.flow.base import DecodeFlow
+from sparsetune.models.artifacts import load_calibration
 
 DENSE_ENV = "SPARSETUNE_DENSE_BACKEND"
 # The server-argument way to name the bundle: `--json-model-override-args '{"sparsetune_bundle": "DIR"}'`
@@ -58,8 +61,8 @@ def bundle_of(model_runner) -> str | None:
     return getattr(hf, CONFIG_KEY, None) or os.environ.get(BUNDLE_ENV)
 
 
-def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any]]:
-    """The decode flow a bundle holds (its parameters resolved) and its manifest."""
+def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any], Path]:
+    """The decode flow a bundle holds (its parameters resolved), its manifest and its folder."""
     if not bundle:
         raise SparsetuneError(f"--attention-backend {NAME} needs a bundle: set {BUNDLE_ENV}=DIR or pass "
                               f"--json-model-override-args '{{\"{CONFIG_KEY}\": \"DIR\"}}' (`sparsetune export ... --out DIR` "
@@ -67,10 +70,26 @@ def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any]]:
     path = Path(bundle)
     manifest = read_bundle(path)  # checks the graph's sha256 against the manifest
     flow = flow_of(path, manifest)  # from the graph: no Python of the bundle runs
-    if flow.calibrated:
-        raise SparsetuneError(f"bundle {path}: flow {flow.name!r} is calibrated; the SGLang backend serves flows without "
-                              "per-model calibration only")
-    return flow, manifest
+    return flow, manifest, path
+
+
+def load_channels(path: Path, manifest: dict[str, Any], model_runner, layers: int, pool) -> list | None:
+    """A calibrated flow's channel order from its bundle, checked against the served model (None: the
+    flow is not calibrated). Tensor parallelism is refused: a rank holds some of the KV heads, and
+    which ones is not the backend's to know."""
+    found = calibration_of(path, manifest)
+    if found is None:
+        return None
+    mc = getattr(model_runner, "model_config", None)
+    total = mc.get_total_num_kv_heads() if hasattr(mc, "get_total_num_kv_heads") else pool.head_num
+    if pool.head_num != total:
+        raise SparsetuneError(f"flow {manifest['flow']!r} is calibrated (a channel order per KV head): its bundle serves at "
+                              f"--tp-size 1, and this rank holds {pool.head_num} of the model's {total} KV heads")
+    try:
+        return load_calibration(found[0], layers, total, pool.head_dim)
+    except SparsetuneError as e:
+        raise SparsetuneError(f"bundle {path}: {e.args[0].split('; ')[0]}; export again with the served model's "
+                              "calibration (`sparsetune export ... --model M`)") from None
 
 
 class _Layers:
@@ -140,7 +159,7 @@ class SparsetuneBackend(AttentionBackend):
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.flow, self.manifest = load_flow(bundle or bundle_of(model_runner))
+        self.flow, self.manifest, path = load_flow(bundle or bundle_of(model_runner))
         page = int(model_runner.page_size)
         if page != self.flow.block_size:
             raise SparsetuneError(f"SGLang's page size is {page} but the bundle's flow uses blocks of {self.flow.block_size} "
@@ -160,7 +179,9 @@ class SparsetuneBackend(AttentionBackend):
         # The engine's rule for which layers a flow runs on (its layer params checked against the model's)
         layers = getattr(getattr(model_runner, "model_config", None), "num_hidden_layers", None)
         pool = self.token_to_kv_pool
-        self.sparse = frozenset(self.flow.sparse_layers(layers or getattr(pool, "end_layer", pool.layer_num - 1) + 1))
+        layers = layers or getattr(pool, "end_layer", pool.layer_num - 1) + 1
+        self.sparse = frozenset(self.flow.sparse_layers(layers))
+        self.channels = load_channels(path, self.manifest, model_runner, layers, pool)
         self.pool = PagedPool(self.token_to_kv_pool, page)
         self.attn: FlowAttention | None = None  # built at the first layer (its scaling)
         self.meta: AttentionMetadata | None = None
@@ -194,7 +215,7 @@ class SparsetuneBackend(AttentionBackend):
 
     def flow_attention(self, layer) -> FlowAttention:
         if self.attn is None:
-            self.attn = FlowAttention(self.flow, layer.scaling, executor=self.executor)
+            self.attn = FlowAttention(self.flow, layer.scaling, executor=self.executor, calibration=self.channels)
         elif layer.scaling != self.attn.scale:
             raise SparsetuneError(f"layer {layer.layer_id} scales attention by {layer.scaling}, layer 0 by "
                                   f"{self.attn.scale}: the {NAME} backend needs one scale")

@@ -6,6 +6,8 @@
   this package's own engine selects and computes for the same keys and queries on its own pool.
 - Under tensor parallelism (a rank holds some KV heads), each rank selects and attends as TP 1
   does for its heads.
+- A calibrated flow serves the channel order its bundle carries (one and two levels, as this
+  engine with the same order); under TP, or with another model's order, it is refused at launch.
 - The plugin registers the backend, SGLang's argument parser accepts `--attention-backend
   sparsetune`, and a launch that cannot work says why in one line.
 """
@@ -33,6 +35,7 @@ from sparsetune.export.bundle import BUNDLE_ENV
 from sparsetune.export.sglang.backend import SparsetuneBackend
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.loader import build_flow, flow_path
+from sparsetune.models.artifacts import synthetic_calibration, write_calibration
 
 P, HKV, HQ, D, LAYERS = 4, 2, 6, 32, 3
 SCALE = D**-0.5
@@ -148,7 +151,15 @@ def test_at_a_budget_covering_the_context_the_backend_equals_torch_native(tmp_pa
 # (flow, params beside the budget): one level over pages; two levels (pages, then 2- or 1-token
 # units inside the best of them: units of SGLang's own pages, which stay P tokens).
 PARTIAL = [("quest", {}), ("block_topk", {}), ("quest_2l", {"select_block": 2, "coarse": 2}),
-           ("block_topk", {"select_block": 1, "coarse": 1.5})]
+           ("block_topk", {"select_block": 1, "coarse": 1.5}),
+           # calibrated: the channel order comes with the bundle (one level; two levels on the channels)
+           ("double_sparse", {"channels": 8}), ("double_sparse_2l", {"channels": 8, "select_block": 2, "coarse": 2})]
+
+
+def calibration(tmp_path, head_dim: int = D):
+    """A channel order for the world's layers and KV heads (`head_dim`: another model's), as a file."""
+    order = synthetic_calibration(LAYERS, HKV, head_dim, seed=head_dim)
+    return write_calibration(tmp_path / f"calibration-{head_dim}.json", "world", order, None, 8, "test"), order
 
 
 @pytest.mark.parametrize("flow,extra", PARTIAL)
@@ -156,8 +167,11 @@ def test_at_a_partial_budget_it_selects_and_attends_as_this_engine_does(flow, ex
     world = World(seed=2)
     unit = extra.get("select_block", P)
     params = dict(block_size=P, budget=6 * unit, sink_blocks=1, local_blocks=2, dense_layers="0", **extra)
+    file, order = calibration(tmp_path) if "channels" in extra else (None, None)
+    if file is not None:
+        params["calibration"] = str(file)
     ours = SparsetuneBackend(world.runner, bundle=bundle(tmp_path, flow, **params), dense="torch_native")
-    engine = FlowAttention(build_flow(flow, {k: str(v) for k, v in params.items()}), SCALE)
+    engine = FlowAttention(build_flow(flow, {k: str(v) for k, v in params.items()}), SCALE, calibration=order)
     assert (ours.flow.coarse is None) == (engine.pages is None) == ("coarse" not in extra)
     outs = run_steps(world, {"ours": ours}, engine)
     for got, want in zip(outs["ours"], outs["engine"]):
@@ -226,6 +240,25 @@ def test_under_tensor_parallelism_each_rank_selects_and_attends_as_tp1_does_for_
             assert rc.shape[1] == 1 and torch.equal(rc[:, 0], counts[:, r])
             for got_row, want_row, c in zip(rb[:, 0], blocks[:, r], counts[:, r]):
                 assert sorted(got_row[:c].tolist()) == sorted(want_row[:c].tolist())
+
+
+def test_a_calibrated_bundle_refuses_tensor_parallelism_and_another_models_channels(tmp_path):
+    """A channel order is per KV head: a rank holding some of them is refused in one line, and so is
+    a calibration of another model's shapes, at launch."""
+    world = World(seed=7)
+    path = bundle(tmp_path, "double_sparse", block_size=P, channels=8, calibration=calibration(tmp_path)[0])
+    pool = MHATokenToKVPool(size=world.kv_pool.size, page_size=P, dtype=torch.float32, head_num=1, head_dim=D,
+                            layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+    rank = SimpleNamespace(device="cpu", req_to_token_pool=world.req_to_token, token_to_kv_pool=pool, page_size=P,
+                           model_config=SimpleNamespace(get_total_num_kv_heads=lambda: HKV))
+    with pytest.raises(SparsetuneError, match=f"serves at --tp-size 1, and this rank holds 1 of the model's {HKV} KV heads"):
+        SparsetuneBackend(rank, bundle=path, dense="torch_native")
+    assert SparsetuneBackend(world.runner, bundle=path, dense="torch_native").channels is not None
+    other = tmp_path / "other"
+    other.mkdir()
+    wide = bundle(other, "double_sparse", block_size=P, channels=8, calibration=calibration(tmp_path, 2 * D)[0])
+    with pytest.raises(SparsetuneError, match=f"head_dim {2 * D} .the model has {D}.; export again with the served"):
+        SparsetuneBackend(world.runner, bundle=wide, dense="torch_native")
 
 
 def test_the_bundle_may_come_as_a_server_argument(tmp_path, monkeypatch):
