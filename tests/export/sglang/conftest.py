@@ -13,11 +13,13 @@ if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]
 else:
     try:
+        import torchvision  # noqa: F401 - one built for this torch registers its operators (the test's environment)
+
         torch.ops.torchvision.nms
-    except (AttributeError, RuntimeError):
-        # The index's torchvision is a CUDA build whose operators do not load beside a CPU torch;
-        # SGLang imports one image decoder of it, and torchvision registers fakes for these two
-        # operators at import: their schemas are enough.
+    except (ImportError, OSError, AttributeError, RuntimeError):
+        # A torchvision built for another torch (the index's CUDA build beside a CPU torch) loads no
+        # operators; SGLang imports one image decoder of it, and torchvision registers fakes for
+        # these two operators at import: their schemas are enough.
         _lib = torch.library.Library("torchvision", "DEF")
         _lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
         _lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")

@@ -293,6 +293,8 @@ def test_a_bundle_checks_against_this_sglang(tmp_path):
     result = check_export(bundle(tmp_path, "quest", block_size=P), require_sglang=True)
     expected = os.environ.get("SPARSETUNE_SGLANG_EXPECT")  # the version tests/export/test_sglang.py installed
     assert result["ok"] and result["sglang"] == expected and result["sglang_problem"] is None
+    # ... beside the torch that version pins (its environment's, not the test command's)
+    assert torch.__version__.split("+")[0] == os.environ.get("SPARSETUNE_TORCH_EXPECT")
 
 
 def test_a_launch_that_cannot_work_says_why(tmp_path, monkeypatch):
