@@ -5,6 +5,7 @@ SGLang is not importable (the main test process), this folder is not collected."
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
@@ -13,8 +14,7 @@ if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]
 else:
     try:
-        import torchvision  # noqa: F401 - one built for this torch registers its operators (the test's environment)
-
+        importlib.import_module("torchvision")  # one built for this torch registers its operators (the test's env)
         torch.ops.torchvision.nms
     except (ImportError, OSError, AttributeError, RuntimeError):
         # A torchvision built for another torch (the index's CUDA build beside a CPU torch) loads no
