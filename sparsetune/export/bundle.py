@@ -132,8 +132,10 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
     if out.exists() and not (overwrite and is_bundle):
         raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if is_bundle else ""))
     calibration = _calibration(cls, resolved, model)
+    cal_bytes = None if calibration is None else calibration[0].read_bytes()  # before --force clears the folder
     if calibration is not None:  # the bundle's own copy serves it
-        resolved = {**resolved, "calibration": CALIBRATION}
+        resolved, params = {**resolved, "calibration": CALIBRATION}, {**params, "calibration": CALIBRATION}
+    source_bytes = flow_file.read_bytes()
     graph = json.dumps(describe(cls, cls.from_strings(resolved).params(), BUNDLE_HEAD_DIMS, block_sizes=False),
                        sort_keys=True)
     try:
@@ -143,10 +145,10 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
                 (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         source = out / f"{cls.name}.py"
-        source.write_bytes(flow_file.read_bytes())
+        source.write_bytes(source_bytes)
         (out / GRAPH).write_text(graph)
-        if calibration is not None:
-            (out / CALIBRATION).write_bytes(calibration[0].read_bytes())
+        if cal_bytes is not None:
+            (out / CALIBRATION).write_bytes(cal_bytes)
         manifest = {
             "schema": SCHEMA,
             "flow": cls.name,
@@ -182,12 +184,12 @@ def _calibration(cls, resolved: dict[str, str], model: str | None) -> tuple[Path
     if not cls.calibrated:
         return None
     from sparsetune.models.artifacts import calibration_path, calibration_shape
+    from sparsetune.models.resolve import model_config, model_name
 
+    model = None if model is None else model_name(model)  # the name `flows calibrate` files it under
     path = calibration_path(resolved.get("calibration", "auto"), cls.name, model)
     shape = calibration_shape(path)
     if model is not None:
-        from sparsetune.models.resolve import model_config
-
         cfg = model_config(model)[1]
         want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
         if shape != want:
@@ -346,6 +348,8 @@ def check_bundle(path: Path) -> list[str]:
                         "of its first level (it was exported with one); export again with coarse")
     if flow.calibrated:
         problems += _calibration_problems(path, m)
+    elif "calibration_shape" in m or "calibration_sha256" in m:
+        problems.append(f"{MANIFEST} names a calibration, but flow {m['flow']!r} is not calibrated; export again")
     if str(m.get("block_size")) != resolved.get("block_size"):
         problems.append(f"block_size {m.get('block_size')!r} differs from the flow's {resolved.get('block_size')!r}")
     if m.get("setup") is not None:  # the setup it was exported as (params edited since are named apart)
@@ -429,7 +433,7 @@ def check_model(model: str | Path, params: dict[str, str], calibration: tuple[in
         hidden = cfg.get("hidden_size")
         dim = cfg.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads and isinstance(hidden, int) else None)
         have = (layers, cfg.get("num_key_value_heads", heads), dim)
-        if tuple(calibration) != have:
+        if None not in have and tuple(calibration) != have:  # a config without them: the launch checks
             problems.append(f"the bundle's {CALIBRATION} is for {calibration[0]} layers x {calibration[1]} KV heads x "
                             f"head_dim {calibration[2]}, {path} has {have[0]} x {have[1]} x {have[2]}; export again with "
                             "this model's calibration")

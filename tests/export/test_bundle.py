@@ -320,6 +320,8 @@ def test_a_calibrated_flow_carries_its_models_calibration_and_checks_it(tmp_path
     assert m["params"]["calibration"] == CALIBRATION and m["calibration_shape"] == [30, 3, 64]
     assert json.loads((b / CALIBRATION).read_text())["channels"] == order
     assert check_bundle(b) == [] and flow_of(b, read_bundle(b)).channels == 16
+    write_bundle(tmp_path / "c", flow_path("double_sparse_2l"), {}, model="SmolLM2-135M")  # the name it is filed under
+    assert json.loads((tmp_path / "c" / CALIBRATION).read_text())["channels"] == order
     model = tmp_path / "served"
     model.mkdir()
     cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -338,6 +340,15 @@ def test_a_calibrated_flow_carries_its_models_calibration_and_checks_it(tmp_path
     assert check_bundle(b) == [f"{CALIBRATION} changed since export; export again"]
     (b / CALIBRATION).unlink()
     assert "carries no calibration.json" in check_bundle(b)[0]
+    # re-exported over itself from its own calibration.json (--force reads it before clearing the folder)
+    write_bundle(b, flow_path("double_sparse_2l"), {"calibration": str(given)}, model="SmolLM2-135M", overwrite=True)
+    write_bundle(b, flow_path("double_sparse_2l"), {"calibration": str(b / CALIBRATION)}, model="smollm2-135m",
+                 overwrite=True)
+    assert check_bundle(b) == [] and (b / CALIBRATION).read_bytes() == given.read_bytes()
+    assert json.loads((b / MANIFEST).read_text())["setup"]["flow"]["params"]["calibration"] == CALIBRATION  # no local path
     # a flow without calibration writes none, and an overwrite removes an old one
     write_bundle(b, flow_path("quest"), {}, overwrite=True)
     assert not (b / CALIBRATION).exists() and check_bundle(b) == []
+    m = json.loads((b / MANIFEST).read_text())  # a manifest claiming a calibration its flow does not take
+    (b / MANIFEST).write_text(json.dumps({**m, "calibration_shape": 5}))
+    assert check_bundle(b) == [f"{MANIFEST} names a calibration, but flow 'quest' is not calibrated; export again"]

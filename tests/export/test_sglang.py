@@ -5,9 +5,8 @@ Each supported SGLang (0.5.16, 0.5.23) pins exact versions of torch (2.11.0 / 2.
 more that this venv does not have, and on CPU its CUDA kernels do not install; but its attention
 backends, pools and batch objects import with a handful of pure-Python packages. So, once per
 machine and version (`~/.cache/sparsetune/`):
-- an environment with the torch that version pins: a venv over this one's packages
-  (`--system-site-packages`, so sparsetune's own dependencies are this venv's) holding that torch
-  and its torchvision, installed from the package index with their dependencies (the index's Linux
+- an environment with the torch that version pins: a venv holding that torch and its torchvision,
+  with this interpreter's packages after its own (so sparsetune's dependencies are this venv's), installed from the package index with their dependencies (the index's Linux
   torch is a CUDA build; its libraries load on a CPU-only machine);
 - a site folder with SGLang and its import chain, installed with `--no-deps`;
 and the contract tests run in a child process of that environment's Python with the site folder
@@ -21,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import site
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,13 +52,25 @@ compressed-tensors==0.18.0 openai==2.8.0 distro==1.9.0 partial_json_parser==0.2.
 CACHE = Path.home() / ".cache" / "sparsetune"
 
 
+def _given(kind: str, version: str, usable) -> Path | None:
+    """A ready site folder or Python named by `SPARSETUNE_SGLANG_<KIND>_<version>`, checked (`usable`)."""
+    name = f"SPARSETUNE_SGLANG_{kind}_{version.replace('.', '_')}"
+    given = os.environ.get(name)
+    if not given:
+        return None
+    if not usable(Path(given)):
+        pytest.fail(f"{name}={given}: not a usable {kind.lower()} for SGLang {version}; unset it to build one")
+    return Path(given)
+
+
 def _installed(what: str, version: str, target: Path, build) -> Path:
-    """`target`, built by `build(tmp)` into a partial folder first (a failed or interrupted build
-    leaves nothing behind); a pip failure skips the test (fails it in CI)."""
+    """`target`, built by `build(tmp)` into a folder of its own first (a failed or interrupted build
+    leaves nothing behind; two runs building at once each use their own, and the first to finish
+    wins); a pip failure skips the test (fails it in CI)."""
     if target.exists():
         return target
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=CACHE, prefix=f"{target.name}.partial-"))
     done = build(tmp)
     if done.returncode:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -65,44 +78,59 @@ def _installed(what: str, version: str, target: Path, build) -> Path:
         if os.environ.get("CI"):
             pytest.fail(f"could not install {what} for SGLang {version}: {why}")
         pytest.skip(f"{what} for SGLang {version} could not be installed (no package index?): {why}")
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:  # another run made it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def _digest(pins: list[str]) -> str:
-    return hashlib.sha256(" ".join(pins).encode()).hexdigest()[:12]
+def _digest(parts: list[str]) -> str:
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:12]
 
 
 def sglang_site(version: str) -> Path:
     """The site folder with SGLang `version` and its import chain, installed on first use."""
+    given = _given("SITE", version, lambda p: (p / "sglang").is_dir())
+    if given:
+        return given
     pins = PINS[version]
-    given = os.environ.get(f"SPARSETUNE_SGLANG_SITE_{version.replace('.', '_')}")
-    site = Path(given) if given else CACHE / f"sglang-site-{_digest(pins)}"
 
     def build(tmp: Path):
         return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
                                str(tmp), *pins], capture_output=True, text=True, timeout=1500)
 
-    return _installed("the test site", version, site, build)
+    return _installed("the test site", version, CACHE / f"sglang-site-{_digest(pins)}", build)
 
 
 def torch_python(version: str) -> Path:
-    """The Python of an environment with the torch SGLang `version` pins (over this venv's packages),
-    made on first use."""
-    given = os.environ.get(f"SPARSETUNE_SGLANG_PYTHON_{version.replace('.', '_')}")
+    """The Python of an environment with the torch SGLang `version` pins, made on first use: a venv
+    whose own site-packages (the pinned torch) come first and this interpreter's after them (a `.pth`
+    file adds them, so this works from a venv too, where `--system-site-packages` would give the
+    base interpreter's instead)."""
+    given = _given("PYTHON", version, lambda p: p.is_file())
     if given:
-        return Path(given)
+        return given
     pins = TORCH[version]
+    parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
 
     def build(tmp: Path):
-        made = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp)],
-                              capture_output=True, text=True, timeout=300)
+        made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp)], capture_output=True, text=True,
+                              timeout=300)
         if made.returncode:
             return made
+        own = subprocess.run([str(tmp / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, timeout=60)
+        if own.returncode:
+            return own
+        Path(own.stdout.strip(), "_sparsetune_parent.pth").write_text(
+            "import site; list(map(site.addsitedir, " + repr(parents) + "))\n")
         return subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
                                "--disable-pip-version-check", *pins], capture_output=True, text=True, timeout=1500)
 
-    return _installed(f"the pinned torch ({pins[0]})", version, CACHE / f"sglang-torch-{_digest(pins)}", build) / "bin" / "python"
+    # keyed by the pins and by this interpreter (its version and packages' place)
+    target = CACHE / f"sglang-torch-{_digest(pins + [sys.version, sys.prefix, *parents])}"
+    return _installed(f"the pinned torch ({pins[0]})", version, target, build) / "bin" / "python"
 
 
 @pytest.mark.parametrize("version", sorted(PINS))

@@ -533,7 +533,7 @@ def test_a_tiled_indexer_scores_alike_at_any_tile_count(per_sm, candidates, tmp_
     gets a tiled indexer: a program computes that math once and scores TILES x BLOCK_S entries in a
     loop. On a device of one SM a program takes every tile of its row (per_sm 1) or half of them,
     the last tile ragged (per_sm 2): the reference's scores and counts either way."""
-    page, unit = 8, 1
+    page, unit = (16, 1) if candidates else (8, 1)  # 7 chosen pages of 16 units: two tiles a row
     lens = [23 * page + 5, 9 * page, 40 * page - 1]
     kv, bt, meta, q = _case(page, lens, seed=13)
     flow = _two_level_flow("double_sparse", page, str(unit), tmp_path) if candidates else \
@@ -559,8 +559,8 @@ def test_a_tiled_indexer_scores_alike_at_any_tile_count(per_sm, candidates, tmp_
         want, want_n, _, _ = ref.stages.score_tensors(*args)
         got, got_n = kernel(*call)
         cols = bt.shape[1] * page // unit
-    programs = len(lens) * HKV * -(-cols // kernel.block_s)
-    assert kernel.tiles(programs, q.device) == min(indexer_mod.MAX_TILES, programs // per_sm) > 1
+    rows, per_row = len(lens) * HKV, -(-cols // kernel.block_s)
+    assert kernel.tiles(rows, per_row, q.device) == min(indexer_mod.MAX_TILES, per_row, rows * per_row // per_sm) > 1
     assert torch.equal(got_n, want_n)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)

@@ -93,7 +93,7 @@ class IndexerKernel:
             args += self.layout.pool_args(k_pool)
         args += [a for name in self.consts for a in with_strides(consts[name])]
         block_s, dot_t = self.tile(q, stores)
-        tiles = self.tiles(rows * -(-cols // block_s), q.device)
+        tiles = self.tiles(rows, -(-cols // block_s), q.device)
         if self.tiled:
             args.append(tiles)
         grid = (rows, -(-cols // (block_s * tiles)))
@@ -101,13 +101,13 @@ class IndexerKernel:
                           num_warps=NUM_WARPS)
         return out, counts
 
-    def tiles(self, programs: int, device: torch.device) -> int:
-        """How many BLOCK_S tiles a program of a tiled kernel scores, given the launch's `programs` at
-        one tile each: as many as leave `PROGRAMS_PER_SM` programs on every SM (at most `MAX_TILES`),
-        so the row math is paid once per program where the SMs stay full. 1 untiled."""
+    def tiles(self, rows: int, per_row: int, device: torch.device) -> int:
+        """How many BLOCK_S tiles a program of a tiled kernel scores, given `rows` of `per_row` tiles:
+        as many as leave `PROGRAMS_PER_SM` programs on every SM (at most `MAX_TILES`, and no more
+        than a row has), so the row math is paid once per program where the SMs stay full. 1 untiled."""
         if not self.tiled:
             return 1
-        return max(1, min(MAX_TILES, programs // (PROGRAMS_PER_SM * num_sms(device))))
+        return max(1, min(MAX_TILES, per_row, rows * per_row // (PROGRAMS_PER_SM * num_sms(device))))
 
     def tile(self, q: torch.Tensor, stores: dict[str, torch.Tensor]) -> tuple[int, object | None]:
         """BLOCK_S of a launch on these tensors, and the dtype of its tensor-core products (None: the
