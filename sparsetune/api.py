@@ -318,11 +318,11 @@ def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str
                                           sglang_problem, sglang_version)
 
     problems, sglang = check_bundle(Path(bundle)), sglang_problem()
-    if model is not None and not problems:  # the manifest reads: it just checked
-        manifest = json.loads((Path(bundle) / MANIFEST).read_text())
+    manifest = None if problems else json.loads((Path(bundle) / MANIFEST).read_text())  # it reads: it just checked
+    if manifest is not None and model is not None:
         calibration = calibration_of(Path(bundle), manifest)
         problems = check_model(model, manifest["params"], None if calibration is None else calibration[1])
-    edited = {} if problems else edited_since_measured(json.loads((Path(bundle) / MANIFEST).read_text()))
+    edited = {} if problems else edited_since_measured(manifest)
     return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
             "edited_since_measured": edited, "ok": not problems and not (require_sglang and sglang)}
 

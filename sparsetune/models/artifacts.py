@@ -78,11 +78,18 @@ def write_calibration(
 
 
 def load_calibration(
-    path: str | Path, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None
+    path: str | Path, num_layers: int, num_kv_heads: int, head_dim: int, model: str | None = None,
+    fix: str | None = None,
 ) -> Calibration:
-    """The channel order of a calibration file, checked against the model's shapes."""
-    fix = f"re-run `sparsetune flows calibrate --model {model or 'MODEL'}`"
+    """The channel order of a calibration file, checked against the model's shapes; `fix`: what an
+    error tells the user to do (default: calibrate the model again)."""
+    fix = fix or f"re-run `sparsetune flows calibrate --model {model or 'MODEL'}`"
     path, data = read_model_file(path, "calibration file", fix, "--param calibration=FILE")
+    return _channels(path, data, num_layers, num_kv_heads, head_dim, fix)
+
+
+def _channels(path: Path, data: dict, num_layers: int, num_kv_heads: int, head_dim: int, fix: str) -> Calibration:
+    """A read calibration file's channel order, checked against the model's shapes."""
     want = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     bad = [f"{k} {data.get(k)} (the model has {v})" for k, v in want.items() if data.get(k) != v]
     if bad:
@@ -127,13 +134,13 @@ def resolve_calibration(
 def calibration_shape(path: str | Path) -> tuple[int, int, int]:
     """(layers, KV heads, head_dim) a calibration file is for, the file checked as `load_calibration`
     checks it against those shapes (a file carried without its model: a bundle's)."""
-    path, data = read_model_file(path, "calibration file", "re-run `sparsetune flows calibrate`",
-                                 "--param calibration=FILE")
+    fix = "re-run `sparsetune flows calibrate`"
+    path, data = read_model_file(path, "calibration file", fix, "--param calibration=FILE")
     shape = tuple(data.get(k) for k in ("num_layers", "num_kv_heads", "head_dim"))
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape):
         raise SparsetuneError(f"calibration file {path}: num_layers, num_kv_heads and head_dim must be positive "
-                              "integers; re-run `sparsetune flows calibrate`")
-    load_calibration(path, *shape)
+                              f"integers; {fix}")
+    _channels(path, data, *shape, fix)
     return shape  # type: ignore[return-value]
 
 

@@ -85,11 +85,8 @@ def load_channels(path: Path, manifest: dict[str, Any], model_runner, layers: in
     if pool.head_num != total:
         raise SparsetuneError(f"flow {manifest['flow']!r} is calibrated (a channel order per KV head): its bundle serves at "
                               f"--tp-size 1, and this rank holds {pool.head_num} of the model's {total} KV heads")
-    try:
-        return load_calibration(found[0], layers, total, pool.head_dim)
-    except SparsetuneError as e:
-        raise SparsetuneError(f"bundle {path}: {e.args[0].split('; ')[0]}; export again with the served model's "
-                              "calibration (`sparsetune export ... --model M`)") from None
+    return load_calibration(found[0], layers, total, pool.head_dim,
+                            fix="export again with the served model's calibration (`sparsetune export ... --model M`)")
 
 
 class _Layers:
