@@ -268,63 +268,75 @@ def promote_flow(candidate_dir: str | Path, out: str | Path | None = None) -> di
 
 
 def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | None = None,
-           params: dict[str, str] | None = None, trial: str | None = None, pick: str | None = None,
-           model: str | None = None, force: bool = False, defaults: str = "tuned") -> dict[str, Any]:
-    """Write a bundle of a tuned decode flow to `out` (`export.bundle`): a search's confirmed point
-    (`run_dir`, by `trial` or a `pick` rule; by default the fastest above the search's bar), or a
-    flow with `params` and no search: with `model`, over the model's tuned defaults (as `eval` runs
-    it) unless `defaults` is "published". Returns the manifest, with the bundle's folder as `bundle`
-    and, for `flow`, what was taken from the tuned defaults as `tuned` (None: nothing)."""
+           params: dict[str, str] | None = None, reuse: str | None = None, reuse_params: dict[str, str] | None = None,
+           trial: str | None = None, pick: str | None = None, model: str | None = None, force: bool = False,
+           defaults: str = "tuned") -> dict[str, Any]:
+    """Write a bundle to `out` (`export.bundle`): a search's confirmed point (`run_dir`, a decode or
+    a reuse search, by `trial` or a `pick` rule; by default the fastest above the search's bar), or
+    a flow with `params` and no search: with `model`, over the model's tuned defaults (as `eval`
+    runs it) unless `defaults` is "published"; with `reuse` (and `reuse_params`) a reuse bundle,
+    whose decode flow is `flow`, else the reuse flow's own, else dense. Returns the manifest, with
+    the bundle's folder as `bundle` and, for `flow`, what was taken from the tuned defaults as
+    `tuned` (None: nothing), and why SGLang cannot serve it yet as `serving_problem` (None: it can)."""
     out = Path(out)
-    if (run_dir is None) == (flow is None):
-        raise SparsetuneError("export a search's run folder (runs/<study>) or a --flow with --param, not both and not neither")
-    if run_dir is not None and (params or model):
-        raise SparsetuneError("--param and --model come from the search when exporting its run folder; drop them")
-    if flow is not None and (trial or pick):
-        raise SparsetuneError("--trial and --pick choose a point of a search: pass its run folder, not --flow")
+    if (run_dir is None) == (flow is None and reuse is None):
+        raise SparsetuneError("export a search's run folder (runs/<study>), or a --flow with --param (or a --reuse with "
+                              "--reuse-param), not both and not neither")
+    if run_dir is not None and (params or model or reuse_params):
+        raise SparsetuneError("--param, --reuse-param and --model come from the search when exporting its run folder; drop them")
+    if reuse is None and reuse_params:
+        raise SparsetuneError("--reuse-param needs a reuse flow: add --reuse NAME")
+    if run_dir is None and (trial or pick):
+        raise SparsetuneError("--trial and --pick choose a point of a search: pass its run folder, not --flow or --reuse")
     if defaults not in ("tuned", "published"):
         raise SparsetuneError(f"--defaults {defaults!r}: use tuned or published")
     if defaults != "tuned" and (run_dir is not None or model is None):
         raise SparsetuneError("--defaults applies to --flow with --model (a search's point has its own params)")
-    from sparsetune.export.bundle import export_run, write_bundle
+    from sparsetune.export.bundle import export_run, serving_problem, write_bundle
     from sparsetune.loader import flow_path
 
     if run_dir is not None:
         manifest = export_run(Path(run_dir), out, trial=trial, pick=pick, overwrite=force)
-        return {**manifest, "bundle": str(out)}
+        return {**manifest, "bundle": str(out), "serving_problem": serving_problem(manifest)}
     params, tuned = dict(params or {}), None
-    if model is not None:  # the flow as `eval --model` runs it: the model's tuned defaults under the params
+    if model is not None and flow is not None:  # the flow as `eval --model` runs it: the model's tuned defaults under the params
         from sparsetune.engine.config import EngineConfig
-        from sparsetune.models.resolve import model_name
 
         chosen = resolve(EngineConfig(model=model), flow=flow, params=params, defaults=defaults).flow
-        model = model_name(model)
         if chosen is not None:
             tuned = chosen.tuned
             params = {k: v for k, v in chosen.params.items() if chosen.origin[k] != "published"}
+    if model is not None:
+        from sparsetune.models.resolve import model_name
+
+        model = model_name(model)
     # what the manifest keeps of where they came from: no storage URL (it may hold a password), no local path
     origin = {"from": "params"} if tuned is None else {"from": "params", "tuned": {
         "params": tuned["params"], "file": Path(tuned["file"]).name,
         "source": {k: v for k, v in tuned["source"].items() if k != "storage"}}}
-    manifest = write_bundle(out, flow_path(flow), params, model=model, origin=origin, overwrite=force)
-    return {**manifest, "bundle": str(out), "tuned": tuned}
+    manifest = write_bundle(out, None if flow is None else flow_path(flow), params, model=model, origin=origin,
+                            overwrite=force, reuse=None if reuse is None else (flow_path(reuse), dict(reuse_params or {})))
+    return {**manifest, "bundle": str(out), "tuned": tuned, "serving_problem": serving_problem(manifest)}
 
 
 def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str | Path | None = None) -> dict[str, Any]:
     """A bundle's problems (`export.bundle.check_bundle`; with `model`, the model folder's for serving
-    it, `check_model`) and whether this environment's SGLang can serve it; `ok` is False when the
-    bundle or the model has a problem, or, with `require_sglang`, SGLang does."""
+    it, `check_model`), whether this environment's SGLang can serve it (`sglang_problem`) and whether
+    this sparsetune's plugin serves its kind (`serving_problem`: reuse bundles, not yet); `ok` is False
+    when the bundle or the model has a problem, or, with `require_sglang`, either of the others."""
     from sparsetune.export.bundle import (MANIFEST, calibration_of, check_bundle, check_model, edited_since_measured,
-                                          sglang_problem, sglang_version)
+                                          serving_problem, sglang_problem, sglang_version)
 
     problems, sglang = check_bundle(Path(bundle)), sglang_problem()
     manifest = None if problems else json.loads((Path(bundle) / MANIFEST).read_text())  # it reads: it just checked
+    serving = None if manifest is None else serving_problem(manifest)
     if manifest is not None and model is not None:
         calibration = calibration_of(Path(bundle), manifest)
         problems = check_model(model, manifest["params"], None if calibration is None else calibration[1])
     edited = {} if problems else edited_since_measured(manifest)
     return {"bundle": str(bundle), "problems": problems, "sglang": sglang_version(), "sglang_problem": sglang,
-            "edited_since_measured": edited, "ok": not problems and not (require_sglang and sglang)}
+            "serving_problem": serving, "edited_since_measured": edited,
+            "ok": not problems and not (require_sglang and (sglang or serving))}
 
 
 def serve_config(*, resume: str | Path | None = None, **options: Any):

@@ -192,9 +192,10 @@ def resolve(engine: EngineConfig | None = None, *, flow: str | None = None, para
         raise SparsetuneError("--reuse-param needs a reuse flow: add --reuse NAME")
 
     given = {k: "user" for k in params}  # the user's params, and where the others come from
-    reuses_decode = flow is None and reuse_flow is not None and bool(reuse_flow.decode_flow)
-    if reuses_decode:  # the reuse flow's own decode flow, with the params it derives
-        flow, params = reuse_flow.decode_flow, {**reuse_flow.decode_params(), **params}
+    own = reuse_decode(reuse_flow, flow, params)
+    reuses_decode = own is not None
+    if reuses_decode:
+        flow, params = own
         given = {k: given.get(k, "reuse") for k in params}
     elif flow is None and params:
         raise SparsetuneError("--param needs --flow")
@@ -219,6 +220,14 @@ def resolve(engine: EngineConfig | None = None, *, flow: str | None = None, para
             flow_setup = replace(flow_setup, tuned=tuned)
     page = decode.block_size if decode is not None else engine.block_size or DEFAULT_BLOCK_SIZE
     return Setup(replace(engine, block_size=page), flow_setup, reuse_setup, executor, defaults)
+
+
+def reuse_decode(reuse_flow: Any, flow: str | None, params: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The reuse flow's own decode flow (LoopServe re-selects while decoding) and its params (those it
+    derives, under the user's), where no decode flow is given; None: the given flow, or none."""
+    if flow is not None or reuse_flow is None or not reuse_flow.decode_flow:
+        return None
+    return reuse_flow.decode_flow, {**reuse_flow.decode_params(), **params}
 
 
 def _flow_setup(spec: str, raw: dict[str, Any], given: dict[str, str], tuned: dict[str, Any],

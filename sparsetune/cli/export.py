@@ -21,6 +21,9 @@ def export(
                              "(the default, with the search's own bar)."),
     flow: str = typer.Option(None, "--flow", help="Export this flow (name or .py path) with --param values, no search."),
     param: list[str] = opt.param_option(),
+    reuse: str = opt.reuse_option("Export a reuse flow (name or .py path) with --reuse-param values: a reuse bundle, "
+                                  "its decode flow --flow, else the reuse flow's own, else dense."),
+    reuse_param: list[str] = opt.reuse_param_option(),
     model: str = typer.Option(None, "--model", help="With --flow: the model the params were tuned for (recorded). "
                               "With --check: the model folder SGLang will serve the bundle on (checked too)."),
     force: bool = typer.Option(False, "--force", help="Replace the bundle at --out."),
@@ -35,7 +38,7 @@ def export(
     from sparsetune.api import export as export_bundle
 
     if check is not None:
-        if any(x is not None for x in (run_dir, out, trial, pick, flow)) or param:
+        if any(x is not None for x in (run_dir, out, trial, pick, flow, reuse)) or param or reuse_param:
             raise SparsetuneError("--check takes only the bundle's folder (and --model, --require-sglang, --json)")
         result = check_export(check, require_sglang=require_sglang, model=model)
         if json_out:
@@ -45,16 +48,21 @@ def export(
             err.print(f"[yellow]note:[/] params edited since the search measured this bundle ({escape(changes)}): "
                       "its recorded accuracy and speedup no longer apply; measure it again (sparsetune eval)")
         if result["ok"]:
+            if result["serving_problem"]:
+                err.print(f"[yellow]not served yet:[/] {escape(result['serving_problem'])}")
             if result["sglang_problem"]:
                 err.print(f"[yellow]sglang:[/] {escape(result['sglang_problem'])}")
-            err.print(f"{check}: the bundle checks" + (f"; SGLang {result['sglang']} can serve it" if not result["sglang_problem"] else ""))
+            serves = not result["sglang_problem"] and not result["serving_problem"]
+            err.print(f"{check}: the bundle checks" + (f"; SGLang {result['sglang']} can serve it" if serves else ""))
             return
-        causes = result["problems"] + ([result["sglang_problem"]] if require_sglang and result["sglang_problem"] else [])
+        causes = result["problems"] + ([p for p in (result["serving_problem"], result["sglang_problem"]) if p]
+                                       if require_sglang else [])
         raise SparsetuneError(f"{check} does not check: " + "; ".join(causes))
     if out is None:
         raise SparsetuneError("--out DIR: where to write the bundle")
-    m = export_bundle(run_dir, out=out, flow=flow, params=api.parse_params(param), trial=trial, pick=pick, model=model,
-                      force=force, defaults=defaults)
+    m = export_bundle(run_dir, out=out, flow=flow, params=api.parse_params(param), reuse=reuse,
+                      reuse_params=api.parse_params(reuse_param), trial=trial, pick=pick, model=model, force=force,
+                      defaults=defaults)
     if json_out:
         emit_json(m)
     if flow is not None and model is not None and defaults == "tuned":
@@ -67,7 +75,14 @@ def export(
     figures = ""
     if measured:
         acc = measured["accuracy"]
-        figures = f": {acc['confirmed']:.0%} of dense on fresh prompts, {measured['speedup']:.2f}x decode ({measured.get('speed_kind')})"
+        figures = (f": {acc['confirmed']:.0%} of dense on fresh prompts, {measured['speedup']:.2f}x "
+                   f"{measured.get('speedup_of', 'decode step')} ({measured.get('speed_kind')})")
+    if m.get("reuse"):
+        r = m["reuse"]
+        err.print(f"reuse bundle {out}: {r['flow']} ({', '.join(f'{k}={v}' for k, v in r['params'].items())}){figures}; "
+                  f"decode: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())})")
+        err.print(f"[yellow]not served yet:[/] {escape(m['serving_problem'])}")
+        return
     err.print(f"bundle {out}: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())}){figures}")
     err.print(f"serve it: {out}/launch_sglang.sh MODEL_PATH   (needs SGLang {api.sglang_versions()} with sparsetune "
               "installed beside it)")

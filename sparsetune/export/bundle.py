@@ -1,4 +1,5 @@
-"""A bundle: one tuned decode flow packed for serving (issue #16).
+"""A bundle: one tuned decode flow, or a reuse flow with the decode flow it runs with, packed for
+serving (issues #16, #44).
 
     DIR/
       <flow>.py          the flow's source, byte for byte (its sha256 is in the manifest): to read
@@ -15,9 +16,16 @@
                          a native flag for the flow (no sparse flow has one on 0.5.16 or 0.5.23)
       launch_sglang.sh   `launch_sglang.sh MODEL_PATH [launch_server args]`: checks the bundle and
                          SGLang, then `python -m sglang.launch_server` with the backend
+      <reuse>.py         a reuse bundle's reuse flow, byte for byte (schema `REUSE_SCHEMA`; the manifest's
+                         "reuse": its name, file, sha256, resolved params, whether it is a built-in as
+                         shipped). Its decode flow is the files above: the one given, else the reuse flow's
+                         own (LoopServe's), else `dense`. A reuse flow is Python over the engine (no graph):
+                         a built-in is recognised by its hash; any other file loads only with the trust
+                         opt-in (`loader`), in checking and in serving alike.
 
-A bundle is made from a search's run folder (a confirmed point, by `--trial` or a `--pick` rule)
-or from a flow and `--param`s alone; `check_bundle` re-reads one and names every problem (a
+A bundle is made from a search's run folder (a confirmed point, by `--trial` or a `--pick` rule; a
+decode or a reuse search) or from a flow and `--param`s alone (`--reuse` and `--reuse-param` for a
+reuse bundle); `check_bundle` re-reads one and names every problem (a
 changed source or graph, parameters the flow does not declare or accept, or that change what the
 graphs compute). What serves a bundle (the SGLang backend) reads it through `read_bundle`, so a
 bundle that does not check does not load, and builds the flow from the graph (`flow_of`): no
@@ -36,6 +44,7 @@ from sparsetune.records import file_sha256, package_version, write_json
 from sparsetune.tuning.frontier import default_pick, pick_point
 
 SCHEMA = "sparsetune.bundle/1"
+REUSE_SCHEMA = "sparsetune.reuse-bundle/1"  # its own schema: a sparsetune that serves decode bundles only refuses it
 MANIFEST = "bundle.json"
 SGLANG_CONFIG = "sglang.json"
 LAUNCH = "launch_sglang.sh"
@@ -71,8 +80,9 @@ def point_of_run(run_dir: Path, trial: str | None = None, pick: str | None = Non
         raise SparsetuneError(f"{run_dir} has no frontier.json: pass a search's run folder (runs/<study>), "
                               "or --flow with --param for a bundle without a search")
     summary = json.loads(summary_path.read_text())
-    if summary.get("kind") != "decode":
-        raise SparsetuneError(f"{run_dir} is a {summary.get('kind')} search; only decode flows export (reuse flows do not run in SGLang yet)")
+    if summary.get("kind") not in ("decode", "reuse"):
+        raise SparsetuneError(f"{run_dir} holds a search of kind {summary.get('kind')!r}; export takes a decode or a reuse "
+                              "search's run folder")
     held = summary.get("confirmed_frontier") or []
     if trial is not None:
         rows = held + summary.get("not_confirmed", []) + summary.get("defaults", [])
@@ -91,14 +101,18 @@ def point_of_run(run_dir: Path, trial: str | None = None, pick: str | None = Non
 
 # ---- writing, reading, checking -------------------------------------------------------------------
 
-def _resolve(flow_file: Path, raw: dict[str, str], trust: bool | None = None) -> tuple[type, dict[str, str]]:
-    """The flow class and every declared parameter that has a value, as text (the given ones validated)."""
+def _resolve(flow_file: Path, raw: dict[str, str], trust: bool | None = None, *, reuse: bool = False) -> tuple[type, dict[str, str]]:
+    """The flow class (a decode flow, or with `reuse` a reuse flow) and every declared parameter that
+    has a value, as text (the given ones validated)."""
     from sparsetune.flow.base import DecodeFlow
     from sparsetune.loader import load_file
+    from sparsetune.reuse.base import ReuseFlow
 
     cls = load_file(flow_file, trust=trust)
-    if not issubclass(cls, DecodeFlow):
-        raise SparsetuneError(f"{flow_file} is a reuse flow; only decode flows export (reuse flows do not run in SGLang yet)")
+    want, other = (ReuseFlow, "--reuse takes a reuse flow") if reuse else (DecodeFlow, "--flow takes a decode flow")
+    if not issubclass(cls, want):
+        raise SparsetuneError(f"{flow_file} is not a {'reuse' if reuse else 'decode'} flow: {other}"
+                              + ("" if reuse else " (export a reuse flow with --reuse)"))
     flow = cls.from_strings(raw)
     return cls, as_text(flow)
 
@@ -120,14 +134,34 @@ def as_text(flow) -> dict[str, str]:
 _WRITES = (MANIFEST, SGLANG_CONFIG, LAUNCH, GRAPH, CALIBRATION)
 
 
-def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: str | None = None,
-                 measured: dict[str, Any] | None = None, origin: dict[str, Any] | None = None,
+def write_bundle(out: Path, flow_file: Path | None, params: dict[str, str], *, reuse: tuple[Path, dict[str, str]] | None = None,
+                 model: str | None = None, measured: dict[str, Any] | None = None, origin: dict[str, Any] | None = None,
                  overwrite: bool = False, trust: bool | None = None) -> dict[str, Any]:
     """Write a bundle to `out` (a new folder, or an existing bundle with `overwrite`: only the files a
-    bundle writes are replaced); returns the manifest. `trust`: as `loader.load_file`."""
+    bundle writes are replaced); returns the manifest. `reuse`: a reuse flow's file and params (a
+    reuse bundle; `flow_file` None: the reuse flow's own decode flow, else dense). `trust`: as
+    `loader.load_file`."""
     from sparsetune.flow.graph import BUNDLE_HEAD_DIMS, describe
+    from sparsetune.loader import flow_path
+    from sparsetune.setup import reuse_decode
 
+    rcls = rresolved = None
+    decode_given, given = flow_file is not None, dict(params)
+    if reuse is not None:
+        rcls, rresolved = _resolve(reuse[0], reuse[1], trust, reuse=True)
+        own = None if decode_given else reuse_decode(rcls.from_strings(rresolved), None, params)
+        if own is not None:
+            flow_file, params = flow_path(own[0]), {k: str(v) for k, v in own[1].items()}
+        elif not decode_given:
+            if params:
+                raise SparsetuneError(f"--param needs --flow: reuse flow {rcls.name!r} brings no decode flow of its own")
+            flow_file = flow_path("dense")
+    elif flow_file is None:
+        raise SparsetuneError("a bundle needs a decode flow (--flow) or a reuse flow (--reuse)")
     cls, resolved = _resolve(flow_file, params, trust)
+    if rcls is not None and rcls.name == cls.name:
+        raise SparsetuneError(f"the reuse flow and the decode flow are both named {cls.name!r}: a bundle keeps each as "
+                              "NAME.py; rename one")
     is_bundle = (out / MANIFEST).is_file()
     if out.exists() and not (overwrite and is_bundle):
         raise SparsetuneError(f"{out} exists; pick a new --out folder" + (" (or --force to replace that bundle)" if is_bundle else ""))
@@ -136,12 +170,16 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
     if calibration is not None:  # the bundle's own copy serves it
         resolved, params = {**resolved, "calibration": CALIBRATION}, {**params, "calibration": CALIBRATION}
     source_bytes = flow_file.read_bytes()
+    reuse_bytes = None if reuse is None else reuse[0].read_bytes()
     graph = json.dumps(describe(cls, cls.from_strings(resolved).params(), BUNDLE_HEAD_DIMS, block_sizes=False),
                        sort_keys=True)
+    setup = None
+    if model is not None:
+        setup = _setup(model, flow_file if decode_given else None, params if decode_given else given,
+                       reuse)
     try:
         if out.exists():
-            old = _old_source(out)
-            for name in _WRITES + ((old,) if old else ()):
+            for name in _WRITES + _old_sources(out):
                 (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         source = out / f"{cls.name}.py"
@@ -149,8 +187,17 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
         (out / GRAPH).write_text(graph)
         if cal_bytes is not None:
             (out / CALIBRATION).write_bytes(cal_bytes)
+        reuse_entry = None
+        if reuse_bytes is not None:
+            from sparsetune.loader import builtin_hashes
+
+            rsource = out / f"{rcls.name}.py"
+            rsource.write_bytes(reuse_bytes)
+            digest = file_sha256(rsource)
+            reuse_entry = {"flow": rcls.name, "source": rsource.name, "source_sha256": digest, "params": rresolved,
+                           "builtin": builtin_hashes().get(digest) == rsource.name}
         manifest = {
-            "schema": SCHEMA,
+            "schema": SCHEMA if reuse_entry is None else REUSE_SCHEMA,
             "flow": cls.name,
             "source": source.name,
             "source_sha256": file_sha256(source),
@@ -160,17 +207,18 @@ def write_bundle(out: Path, flow_file: Path, params: dict[str, str], *, model: s
                                                "calibration_shape": list(calibration[1])}),
             "params": resolved,
             "block_size": int(resolved["block_size"]),
+            **({} if reuse_entry is None else {"reuse": reuse_entry}),
             "model": model,
             "origin": origin or {"from": "params"},
             "measured": measured,
-            "measured_params": resolved if measured else None,
-            "setup": None if model is None else _setup(model, flow_file, params).to_dict(),
+            "measured_params": (rresolved if reuse_entry else resolved) if measured else None,
+            "setup": None if setup is None else setup.to_dict(),
             "sparsetune": package_version("sparsetune"),
         }
         served = sglang_config(manifest)
         write_json(out / MANIFEST, manifest)
         write_json(out / SGLANG_CONFIG, served)
-        (out / LAUNCH).write_text(launch_script(manifest["flow"], served["server_args"]))
+        (out / LAUNCH).write_text(launch_script(manifest, served["server_args"]))
         (out / LAUNCH).chmod(0o755)
     except OSError as e:
         raise SparsetuneError(f"cannot write the bundle to {out}: {e.strerror}; pick a writable --out folder") from None
@@ -199,22 +247,26 @@ def _calibration(cls, resolved: dict[str, str], model: str | None) -> tuple[Path
     return path, shape
 
 
-def _setup(model: str, flow_file: Path, params: dict[str, str]):
-    """The bundle's setup: its flow with the params as given, on its model (`setup.resolve`, the
-    params as they are: a search's point, or a flow's already over the model's tuned defaults)."""
+def _setup(model: str, flow_file: Path | None, params: dict[str, str], reuse: tuple[Path, dict[str, str]] | None = None):
+    """The bundle's setup: its flows with the params as given, on its model (`setup.resolve`, the
+    params as they are: a search's point, or a flow's already over the model's tuned defaults).
+    `flow_file` None with `reuse`: the decode flow the reuse flow brings, as `resolve` derives it."""
     from sparsetune.engine.config import EngineConfig
     from sparsetune.setup import resolve
 
-    return resolve(EngineConfig(model=model), flow=str(flow_file), params=params, defaults="published")
+    return resolve(EngineConfig(model=model), flow=None if flow_file is None else str(flow_file),
+                   params=params, defaults="published",
+                   reuse=None if reuse is None else str(reuse[0]), reuse_params=None if reuse is None else reuse[1])
 
 
-def _old_source(out: Path) -> str | None:
-    """The flow source file an existing bundle's manifest names, if it is a plain file name."""
+def _old_sources(out: Path) -> tuple[str, ...]:
+    """The flow files an existing bundle's manifest names (decode and reuse), those that are plain file names."""
     try:
-        name = json.loads((out / MANIFEST).read_text()).get("source")
+        m = json.loads((out / MANIFEST).read_text())
+        names = [m.get("source"), (m.get("reuse") or {}).get("source")]
     except (OSError, ValueError, AttributeError):
-        return None
-    return name if isinstance(name, str) and Path(name).name == name and name.endswith(".py") else None
+        return ()
+    return tuple(n for n in names if isinstance(n, str) and Path(n).name == n and n.endswith(".py"))
 
 
 def flow_of(path: Path, manifest: dict[str, Any]):
@@ -225,26 +277,43 @@ def flow_of(path: Path, manifest: dict[str, Any]):
     return flow_class(desc, origin=f"bundle {path}").from_strings(manifest["params"])
 
 
+# What a reuse bundle's launch and `export --check --require-sglang` say until the plugin serves reuse flows.
+REUSE_NOT_SERVED = ("this sparsetune's SGLang plugin does not serve reuse flows yet (issue #44): it would serve the bundle's "
+                    "decode flow alone, with no segment reuse, so it refuses; run the reuse flow on sparsetune's engine "
+                    "(sparsetune eval / bench serve --reuse)")
+
+
+def serving_problem(manifest: dict[str, Any]) -> str | None:
+    """Why SGLang cannot serve a checked bundle with this sparsetune, whatever SGLang's version (None: it can)."""
+    return REUSE_NOT_SERVED if manifest.get("reuse") is not None else None
+
+
 def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
     """`sglang.json`: what serving the bundle in SGLang takes (`launch_sglang.sh` is its command line)."""
-    dense = manifest["flow"] == "dense"
+    reuse = manifest.get("reuse")
+    dense = manifest["flow"] == "dense" and reuse is None  # a reuse flow needs the backend even with dense decode
     return {
         "sglang": supported_specs(),
         "plugin": "sparsetune (entry point sglang.srt.plugins; pip install sparsetune in SGLang's environment)",
         "server_args": {"attention_backend": "triton" if dense else BACKEND, "page_size": manifest["block_size"]},
         "env": {} if dense else {BUNDLE_ENV: "this bundle's folder (launch_sglang.sh sets it)"},
         "native": ("dense attention is SGLang's own backend: no plugin needed" if dense else
-                   f"SGLang {supported_versions()} has no launch flag for {manifest['flow']!r}: the {BACKEND} attention backend (plugin) runs it"),
+                   f"SGLang {supported_versions()} has no launch flag for "
+                   f"{manifest['flow'] if reuse is None else reuse['flow']!r}: the {BACKEND} attention backend (plugin) runs it"),
         "cuda_graph": "on: the backend captures the flow's decode with the dense backend's graph hooks",
         "memory": "the flow's per-page fields are allocated beside SGLang's KV pool: lower --mem-fraction-static "
                   "a little if the first decode runs out of memory",
+        **({} if reuse is None else {"reuse": {"flow": reuse["flow"], "served": False, "why": REUSE_NOT_SERVED}}),
     }
 
 
-def launch_script(flow: str, args: dict[str, Any]) -> str:
-    """`launch_sglang.sh` of a bundle of `flow`, launching SGLang with `sglang.json`'s server args."""
+def launch_script(manifest: dict[str, Any], args: dict[str, Any]) -> str:
+    """`launch_sglang.sh` of a bundle, launching SGLang with `sglang.json`'s server args."""
+    reuse = manifest.get("reuse")
+    what = f"flow ({manifest['flow']})" if reuse is None else f"reuse flow ({reuse['flow']}, decode: {manifest['flow']})"
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items())
     return f"""#!/usr/bin/env bash
-# Serve a model with this bundle's flow ({flow}) inside SGLang. Written by `sparsetune export`.
+# Serve a model with this bundle's {what} inside SGLang. Written by `sparsetune export`.
 #   ./launch_sglang.sh MODEL_PATH [more python -m sglang.launch_server arguments]
 # MODEL_PATH: a Hugging Face-format model folder (or hub id) that SGLang loads
 # (`sparsetune models path NAME` prints one for a model sparsetune knows).
@@ -257,28 +326,34 @@ if [ -z "$model" ]; then echo "usage: $0 MODEL_PATH [sglang.launch_server args]"
 shift
 "$py" -m sparsetune.cli.main export --check "$here" --require-sglang --model "$model"
 export {BUNDLE_ENV}="$here"
-exec "$py" -m sglang.launch_server --model-path "$model" --attention-backend {args['attention_backend']} --page-size {args['page_size']} "$@"
+exec "$py" -m sglang.launch_server --model-path "$model" {flags} "$@"
 """
 
 
 def export_run(run_dir: Path, out: Path, *, trial: str | None = None, pick: str | None = None,
                overwrite: bool = False) -> dict[str, Any]:
-    """A bundle of a search's confirmed point, with the figures the search measured for it."""
+    """A bundle of a search's confirmed point (a decode flow, or a reuse flow with the decode flow it
+    brings), with the figures the search measured for it."""
     flow_file, row, summary = point_of_run(run_dir, trial, pick)
     config = json.loads((run_dir / "search.json").read_text())["search"] if (run_dir / "search.json").is_file() else {}
+    reuse = summary.get("kind") == "reuse"
+    on = ", ".join(config.get("tasks") or ()) if reuse else "RULER-style suite"
     measured = {
-        "accuracy": {"on": f"{summary['model']}, RULER-style suite at {summary['context']} tokens",
+        "accuracy": {"on": f"{summary['model']}, {on or 'the reuse workloads'} at {summary['context']} tokens",
                      "search": row["relative_accuracy"], "confirmed": row["confirmed_accuracy"],
-                     "interval_95": row.get("interval"), "relative_to": "dense on the same prompts",
+                     "interval_95": row.get("interval"), "relative_to": "dense on the same prompts" if not reuse else
+                     "full recompute (dense) on the same prompts",
                      "dense_accuracy": (summary.get("dense") or {}).get("accuracy")},
-        "speedup": row["speedup"], "speed_kind": row.get("speed_kind"), "speed_note": summary.get("speed_note"),
+        "speedup": row["speedup"], "speedup_of": "time to first token" if reuse else "decode step",
+        "speed_kind": row.get("speed_kind"), "speed_note": summary.get("speed_note"),
         "speed_shape": {k: config.get(k) for k in ("speed_model", "speed_batch", "speed_context") if k in config},
-        "kv_share": row.get("share"),
+        ("compute_share" if reuse else "kv_share"): row.get("share"),
     }
     origin = {"from": "search", "run_dir": str(run_dir), "study": summary.get("study"), "trial": row["trial"]}
     # A proposed flow (the run's candidates/) is never trusted: it is traced in the sandbox (built-ins
     # are recognised by their hash either way).
-    return write_bundle(out, flow_file, row["params"], model=summary.get("model"), measured=measured,
+    decode, params, reused = (None, {}, (flow_file, row["params"])) if reuse else (flow_file, row["params"], None)
+    return write_bundle(out, decode, params, reuse=reused, model=summary.get("model"), measured=measured,
                         origin=origin, overwrite=overwrite, trust=False)
 
 
@@ -304,8 +379,12 @@ def check_bundle(path: Path) -> list[str]:
         m = json.loads(manifest_path.read_text())
     except (ValueError, OSError) as e:
         return [f"{MANIFEST} is not readable JSON ({e}); export again"]
-    if not isinstance(m, dict) or m.get("schema") != SCHEMA:
-        return [f"{MANIFEST}: schema {m.get('schema') if isinstance(m, dict) else None!r}, expected {SCHEMA!r}"]
+    if not isinstance(m, dict) or m.get("schema") not in (SCHEMA, REUSE_SCHEMA):
+        return [f"{MANIFEST}: schema {m.get('schema') if isinstance(m, dict) else None!r}, expected {SCHEMA!r} "
+                f"(or {REUSE_SCHEMA!r}); export again"]
+    if (m["schema"] == REUSE_SCHEMA) != isinstance(m.get("reuse"), dict):
+        return [f"{MANIFEST}: schema {m['schema']!r} " + ("without a reuse flow" if m["schema"] == REUSE_SCHEMA else
+                                                          "with a reuse flow") + "; export again"]
     missing = [k for k in ("flow", "source", "source_sha256", "params", "graph", "graph_sha256") if k not in m]
     if missing:
         return [f"{MANIFEST} lacks {', '.join(missing)} (written by an older sparsetune?); export again"]
@@ -338,7 +417,9 @@ def check_bundle(path: Path) -> list[str]:
     changed = {k: (v, m["params"].get(k)) for k, v in resolved.items() if m["params"].get(k) != v}
     if changed:
         problems.append("params not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items()))
-    if graph_key(flow) not in cls.graphs:
+    if flow.full_attention:  # dense: no stages, so no graphs
+        pass
+    elif graph_key(flow) not in cls.graphs:
         traced, now = json.loads(next(iter(cls.graphs))), json.loads(graph_key(flow))
         diff = ", ".join(f"{k}={m['params'].get(k)}" for k in now if now[k] != traced.get(k))
         problems.append(f"params {diff} change what the flow computes, and its graphs were traced at other values; "
@@ -359,6 +440,8 @@ def check_bundle(path: Path) -> list[str]:
             Setup.from_dict(m["setup"], f"{MANIFEST}'s setup")
         except SparsetuneError as e:
             problems.append(f"{e}; export again")
+    if m["schema"] == REUSE_SCHEMA:
+        problems += _reuse_problems(path, m["reuse"])
     try:
         served = json.loads((path / SGLANG_CONFIG).read_text())["server_args"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -366,6 +449,30 @@ def check_bundle(path: Path) -> list[str]:
     if str(served.get("page_size")) != resolved.get("block_size"):
         problems.append(f"{SGLANG_CONFIG}: page_size {served.get('page_size')!r} is not the flow's block size "
                         f"{resolved.get('block_size')!r} (SGLang's pages are the flow's blocks)")
+    return problems
+
+
+def _reuse_problems(path: Path, r: dict[str, Any]) -> list[str]:
+    """A reuse bundle's reuse flow: its file there, unchanged, loadable here (a built-in as shipped, or
+    any file with the trust opt-in: `loader`), its params as that flow resolves them."""
+    bad = [k for k in ("flow", "source", "source_sha256") if not isinstance(r.get(k), str)]
+    if bad or not isinstance(r.get("params"), dict) or not all(isinstance(v, str) for v in r["params"].values()):
+        return [f"{MANIFEST}: reuse.{', reuse.'.join(bad) or 'params'} must be " + ("text" if bad else "an object of text values")
+                + "; export again"]
+    f = path / r["source"]
+    if Path(r["source"]).name != r["source"] or not f.is_file():
+        return [f"the reuse flow source {r['source']!r} is not in the bundle"]
+    digest = file_sha256(f)
+    if digest != r["source_sha256"]:
+        return [f"{r['source']} changed since export (sha256 {digest[:12]}…, manifest {r['source_sha256'][:12]}…); export again"]
+    try:  # a built-in as shipped loads; another file only with the trust opt-in (the loader's one rule)
+        cls, resolved = _resolve(f, r["params"], reuse=True)
+    except SparsetuneError as e:
+        return [str(e)]
+    problems = [] if cls.name == r["flow"] else [f"{r['source']} holds reuse flow {cls.name!r}, the manifest says {r['flow']!r}"]
+    changed = {k: (v, r["params"].get(k)) for k, v in resolved.items() if r["params"].get(k) != v}
+    if changed:
+        problems.append("reuse params not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items()))
     return problems
 
 

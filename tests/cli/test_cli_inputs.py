@@ -119,7 +119,7 @@ BEFORE_TORCH = [
     (("eval", "--flow", "quest", "--defaults", "mine"), ("--defaults 'mine': use tuned or published",)),
     (("search", "show", "nowhere"), ("not a search folder",)),
     (("export",), ("--out DIR: where to write the bundle",)),
-    (("export", "runs/s", "--flow", "quest", "--out", "b"), ("a search's run folder (runs/<study>) or a --flow",)),
+    (("export", "runs/s", "--flow", "quest", "--out", "b"), ("a search's run folder (runs/<study>), or a --flow",)),
     (("export", "--check", "b", "--flow", "quest"), ("--check takes only the bundle's folder",)),
     (("models", "path", "/nonexistent/m"), ("model directory /nonexistent/m does not exist",)),
     (("models", "path", "qwen3-8b"), ("weights for qwen3-8b not found", "--random-weights")),

@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sparsetune.engine.attention import AttentionMetadata
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import BACKEND as NAME
-from sparsetune.export.bundle import BUNDLE_ENV, calibration_of, flow_of, read_bundle
+from sparsetune.export.bundle import BUNDLE_ENV, calibration_of, flow_of, read_bundle, serving_problem
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.models.artifacts import load_calibration
@@ -69,6 +69,9 @@ def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any], Pa
                               "writes one; its launch_sglang.sh sets the variable)")
     path = Path(bundle)
     manifest = read_bundle(path)  # checks the graph's sha256 against the manifest
+    problem = serving_problem(manifest)
+    if problem:
+        raise SparsetuneError(f"bundle {path}: {problem}")
     flow = flow_of(path, manifest)  # from the graph: no Python of the bundle runs
     return flow, manifest, path
 

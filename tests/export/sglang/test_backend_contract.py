@@ -309,3 +309,12 @@ def test_a_launch_that_cannot_work_says_why(tmp_path, monkeypatch):
         SparsetuneBackend(world.runner, bundle=str(tmp_path))
     with pytest.raises(SparsetuneError, match="not one of SGLang's attention backends"):
         SparsetuneBackend(world.runner, bundle=bundle(tmp_path, "block_topk", block_size=P), dense="nosuch")
+    # a reuse bundle: refused, not served as its decode flow alone (SGLang does not serve reuse flows yet)
+    reuse = tmp_path / "reuse"
+    write_bundle(reuse, flow_path("quest"), {"block_size": str(P)}, reuse=(flow_path("cacheblend"), {}))
+    with pytest.raises(SparsetuneError, match="does not serve reuse flows yet"):
+        SparsetuneBackend(world.runner, bundle=str(reuse))
+    from sparsetune.api import check_export
+
+    result = check_export(reuse, require_sglang=True)
+    assert not result["ok"] and result["sglang_problem"] is None and "reuse flows" in result["serving_problem"]
