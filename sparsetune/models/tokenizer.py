@@ -33,6 +33,17 @@ class HFTokenizer:
             raise SparsetuneError(f"cannot load the tokenizer from {directory} ({type(e).__name__}: {e}); its "
                                   "tokenizer files are damaged or of a kind transformers cannot read: replace "
                                   "them (tokenizer.json, tokenizer_config.json) or pass another --model") from None
+        self._adopt(eos_token_ids)
+
+    @classmethod
+    def wrap(cls, hf, eos_token_ids: tuple[int, ...] = ()) -> HFTokenizer:
+        """A transformers tokenizer loaded elsewhere (SGLang's, in its tokenizer process)."""
+        self = cls.__new__(cls)
+        self.hf = hf
+        self._adopt(eos_token_ids)
+        return self
+
+    def _adopt(self, eos_token_ids: tuple[int, ...]) -> None:
         ids = set(eos_token_ids)
         if self.hf.eos_token_id is not None:
             ids.add(int(self.hf.eos_token_id))

@@ -1,0 +1,95 @@
+"""How a request to SGLang marks reusable segments (issue #44): the engine's parts, carried in `custom_params`.
+
+A client sends the prompt as the engine takes it (`reuse.parts`): a list of parts, each plain text
+or `{"text": ..., "reuse": true, "namespace": "kb1", "pin": false}`, as one JSON string under
+`"sparsetune_parts"` in the request's `custom_params`. SGLang carries `custom_params` to the
+scheduler from `/generate`'s `sampling_params` and from the OpenAI routes' top-level field (an
+OpenAI client's `extra_body`); its values are typed scalars on the way (msgpack), so the list
+travels as text. The parts' texts, concatenated, must be the prompt itself: a completion's prompt,
+`/generate`'s `text`, or a chat request's one user message. A server without the plugin then
+answers the same request from the same text.
+
+The tokenizer process encodes such a prompt as the engine does (`encode_parts`: each part on its
+own, a chat request's inside the chat template's frame), so a segment has the same token ids
+wherever it appears and is found by its ids, and hands the scheduler the spans under
+`"sparsetune_layout"` (JSON: `[[start, end, namespace, pin], ...]`, the reused spans only). A bad
+request raises `ValueError` with one line naming the problem and the fix: SGLang answers it with
+HTTP 400 (`TokenizerManager` and the OpenAI routes turn a ValueError into one).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sparsetune.errors import SparsetuneError
+from sparsetune.reuse.parts import Part, ReuseLayout, Span, encode_parts, parse_parts
+
+FIELD = "sparsetune_parts"  # what a client sets in custom_params
+LAYOUT = "sparsetune_layout"  # what the tokenizer process adds for the scheduler
+
+
+def request_parts(custom_params: dict[str, Any] | None) -> list[Part] | None:
+    """The parts a request's `custom_params` marks (None: a plain request); ValueError (HTTP 400) if
+    they are malformed. A client may not set the layout itself: the tokenizer process writes it."""
+    params = custom_params or {}
+    if LAYOUT in params:
+        raise ValueError(f"custom_params.{LAYOUT} is written by the server; send the prompt's parts as "
+                         f"custom_params.{FIELD} instead")
+    raw = params.get(FIELD)
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ValueError(f"custom_params.{FIELD} must be a JSON string (json.dumps of the parts list), not "
+                         f"{type(raw).__name__}: SGLang's custom_params hold scalars only")
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"custom_params.{FIELD} is not JSON ({e.msg} at character {e.pos})") from None
+    try:
+        return parse_parts(obj, f"custom_params.{FIELD}")
+    except SparsetuneError as e:
+        raise ValueError(str(e)) from None
+
+
+def encode_request(tokenizer, parts: list[Part], prompt: str, *, chat: bool) -> ReuseLayout:
+    """The token ids and spans of a request's prompt, each part tokenized on its own (in the chat
+    frame for a chat request): the engine's encoding (`encode_parts`). `tokenizer`: sparsetune's
+    (`models.tokenizer.HFTokenizer.wrap(SGLang's)`). ValueError if the parts are not the prompt."""
+    joined = "".join(p.text for p in parts)
+    if joined != prompt:
+        at = next((i for i, (a, b) in enumerate(zip(joined, prompt)) if a != b), min(len(joined), len(prompt)))
+        what = "the chat request's user message" if chat else "the prompt"
+        raise ValueError(f"custom_params.{FIELD}: the parts' texts, joined, must be {what} exactly; they differ at "
+                         f"character {at} (parts: {len(joined)} characters, {what}: {len(prompt)})")
+    if not any(p.reuse for p in parts):
+        raise ValueError(f"custom_params.{FIELD}: no part has \"reuse\": true; mark the segments to reuse, or drop the field")
+    try:
+        return encode_parts(tokenizer, parts, chat=chat)
+    except SparsetuneError as e:
+        raise ValueError(str(e)) from None
+
+
+def layout_param(layout: ReuseLayout) -> str:
+    """The reused spans, as the scheduler reads them from custom_params (`LAYOUT`)."""
+    return json.dumps([[s.start, s.end, s.namespace, s.pin] for s in layout.segments], separators=(",", ":"))
+
+
+def layout_spans(custom_params: dict[str, Any] | None, num_tokens: int) -> list[Span] | None:
+    """The reused spans the tokenizer process wrote for a prompt of `num_tokens` ids (None: a plain
+    request). They come from this package's own tokenizer hook; a malformed value is refused."""
+    raw = (custom_params or {}).get(LAYOUT)
+    if raw is None:
+        return None
+    try:
+        rows = json.loads(raw)
+        spans = [Span(int(a), int(b), True, str(ns), bool(pin)) for a, b, ns, pin in rows]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"custom_params.{LAYOUT} is malformed ({e}); it is the server's own field") from None
+    last = 0
+    for s in spans:
+        if not (last <= s.start < s.end <= num_tokens):
+            raise ValueError(f"custom_params.{LAYOUT}: span [{s.start}, {s.end}) does not fit a prompt of "
+                             f"{num_tokens} tokens in order; it is the server's own field")
+        last = s.end
+    return spans
