@@ -162,6 +162,16 @@ class Rows:
     def write_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the rows' fresh K/V (but the pairs `keep_cached` names) → q and residual of the continuing rows."""
+        sub = self.store_kv(layer, q, k, v)
+        if sub is None:
+            return q, residual
+        self.set_rows(self.positions[sub])
+        return q[sub], residual[sub]
+
+    def store_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """`write_kv`'s store: the rows' fresh K/V at their slots (but the pairs `keep_cached` names);
+        returns `continuing`'s answer, the rows that go on past this layer (None: all), for the caller
+        to narrow to (the engine at once; a host whose layer runs whole, SGLang's, after the layer)."""
         sub = self.continuing(layer, q, k, v)
         keep = self.keep_cached(layer)
         if keep is not None:
@@ -170,10 +180,7 @@ class Rows:
             k, v = torch.where(m, kc, k), torch.where(m, vc, v)
         with stage("kv_store"):
             self.kv.store(layer, k, v, self.row_slots)
-        if sub is None:
-            return q, residual
-        self.set_rows(self.positions[sub])
-        return q[sub], residual[sub]
+        return sub
 
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q `[n, Hq, D]` of the rows over the sequence's KV in the pool → `[n, Hq, D]`."""
@@ -271,14 +278,27 @@ class RowsBatch:
 
     def write_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        qs, rs = [], []
-        for m, qi, ki, vi, ri in zip(self.members, *(x.split(self._sizes) for x in (q, k, v, residual))):
-            qi, ri = m.write_kv(layer, qi, ki, vi, ri)
-            qs.append(qi)
-            rs.append(ri)
+        return self.narrow(self.store_kv(layer, q, k, v), q, residual)
+
+    def store_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list | None:
+        """Each member's `Rows.store_kv`: their answers (None: every member's rows go on)."""
+        subs = [m.store_kv(layer, qi, ki, vi) for m, qi, ki, vi in zip(self.members, *(x.split(self._sizes) for x in (q, k, v)))]
+        return None if all(s is None for s in subs) else subs
+
+    def narrow(self, subs: list | None, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each member to the rows `store_kv` said go on, and the packed tensors `xs` with them."""
+        if subs is None:
+            return xs
+        parts = [x.split(self._sizes) for x in xs]
+        out = [[] for _ in xs]
+        for i, (m, sub) in enumerate(zip(self.members, subs)):
+            if sub is not None:
+                m.set_rows(m.positions[sub])
+            for j in range(len(xs)):
+                out[j].append(parts[j][i] if sub is None else parts[j][i][sub])
         self._sizes = [m.positions.numel() for m in self.members]
         self._positions = None
-        return torch.cat(qs), torch.cat(rs)
+        return tuple(torch.cat(o) for o in out)
 
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return torch.cat([m.attention(layer, qi) for m, qi in zip(self.members, q.split(self._sizes))])

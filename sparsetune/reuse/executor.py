@@ -217,11 +217,7 @@ class ReuseRequest(PlannedPrefill):
         return all(seg.ready for seg in self.segs)
 
     def _reused(self, device) -> torch.Tensor:
-        """`[T]` bool: the tokens of reusable segments, as the flow sees them (those in a cached prefix too:
-        a prefix hit changes what is computed, not what the flow is asked)."""
-        if not self.flow.reads_cache:
-            return torch.zeros(self.layout.num_tokens, dtype=torch.bool, device=device)
-        return self.layout.reused_mask(device)
+        return reused_tokens(self.flow, self.layout, device)
 
     @functools.cached_property
     def _num_rows(self) -> int:  # asked once admitted
@@ -255,6 +251,15 @@ class ReuseRequest(PlannedPrefill):
     def cancel(self) -> None:
         self.ex.let_go(self.segs, [])
         self.segs = []
+
+
+def reused_tokens(flow: ReuseFlow, layout: ReuseLayout, device) -> torch.Tensor:
+    """`[T]` bool: the tokens of reusable segments, as the flow sees them (those in a cached prefix too:
+    a prefix hit changes what is computed, not what the flow is asked); none for a flow that never
+    reads cached KV (full recompute)."""
+    if not flow.reads_cache:
+        return torch.zeros(layout.num_tokens, dtype=torch.bool, device=device)
+    return layout.reused_mask(device)
 
 
 def needed(layout: ReuseLayout, start: int) -> list:

@@ -41,6 +41,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 
 from sparsetune.engine.attention import AttentionMetadata
+from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import BACKEND as NAME
 from sparsetune.export.bundle import BUNDLE_ENV, calibration_of, flow_of, read_bundle, serving_problem
@@ -104,13 +105,15 @@ class _Layers:
         return buf.view(-1, self._page, buf.shape[1], buf.shape[2]).permute(0, 2, 1, 3)
 
 
-class PagedPool:
-    """SGLang's `MHATokenToKVPool` seen as this engine's paged pool (the `KVCache` face that
-    `FlowAttention` reads): blocks are pages, block 0 (SGLang's padding page) the null block."""
+class PagedPool(KVCache):
+    """SGLang's `MHATokenToKVPool` seen as this engine's paged pool (a `KVCache` over SGLang's buffers,
+    not its own: what `FlowAttention` and a reuse plan's `Rows` read and write): blocks are pages,
+    block 0 (SGLang's padding page) the null block."""
 
     null_block = 0
+    null_slot = 0
 
-    def __init__(self, pool: MHATokenToKVPool, page_size: int) -> None:
+    def __init__(self, pool: MHATokenToKVPool, page_size: int) -> None:  # SGLang allocated the buffers
         k0 = pool.get_key_buffer(pool.start_layer)
         self.block_size = page_size
         self.num_blocks = k0.shape[0] // page_size
@@ -180,7 +183,8 @@ class SparsetuneBackend(AttentionBackend):
         layers = getattr(getattr(model_runner, "model_config", None), "num_hidden_layers", None)
         pool = self.token_to_kv_pool
         layers = layers or getattr(pool, "end_layer", pool.layer_num - 1) + 1
-        self.sparse = frozenset(self.flow.sparse_layers(layers))
+        # dense decode (a reuse bundle's without a decode flow of its own): no sparse layer
+        self.sparse = frozenset() if self.flow.full_attention else frozenset(self.flow.sparse_layers(layers))
         self.channels = load_channels(path, self.manifest, model_runner, layers, pool)
         self.pool = PagedPool(self.token_to_kv_pool, page)
         self.attn: FlowAttention | None = None  # built at the first layer (its scaling)
@@ -222,7 +226,11 @@ class SparsetuneBackend(AttentionBackend):
         return self.attn
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        out = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        step = getattr(forward_batch, "sparsetune_reuse", None)  # a reuse flow's rows (`export.sglang.reuse`)
+        if step is not None:
+            out = step.attention(layer.layer_id, q, k, v, layer.tp_q_head_num, layer.qk_head_dim)
+        else:
+            out = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if self.is_sparse(layer):
             self.flow_attention(layer).write_fields(layer.layer_id, self.pool, self.meta)
         return out
