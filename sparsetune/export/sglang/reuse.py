@@ -69,8 +69,9 @@ class ReuseStep:
     request's reuse, or None for a plain prompt."""
 
     def __init__(self, flow: ReuseFlow, pool, req_to_token: torch.Tensor, fb, requests: list[ReuseRequest | None],
-                 num_layers: int, scale: float, inv_freq: torch.Tensor, page_size: int) -> None:
+                 num_layers: int, scale: float, inv_freq: torch.Tensor, page_size: int, pins=None) -> None:
         check_flow(flow)
+        self.pins = pins  # (a SegmentStore, what it pinned for these requests): let go after the forward
         self.flow, self.sgl_pool, self.req_to_token, self.inv_freq = flow, pool, req_to_token, inv_freq
         self.pool = PagedPool(pool, page_size)
         self.requests, self.rows = requests, fb.req_pool_indices.tolist()
@@ -161,6 +162,15 @@ class ReuseStep:
         for k, v in (self.saved or {}).items():
             setattr(fb, k, v)
 
+    def release(self) -> None:
+        """Let go of the pins the plans held: their KV is in the requests' own slots now (a later
+        write to a freed slot is ordered after this step's copies on the device)."""
+        if self.pins:
+            store, pins = self.pins
+            for pin in pins:
+                store.unpin(pin)
+            self.pins = None
+
     def finish(self) -> list[ReuseStats | None]:
         """Each request's counts (None: a plain prompt), read once the forward is done."""
         out = []
@@ -194,6 +204,7 @@ def wrap_model(model) -> None:
             return forward(input_ids[step.first], positions[step.first], forward_batch, *args, **kwargs)
         finally:
             step.restore(forward_batch)
+            step.release()
 
     layers = model.model.layers
     end = getattr(model.model, "end_layer", len(layers))

@@ -58,10 +58,15 @@ class SegmentStore:
 
     def find(self, token_ids: list[int], namespace: str) -> Hit:
         """The longest stored head of segment `token_ids` in `namespace` (length 0: not stored)."""
+        return self.match(token_ids, segment_key(namespace))
+
+    def match(self, token_ids: list[int], extra_key: str | None) -> Hit:
+        """The longest head of `token_ids` the tree holds under `extra_key` (a plain prompt's own key:
+        its prefix-cache hit; a namespace's segment key: a stored segment)."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", token_ids), extra_key=segment_key(namespace))))
+        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", token_ids), extra_key=extra_key)))
         slots = getattr(m, "device_indices", None)
         if slots is None:  # 0.5.23: the matched length, and the slots along the node's path
             n = int(m.device_prefix_len)

@@ -1,0 +1,100 @@
+"""The scheduler side of a reuse flow inside SGLang (issue #44): which requests reuse, and what they find.
+
+A request reuses when its `custom_params` hold the layout the tokenizer process wrote
+(`segments.LAYOUT`). In SGLang's scheduler process (0.5.16 and 0.5.23; the hooks' targets are the
+same there, `HOOKS`):
+
+- `Req._compute_max_prefix_len` (AROUND, `cap_prefix`): 0 for such a request. SGLang gives it no
+  prefix of its own, so its whole prompt is in its extend with slots of its own, and its plan
+  copies what SGLang's tree holds of its start, as the engine's plan takes a cached prefix.
+- `ScheduleBatch.prepare_for_extend` (AROUND, `plan_batch`): before SGLang allocates the batch's
+  slots (which may evict), each new such request is planned (`plan_request`): the tree's plain
+  prefix of its prompt (under its own `extra_key`) and each segment's stored head (under the
+  segment key of its namespace) are found and pinned; a segment not stored (or its tail past the
+  stored head) is computed as prompt text. Its KV, approximate once a flow reuses, is never put in
+  the tree (`skip_radix_cache_insert`).
+- `ForwardBatch.init_new` (AFTER, `attach`): the batch's plans go on the forward batch
+  (`fb.sparsetune_requests`, and the pins as `fb.sparsetune_pins`); the attention backend makes the
+  step of them (`reuse.ReuseStep`), which lets the pins go once its forward has run.
+
+Segments get into the tree as SGLang keeps any prompt: a request whose prompt is the segment alone,
+under its segment key (`store.segment_key`), at positions 0.. (the page-aligned head is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparsetune.export.sglang.reuse import ReuseRequest
+from sparsetune.export.sglang.segments import layout_spans
+from sparsetune.export.sglang.store import SegmentStore
+from sparsetune.reuse.parts import DEFAULT_NAMESPACE, ReuseLayout, Span
+
+ATTR = "_sparsetune_reuse"  # on a Req: (its ReuseRequest, the pins it holds), once planned
+
+
+def spans_of(req) -> list[Span] | None:
+    """A request's reused spans (None: a plain request)."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return layout_spans(params, len(req.origin_input_ids)) if params else None
+
+
+def plan_request(ids: list[int], spans: list[Span], extra_key: str | None, store: SegmentStore) -> tuple[ReuseRequest, list]:
+    """What the tree holds of a prompt with reused `spans`, pinned: its plain prefix (at most all
+    but the last token, as SGLang caps a match) and each segment's stored head. Returns the plan's
+    input (the layout with each segment cut to its stored head; the rest is prompt text) and the pins."""
+    prefix = store.match(ids[: len(ids) - 1], extra_key)
+    pins = [store.pin(prefix)] if prefix.length else []
+    cut, found, last = [], [], 0
+    for span in spans:
+        if span.start > last:
+            cut.append(Span(last, span.start, False, DEFAULT_NAMESPACE))
+        hit = store.find(ids[span.start : span.end], span.namespace)
+        if hit.length:
+            pins.append(store.pin(hit))
+            found.append((span.start, hit.slots))
+            cut.append(Span(span.start, span.start + hit.length, True, span.namespace, span.pin))
+        if span.start + hit.length < span.end:
+            cut.append(Span(span.start + hit.length, span.end, False, span.namespace))
+        last = span.end
+    if last < len(ids):
+        cut.append(Span(last, len(ids), False, DEFAULT_NAMESPACE))
+    return ReuseRequest(ReuseLayout(list(ids), cut), prefix.length, prefix.slots, found), pins
+
+
+# ---- the hooks (HookRegistry: AROUND gets the original first; AFTER the result first) ---------------
+
+def cap_prefix(original, req, input_len: int, *args, **kwargs) -> int:
+    if spans_of(req):
+        return 0
+    return original(req, input_len, *args, **kwargs)
+
+
+def plan_batch(original, batch, *args, **kwargs):
+    store = SegmentStore(batch.tree_cache)
+    for req in batch.reqs:
+        spans = None if hasattr(req, ATTR) else spans_of(req)
+        if spans:
+            setattr(req, ATTR, plan_request(list(req.origin_input_ids), spans, req.extra_key, store))
+            req.skip_radix_cache_insert = True
+    return original(batch, *args, **kwargs)
+
+
+def attach(fb, *args, **kwargs):
+    """After `ForwardBatch.init_new(batch, model_runner, ...)` (a classmethod: the class comes first)."""
+    batch = next((a for a in args if hasattr(a, "reqs")), kwargs.get("batch"))
+    plans = [getattr(req, ATTR, None) for req in getattr(batch, "reqs", None) or []]
+    if fb.forward_mode.is_extend() and any(p is not None for p in plans):
+        fb.sparsetune_requests = [None if p is None else p[0] for p in plans]
+        fb.sparsetune_pins = (SegmentStore(batch.tree_cache), [pin for p in plans if p is not None for pin in p[1]])
+        for req in batch.reqs:  # planned once: a retry (retraction) plans anew
+            if hasattr(req, ATTR):
+                delattr(req, ATTR)
+    return fb
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    ("sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len", cap_prefix, "AROUND"),
+    ("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend", plan_batch, "AROUND"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", attach, "AFTER"),
+]

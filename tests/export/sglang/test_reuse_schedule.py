@@ -1,0 +1,124 @@
+"""The scheduler side of reuse inside SGLang (0.5.16 and 0.5.23, CPU; issue #44): SGLang's real `Req`,
+prefix tree and `HookRegistry`.
+
+- `plan_request` finds what the tree holds of a prompt: its plain prefix (under the request's own
+  key, at most all but the last token) and each segment's stored head (a segment stored whole, one
+  stored only up to a page, one not stored: prompt text), pinned, so eviction under a full pool
+  frees neither; the layout's segments are cut to what was found.
+- The hooks resolve on both versions' real targets through SGLang's own registry; on a real `Req`
+  the prefix cap is 0 for a request with segments and SGLang's own for a plain one; `plan_batch`
+  plans each new request with segments once, before SGLang's allocation, and keeps its KV out of the
+  tree; `attach` puts the plans on an extend's forward batch.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import sglang
+import torch
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+from sparsetune.export.sglang import schedule
+from sparsetune.export.sglang.segments import LAYOUT
+from sparsetune.export.sglang.store import SegmentStore, segment_key
+from sparsetune.reuse.parts import Span
+
+P = 4
+
+
+def tree(slots: int):
+    kv = MHATokenToKVPool(size=slots, page_size=P, dtype=torch.float32, head_num=1, head_dim=8, layer_num=1, device="cpu",
+                          enable_memory_saver=False)
+    alloc = PagedTokenToKVPoolAllocator(slots, P, torch.float32, "cpu", kv, need_sort=False)
+    rows = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
+    params = dict(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc, page_size=P)
+    if sglang.__version__.startswith("0.5.16"):
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        return RadixCache(CacheInitParams(**params)), alloc
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    return UnifiedRadixCache(CacheInitParams(**params, tree_components=(ComponentType.FULL,))), alloc
+
+
+def put(t, alloc, ids, extra_key):
+    slots = alloc.alloc(len(ids))
+    t.insert(InsertParams(key=RadixKey(array("q", ids), extra_key=extra_key), value=slots))
+    return slots
+
+
+HEAD, SEG, HALF, GONE = list(range(1, 9)), list(range(20, 32)), list(range(40, 50)), list(range(60, 68))
+PROMPT = HEAD + [7, 7] + SEG + [8] + HALF + GONE + [9, 9, 9]
+
+
+def spans():
+    at = [len(HEAD) + 2, len(HEAD) + 2 + len(SEG) + 1]
+    return [Span(at[0], at[0] + len(SEG), True, "kb"), Span(at[1], at[1] + len(HALF), True, "kb"),
+            Span(at[1] + len(HALF), at[1] + len(HALF) + len(GONE), True, "kb")]
+
+
+def test_a_plan_finds_and_pins_the_prefix_and_each_segments_stored_head():
+    t, alloc = tree(96)
+    head = put(t, alloc, HEAD, None)
+    seg = put(t, alloc, SEG, segment_key("kb"))
+    half = put(t, alloc, HALF[:8], segment_key("kb"))  # a page-aligned head, as SGLang keeps a 10-token prompt
+    put(t, alloc, list(range(80, 96)), None)  # another prompt, idle
+    store = SegmentStore(t)
+    req, pins = schedule.plan_request(PROMPT, spans(), None, store)
+    assert req.num_cached == len(HEAD) and torch.equal(req.prefix_slots, head)
+    s1, s2, _ = spans()
+    assert [(a, b.tolist()) for a, b in req.segments] == [(s1.start, seg.tolist()), (s2.start, half.tolist())]
+    assert [(s.start, s.end, s.reuse) for s in req.layout.spans] == [
+        (0, s1.start, False), (s1.start, s1.end, True), (s1.end, s2.start, False), (s2.start, s2.start + 8, True),
+        (s2.start + 8, s2.end, False), (s2.end, s2.end + len(GONE), False), (s2.end + len(GONE), len(PROMPT), False)]
+    assert len(pins) == 3
+    t.evict(EvictParams(num_tokens=96))  # all it may free: the idle prompt, not the pinned
+    assert store.match(list(range(80, 96)), None).length == 0
+    assert store.match(HEAD, None).length == len(HEAD) and store.find(SEG, "kb").length == len(SEG)
+    for pin in pins:
+        store.unpin(pin)
+    t.evict(EvictParams(num_tokens=96))
+    assert store.find(SEG, "kb").length == 0
+
+
+def request(rid: str, layout: str | None) -> Req:
+    params = SamplingParams(max_new_tokens=4, custom_params=None if layout is None else {LAYOUT: layout})
+    return Req(rid, "", array("q", PROMPT), params)
+
+
+def test_the_hooks_resolve_on_sglangs_targets_and_plan_each_request_once():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook, kind in schedule.HOOKS:  # each target exists in this version, and takes the hook
+        HookRegistry.register(target, hook, getattr(HookType, kind))
+    HookRegistry.apply_hooks()
+    layout = '[[10,22,"kb",false]]'
+    reuse, plain = request("r", layout), request("p", None)
+    assert reuse._compute_max_prefix_len(len(PROMPT)) == 0
+    assert plain._compute_max_prefix_len(len(PROMPT)) == len(PROMPT) - 1  # SGLang's own
+    t, alloc = tree(96)
+    put(t, alloc, SEG, segment_key("kb"))
+    batch = SimpleNamespace(reqs=[reuse, plain], tree_cache=t)
+    seen = []
+    schedule.plan_batch(lambda b: seen.append(t.protected_size()), batch)
+    assert seen == [len(SEG)]  # pinned before SGLang's allocation ran
+    plan, pins = getattr(reuse, schedule.ATTR)
+    assert reuse.skip_radix_cache_insert and not hasattr(plain, schedule.ATTR)
+    assert [(a, s.numel()) for a, s in plan.segments] == [(10, len(SEG))]
+    schedule.plan_batch(lambda b: None, batch)  # planned once
+    assert getattr(reuse, schedule.ATTR)[1] is pins and t.protected_size() == len(SEG)
+    fb = schedule.attach(SimpleNamespace(forward_mode=ForwardMode.EXTEND), object, batch, None)
+    assert fb.sparsetune_requests == [plan, None] and fb.sparsetune_pins[1] == pins
+    assert not hasattr(reuse, schedule.ATTR)
+    decode = schedule.attach(SimpleNamespace(forward_mode=ForwardMode.DECODE), object, SimpleNamespace(reqs=[plain]), None)
+    assert not hasattr(decode, "sparsetune_requests")
