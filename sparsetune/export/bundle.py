@@ -277,15 +277,39 @@ def flow_of(path: Path, manifest: dict[str, Any]):
     return flow_class(desc, origin=f"bundle {path}").from_strings(manifest["params"])
 
 
-# What a reuse bundle's launch and `export --check --require-sglang` say until the plugin serves reuse flows.
-REUSE_NOT_SERVED = ("this sparsetune's SGLang plugin does not serve reuse flows yet (issue #44): it would serve the bundle's "
-                    "decode flow alone, with no segment reuse, so it refuses; run the reuse flow on sparsetune's engine "
-                    "(sparsetune eval / bench serve --reuse)")
+# What a reuse bundle's launch and `export --check --require-sglang` say until a live SGLang has served one.
+REUSE_NOT_LIVE = ("SGLang serves reuse flows through this package's plugin (its scheduler, forward and request hooks "
+                  "pass their contract tests on SGLang's own objects, CPU), but none has run in a live server yet "
+                  "(issue #44): launch_sglang.sh refuses a reuse bundle until one has; run the reuse flow on "
+                  "sparsetune's engine meanwhile (sparsetune eval / bench serve --reuse)")
 
 
 def serving_problem(manifest: dict[str, Any]) -> str | None:
     """Why SGLang cannot serve a checked bundle with this sparsetune, whatever SGLang's version (None: it can)."""
-    return REUSE_NOT_SERVED if manifest.get("reuse") is not None else None
+    r = manifest.get("reuse")
+    if r is None:
+        return None
+    from sparsetune.loader import builtin_flows
+    from sparsetune.reuse.base import ReuseFlow
+    from sparsetune.setup import lookup_flow_class
+
+    # a built-in's rule by its name (a file of the user's: the backend checks it when it loads it, with the opt-in)
+    cls = lookup_flow_class(r["flow"], ReuseFlow) if r.get("builtin") and r["flow"] in builtin_flows() else None
+    if cls is not None and cls.mlp_rows is not ReuseFlow.mlp_rows:
+        return (f"reuse flow {r['flow']!r} narrows the MLP per row (mlp_rows), which SGLang's model forward cannot: "
+                "serve it on sparsetune's engine")
+    return REUSE_NOT_LIVE
+
+
+def reuse_flow_of(path: Path, manifest: dict[str, Any]):
+    """The reuse flow a checked reuse bundle serves, with its params (None: a decode bundle). Its file
+    is Python: a built-in as shipped loads; another only with the trust opt-in (`loader.load_file`)."""
+    r = manifest.get("reuse")
+    if r is None:
+        return None
+    from sparsetune.loader import load_file
+
+    return load_file(path / r["source"]).from_strings(r["params"])
 
 
 def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -295,7 +319,10 @@ def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
     return {
         "sglang": supported_specs(),
         "plugin": "sparsetune (entry point sglang.srt.plugins; pip install sparsetune in SGLang's environment)",
-        "server_args": {"attention_backend": "triton" if dense else BACKEND, "page_size": manifest["block_size"]},
+        "server_args": {"attention_backend": "triton" if dense else BACKEND, "page_size": manifest["block_size"],
+                        # a reuse request's prefill narrows its rows per layer (no prefill CUDA graph) and runs
+                        # whole in one extend (no chunked prefill), as the engine runs it
+                        **({} if reuse is None else {"cuda_graph_backend_prefill": "disabled", "chunked_prefill_size": -1})},
         "env": {} if dense else {BUNDLE_ENV: "this bundle's folder (launch_sglang.sh sets it)"},
         "native": ("dense attention is SGLang's own backend: no plugin needed" if dense else
                    f"SGLang {supported_versions()} has no launch flag for "
@@ -303,7 +330,11 @@ def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
         "cuda_graph": "on: the backend captures the flow's decode with the dense backend's graph hooks",
         "memory": "the flow's per-page fields are allocated beside SGLang's KV pool: lower --mem-fraction-static "
                   "a little if the first decode runs out of memory",
-        **({} if reuse is None else {"reuse": {"flow": reuse["flow"], "served": False, "why": REUSE_NOT_SERVED}}),
+        **({} if reuse is None else {"reuse": {
+            "flow": reuse["flow"],
+            "client": "custom_params.sparsetune_parts: the prompt's parts as the engine takes them, as a JSON string "
+                      "(README, 'Reuse flows in SGLang')",
+            "served": serving_problem(manifest) or "yes"}}),
     }
 
 

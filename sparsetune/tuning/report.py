@@ -139,7 +139,7 @@ def next_step(cfg: SearchConfig, s: dict[str, Any]) -> tuple[str, str]:
     if cfg.kind == "decode":
         return (f"export {what}, as a bundle that runs in SGLang",
                 shlex.join(["sparsetune", "export", str(cfg.run_dir), "--pick", rule, "--out", f"bundles/{cfg.study}"]))
-    return (f"measure {what}, with sparsetune eval (a reuse bundle exports, but SGLang does not serve reuse flows yet)",
+    return (f"measure {what}, with sparsetune eval (a reuse bundle exports, but no live SGLang has served one yet)",
             shlex.join(["sparsetune", "eval", "--reuse", cfg.flow_arg(r["flow"]), "--model", cfg.model,
                         *[a for k, v in (r["params"] or {}).items() for a in ("--reuse-param", f"{k}={v}")],
                         *[a for task in cfg.tasks or () for a in ("--task", task)],

@@ -23,10 +23,13 @@ dense layers, and decodes the sparse layers with this package's own flow machine
   SGLang admits; the flow's decode reads tensors only, as in the embedded engine's graphs.
 
 A calibrated flow (DoubleSparse's channels) reads the bundle's calibration file, checked against the
-served model's layers, KV heads and head_dim. Out of scope (refused with one line when SGLang is
-launched so): reuse flows, a calibrated flow under tensor parallelism (a rank would need its KV
-heads' global indices), MLA or hybrid (SWA) pools, the page-major pool, and a page size other than
-the bundle's block size.
+served model's layers, KV heads and head_dim. A reuse bundle's reuse flow runs its prefill in
+SGLang's model forward (`export.sglang.reuse`, planned by `export.sglang.schedule`, whose hooks
+this backend registers in the scheduler's process; requests mark segments as `export.sglang.segments`
+says): an extend that holds such a request is run by its `ReuseStep` here, not by the dense backend.
+Out of scope (refused with one line when SGLang is launched so): a calibrated flow under tensor
+parallelism (a rank would need its KV heads' global indices), a reuse flow that narrows the MLP per
+row, MLA or hybrid (SWA) pools, the page-major pool, and a page size other than the bundle's block size.
 """
 
 from __future__ import annotations
@@ -41,10 +44,10 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 
 from sparsetune.engine.attention import AttentionMetadata
-from sparsetune.engine.kv_cache import KVCache
 from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import BACKEND as NAME
-from sparsetune.export.bundle import BUNDLE_ENV, calibration_of, flow_of, read_bundle, serving_problem
+from sparsetune.export.bundle import BUNDLE_ENV, calibration_of, flow_of, read_bundle, reuse_flow_of
+from sparsetune.export.sglang.pool import PagedPool, page_table
 from sparsetune.flow.attention import FlowAttention
 from sparsetune.flow.base import DecodeFlow
 from sparsetune.models.artifacts import load_calibration
@@ -70,9 +73,6 @@ def load_flow(bundle: str | Path | None) -> tuple[DecodeFlow, dict[str, Any], Pa
                               "writes one; its launch_sglang.sh sets the variable)")
     path = Path(bundle)
     manifest = read_bundle(path)  # checks the graph's sha256 against the manifest
-    problem = serving_problem(manifest)
-    if problem:
-        raise SparsetuneError(f"bundle {path}: {problem}")
     flow = flow_of(path, manifest)  # from the graph: no Python of the bundle runs
     return flow, manifest, path
 
@@ -91,40 +91,6 @@ def load_channels(path: Path, manifest: dict[str, Any], model_runner, layers: in
                               f"--tp-size 1, and this rank holds {pool.head_num} of the model's {total} KV heads")
     return load_calibration(found[0], layers, total, pool.head_dim,
                             fix="export again with the served model's calibration (`sparsetune export ... --model M`)")
-
-
-class _Layers:
-    """One of SGLang's K or V buffers, per layer, as this engine's `[pages, Hkv, P, D]` blocks."""
-
-    def __init__(self, get, page_size: int, like: torch.Tensor) -> None:
-        self._get, self._page = get, page_size
-        self.dtype, self.device, self.is_cuda = like.dtype, like.device, like.is_cuda
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        buf = self._get(layer)  # [slots, Hkv, D], slots = pages * P
-        return buf.view(-1, self._page, buf.shape[1], buf.shape[2]).permute(0, 2, 1, 3)
-
-
-class PagedPool(KVCache):
-    """SGLang's `MHATokenToKVPool` seen as this engine's paged pool (a `KVCache` over SGLang's buffers,
-    not its own: what `FlowAttention` and a reuse plan's `Rows` read and write): blocks are pages,
-    block 0 (SGLang's padding page) the null block."""
-
-    null_block = 0
-    null_slot = 0
-
-    def __init__(self, pool: MHATokenToKVPool, page_size: int) -> None:  # SGLang allocated the buffers
-        k0 = pool.get_key_buffer(pool.start_layer)
-        self.block_size = page_size
-        self.num_blocks = k0.shape[0] // page_size
-        self.num_kv_heads, self.head_dim = k0.shape[1], k0.shape[2]
-        self.k = _Layers(pool.get_key_buffer, page_size, k0)
-        self.v = _Layers(pool.get_value_buffer, page_size, k0)
-
-
-def page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
-    """`[B, pages]` int32 page ids of each request's first `pages` pages (past its end: page 0)."""
-    return (req_to_token.index_select(0, req_pool_indices.long())[:, : pages * page_size : page_size] // page_size).to(torch.int32)
 
 
 def step_metadata(fb, req_to_token: torch.Tensor, page_size: int, pages: int | None = None) -> AttentionMetadata:
@@ -187,15 +153,46 @@ class SparsetuneBackend(AttentionBackend):
         self.sparse = frozenset() if self.flow.full_attention else frozenset(self.flow.sparse_layers(layers))
         self.channels = load_channels(path, self.manifest, model_runner, layers, pool)
         self.pool = PagedPool(self.token_to_kv_pool, page)
+        self.reuse = reuse_flow_of(path, self.manifest)  # a reuse bundle's reuse flow (None: a decode bundle)
+        if self.reuse is not None:
+            self._serve_reuse(model_runner, layers)
         self.attn: FlowAttention | None = None  # built at the first layer (its scaling)
         self.meta: AttentionMetadata | None = None
         self._graph_pages = 0  # the page table's width in CUDA graphs (0: no graphs)
+
+    def _serve_reuse(self, model_runner, layers: int) -> None:
+        """A reuse bundle: its flow's prefill runs in SGLang's model forward (`export.sglang.reuse`),
+        planned by the scheduler hooks (`export.sglang.schedule`), registered here, in the scheduler's
+        process, where SGLang builds this backend."""
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        from sparsetune.engine.rope import inv_frequencies
+        from sparsetune.export.sglang import reuse, schedule
+        from sparsetune.models.config import ModelConfig
+
+        reuse.check_flow(self.reuse)
+        hf = model_runner.model_config.hf_config
+        cfg = ModelConfig.from_hf(hf.to_dict(), "the served model's config")  # the engine's RoPE rule
+        self.reuse_layers, self.reuse_scale = layers, cfg.head_dim**-0.5
+        self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(self.device)
+        reuse.wrap_model(model_runner.model)
+        for target, hook, kind in schedule.HOOKS:
+            HookRegistry.register(target, hook, getattr(HookType, kind))
+        HookRegistry.apply_hooks()
 
     # ---- metadata --------------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch) -> None:
         self.dense.init_forward_metadata(forward_batch)
         self.meta = step_metadata(forward_batch, self.req_to_token_pool.req_to_token, self.page_size)
+        requests = getattr(forward_batch, "sparsetune_requests", None)
+        if requests is not None and self.reuse is not None:
+            from sparsetune.export.sglang.reuse import ReuseStep
+
+            forward_batch.sparsetune_reuse = ReuseStep(
+                self.reuse, self.token_to_kv_pool, self.req_to_token_pool.req_to_token, forward_batch, requests,
+                self.reuse_layers, self.reuse_scale, self.inv_freq, self.page_size,
+                pins=getattr(forward_batch, "sparsetune_pins", None))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.dense.init_cuda_graph_state(max_bs, max_num_tokens)

@@ -4,7 +4,7 @@ The engine runs a prompt with reused segments as a plan of rows (`reuse.executor
 `engine.rows.Rows`): which tokens are computed from layer 0, the flow's selection at its selection
 layer, the rows computed after it, each row attending over the whole prompt's KV with an exact
 causal mask. This module runs those very plan objects inside SGLang's forward, on SGLang's pool
-(`backend.PagedPool`, a `KVCache` over SGLang's buffers, with the request's page table):
+(`pool.PagedPool`, a `KVCache` over SGLang's buffers, with the request's page table):
 
 - `ReuseStep`: one extend batch as a `RowsBatch`, a member per request: a reuse request's
   `ReusePlan`, a plain prompt's `Rows` over its extend. `place()` first writes each reuse request's
@@ -38,7 +38,7 @@ import torch
 
 from sparsetune.engine.rows import Rows, RowsBatch
 from sparsetune.errors import SparsetuneError
-from sparsetune.export.sglang.backend import PagedPool, page_table
+from sparsetune.export.sglang.pool import PagedPool, page_table
 from sparsetune.export.sglang.store import place
 from sparsetune.reuse.base import ReuseFlow
 from sparsetune.reuse.executor import ReusePlan, ReuseStats, reused_tokens

@@ -93,3 +93,86 @@ def layout_spans(custom_params: dict[str, Any] | None, num_tokens: int) -> list[
                              f"{num_tokens} tokens in order; it is the server's own field")
         last = s.end
     return spans
+
+
+# ---- the tokenizer process's hooks (SGLang's HookRegistry: an AROUND hook gets the original first) ----
+#
+# - `OpenAIServingChat._convert_to_internal_request` (`chat_request`): a chat request with parts holds
+#   one user message, whose text the parts make up; its ids are the parts inside the tokenizer's chat
+#   frame (the engine's `encode_parts`), and its custom_params carry the layout in the parts' place.
+# - `TokenizerManager._tokenize_one_request` (`tokenize_request`, /generate and /v1/completions and
+#   the chat requests above): a prompt with parts is encoded likewise (text only: no frame); a layout
+#   a client sent itself is refused; then, as the engine queues a segment's fill before the request
+#   that needs it, each of its segments is sent first as a request of its own (`store_segments`: its
+#   ids alone, under the segment key of its namespace, one token), which SGLang keeps in its tree at
+#   positions 0.. (a stored one is a prefix hit there: one token computed, nothing stored again).
+
+_ENCODED = "_sparsetune_encoded"  # on a GenerateReqInput this module encoded (a chat request's)
+
+
+def _custom_params(obj) -> dict[str, Any] | None:
+    sp = getattr(obj, "sampling_params", None)
+    return sp.get("custom_params") if isinstance(sp, dict) else None
+
+
+def _with_layout(obj, params: dict[str, Any], layout: ReuseLayout) -> None:
+    obj.input_ids = layout.token_ids
+    obj.sampling_params["custom_params"] = {**{k: v for k, v in params.items() if k != FIELD}, LAYOUT: layout_param(layout)}
+    setattr(obj, _ENCODED, True)
+
+
+def chat_request(original, serving, request, *args, **kwargs):
+    adapted, request = original(serving, request, *args, **kwargs)
+    params = _custom_params(adapted)
+    parts = request_parts(params)
+    if parts is None:
+        return adapted, request
+    messages = request.messages
+    if len(messages) != 1 or messages[0].role != "user" or not isinstance(messages[0].content, str):
+        raise ValueError(f"custom_params.{FIELD}: a chat request with parts holds one user message of text, which the "
+                         "parts make up (put a conversation's earlier turns in the parts)")
+    from sparsetune.models.tokenizer import HFTokenizer
+
+    layout = encode_request(HFTokenizer.wrap(serving.tokenizer_manager.tokenizer), parts, messages[0].content, chat=True)
+    adapted.text = None
+    _with_layout(adapted, params, layout)
+    return adapted, request
+
+
+async def tokenize_request(original, manager, obj, *args, **kwargs):
+    params = _custom_params(obj)
+    if params and not getattr(obj, _ENCODED, False):
+        parts = request_parts(params)  # refuses a layout a client sent
+        if parts is not None:
+            if not isinstance(obj.text, str) or obj.input_ids is not None:
+                raise ValueError(f"custom_params.{FIELD}: send the prompt as text (the parts' texts joined), not token ids")
+            from sparsetune.models.tokenizer import HFTokenizer
+
+            _with_layout(obj, params, encode_request(HFTokenizer.wrap(manager.tokenizer), parts, obj.text, chat=False))
+    if getattr(obj, _ENCODED, False):
+        params = _custom_params(obj)
+        await store_segments(manager, obj.input_ids, layout_spans(params, len(obj.input_ids)))
+    return await original(manager, obj, *args, **kwargs)
+
+
+async def store_segments(manager, ids: list[int], spans: list[Span]) -> None:
+    """Each distinct segment of a prompt as a request of its own, under its namespace's segment key, awaited."""
+    import asyncio
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from sparsetune.export.sglang.store import segment_key
+
+    async def one(seg: tuple[int, ...], namespace: str) -> None:
+        fill = GenerateReqInput(input_ids=list(seg), sampling_params={"max_new_tokens": 1}, extra_key=segment_key(namespace))
+        async for _ in manager.generate_request(fill):
+            pass
+
+    wanted = dict.fromkeys((tuple(ids[s.start : s.end]), s.namespace) for s in spans)
+    await asyncio.gather(*(one(seg, ns) for seg, ns in wanted))
+
+
+HOOKS: list[tuple[str, Any, str]] = [
+    ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request", chat_request, "AROUND"),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request", tokenize_request, "AROUND"),
+]

@@ -309,12 +309,14 @@ def test_a_launch_that_cannot_work_says_why(tmp_path, monkeypatch):
         SparsetuneBackend(world.runner, bundle=str(tmp_path))
     with pytest.raises(SparsetuneError, match="not one of SGLang's attention backends"):
         SparsetuneBackend(world.runner, bundle=bundle(tmp_path, "block_topk", block_size=P), dense="nosuch")
-    # a reuse bundle: refused, not served as its decode flow alone (SGLang does not serve reuse flows yet)
-    reuse = tmp_path / "reuse"
-    write_bundle(reuse, flow_path("quest"), {"block_size": str(P)}, reuse=(flow_path("cacheblend"), {}))
-    with pytest.raises(SparsetuneError, match="does not serve reuse flows yet"):
-        SparsetuneBackend(world.runner, bundle=str(reuse))
+    # a reuse bundle: its launch refuses until a live SGLang has served one (the backend's side is
+    # test_reuse_forward's); a reuse flow SGLang's forward cannot run is named at once
     from sparsetune.api import check_export
 
+    reuse = tmp_path / "reuse"
+    write_bundle(reuse, flow_path("quest"), {"block_size": str(P)}, reuse=(flow_path("cacheblend"), {}))
     result = check_export(reuse, require_sglang=True)
-    assert not result["ok"] and result["sglang_problem"] is None and "reuse flows" in result["serving_problem"]
+    assert not result["ok"] and result["sglang_problem"] is None and "live" in result["serving_problem"]
+    redknot = tmp_path / "redknot"
+    write_bundle(redknot, flow_path("quest"), {"block_size": str(P)}, reuse=(flow_path("redknot"), {}))
+    assert "narrows the MLP per row" in check_export(redknot)["serving_problem"]

@@ -15,6 +15,7 @@ plan run by `export.sglang.reuse`, against SGLang's own full prefill of the same
 from __future__ import annotations
 
 import importlib
+import json
 import socket
 from array import array
 from types import SimpleNamespace
@@ -26,7 +27,9 @@ import torch
 from sparsetune.engine.rope import inv_frequencies
 from sparsetune.export.bundle import write_bundle
 from sparsetune.export.sglang.backend import SparsetuneBackend
+from sparsetune.export.sglang import schedule
 from sparsetune.export.sglang.reuse import ReuseRequest, ReuseStep, wrap_model
+from sparsetune.export.sglang.segments import LAYOUT
 from sparsetune.export.sglang.store import SegmentStore, segment_key
 from sparsetune.loader import build_flow, flow_path
 from sparsetune.reuse.base import ReuseFlow
@@ -75,13 +78,13 @@ def sgl(tmp_path_factory):
     wrap_model(model)
     bundle = tmp_path_factory.mktemp("b") / "dense"
     write_bundle(bundle, flow_path("dense"), {"block_size": str(P)})
-    return SimpleNamespace(model=model, bundle=str(bundle))
+    return SimpleNamespace(model=model, bundle=str(bundle), config=cfg)
 
 
 class World:
     """SGLang's pools and prefix tree on CPU, and forward passes of the model over them."""
 
-    def __init__(self, sgl, slots: int = 512) -> None:
+    def __init__(self, sgl, slots: int = 512, bundle: str | None = None) -> None:
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -102,9 +105,9 @@ class World:
 
             self.tree = UnifiedRadixCache(CacheInitParams(**params, tree_components=(ComponentType.FULL,)))
         self.store = SegmentStore(self.tree)
-        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.rows, token_to_kv_pool=self.kv, page_size=P,
-                                 model_config=SimpleNamespace(num_hidden_layers=LAYERS, hf_config=None))
-        self.backend = SparsetuneBackend(runner, bundle=sgl.bundle, dense="torch_native")
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.rows, token_to_kv_pool=self.kv, page_size=P, model=sgl.model,
+                                 model_config=SimpleNamespace(num_hidden_layers=LAYERS, hf_config=sgl.config))
+        self.backend = SparsetuneBackend(runner, bundle=bundle or sgl.bundle, dense="torch_native")
         self.next_row = 1
 
     def admit(self, n: int) -> int:
@@ -114,7 +117,7 @@ class World:
         self.rows.req_to_token[row, : slots.numel()] = slots.to(torch.int32)
         return row
 
-    def forward(self, prompts: list[list[int]], rows: list[int], prefix: list[int] | None = None, step=None):
+    def forward(self, prompts: list[list[int]], rows: list[int], prefix: list[int] | None = None, step=None, batch=None):
         """One extend of SGLang's model over the requests (their tokens past `prefix[i]`) → next-token logits."""
         from sglang.srt.model_executor import forward_context as fc
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -132,6 +135,8 @@ class World:
                           extend_seq_lens_cpu=list(ext), extend_num_tokens=int(sum(ext)))
         fb.capture_hidden_mode = CaptureHiddenMode.NULL
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = self.rows, self.kv, self.backend
+        if batch is not None:  # the scheduler's plans, as ForwardBatch.init_new's hook puts them on
+            schedule.attach(fb, ForwardBatch, batch)
         self.backend.init_forward_metadata(fb)
         if step is not None:
             fb.sparsetune_reuse = step(fb)
@@ -253,3 +258,30 @@ def test_at_a_partial_ratio_cacheblends_rule_picks_the_rows_and_the_rest_keep_th
     torch.testing.assert_close(v_new[idx], v_ref[idx], atol=1e-4, rtol=0)
     assert torch.equal(v_new[kept], w.kv.get_value_buffer(3)[stored][kept - AT])
     assert not torch.allclose(k_new[kept], k_ref[kept], atol=1e-3)
+
+
+def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, tmp_path):
+    """The pieces as SGLang runs them: the backend serving a reuse bundle (its flow from the bundle, the
+    model wrapped, the scheduler hooks registered), a real `Req` with a layout planned by the
+    scheduler hook before allocation, the plan attached to the forward batch, the step made by the
+    backend: SGLang's full prefill at ratio 1; the segment's pin let go after the forward."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    bundle = tmp_path / "cacheblend"
+    write_bundle(bundle, flow_path("dense"), {"block_size": str(P)},
+                 reuse=(flow_path("cacheblend"), {"ratio": "1.0", "check_layer": "1"}))
+    w = World(sgl, bundle=str(bundle))
+    assert w.backend.reuse.name == "cacheblend" and w.backend.reuse.ratio == 1.0
+    w.store_segment(SEG)
+    full, _ = w.forward([PROMPT], [w.admit(len(PROMPT))])
+    layout = json.dumps([[AT, AT + len(SEG), "kb", False]])
+    req = Req("r", "", array("q", PROMPT), SamplingParams(max_new_tokens=1, custom_params={LAYOUT: layout}))
+    batch = SimpleNamespace(reqs=[req], tree_cache=w.tree)
+    schedule.plan_batch(lambda b: None, batch)
+    assert w.tree.protected_size() == len(SEG) and req.skip_radix_cache_insert
+    got, fb = w.forward([PROMPT], [w.admit(len(PROMPT))], batch=batch)
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=0)
+    assert w.tree.protected_size() == 0  # let go after the forward
+    (stats,) = fb.sparsetune_reuse.finish()
+    assert stats.recomputed_reused == len(SEG) and stats.prompt_tokens == len(PROMPT)
