@@ -9,7 +9,10 @@ backend contract moved within 0.5.x (research note §0) and a backend written ag
 version would fail inside the scheduler, far from the cause.
 
 The bundle the backend serves is given by path in `SPARSETUNE_BUNDLE` (`launch_sglang.sh` of a
-bundle sets it; SGLang's child processes inherit it).
+bundle sets it; SGLang's child processes inherit it). For a reuse bundle there, `register` also adds
+the request hooks (`segments.HOOKS`: how a request marks segments) to SGLang's hook registry, which
+`load_plugins` applies next; they act only on requests that carry parts. The scheduler's hooks are
+the backend's to register, in the process that builds it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,30 @@ def register() -> None:
         add_attention_backend_choices([BACKEND])
     if BACKEND not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND)(_create)
+    if _serves_reuse():
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        from sparsetune.export.sglang.segments import HOOKS
+
+        for target, hook, kind in HOOKS:
+            if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):  # once per process
+                HookRegistry.register(target, hook, getattr(HookType, kind))
+
+
+def _serves_reuse() -> bool:
+    """Whether `SPARSETUNE_BUNDLE` names a reuse bundle (its manifest's schema; read, not checked: the
+    backend checks the bundle when SGLang builds it)."""
+    import json
+    import os
+    from pathlib import Path
+
+    from sparsetune.export.bundle import BUNDLE_ENV, MANIFEST, REUSE_SCHEMA
+
+    path = os.environ.get(BUNDLE_ENV)
+    try:
+        return bool(path) and json.loads((Path(path) / MANIFEST).read_text()).get("schema") == REUSE_SCHEMA
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _create(runner):

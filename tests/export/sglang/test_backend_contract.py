@@ -287,6 +287,36 @@ def test_the_plugin_registers_the_backend_and_the_parser_accepts_it():
         parser.parse_args(["--model-path", "m", "--attention-backend", "nosuch"])
 
 
+def test_a_reuse_bundle_adds_the_request_hooks_and_sglang_takes_its_launch_args(tmp_path, monkeypatch):
+    import json
+    import shlex
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    from sparsetune.export.sglang.segments import HOOKS
+
+    reuse = tmp_path / "reuse"
+    write_bundle(reuse, flow_path("quest"), {"block_size": str(P)}, reuse=(flow_path("cacheblend"), {}))
+    monkeypatch.setenv(BUNDLE_ENV, str(tmp_path / "nosuch"))
+    plugin.register()
+    assert not any(h is hook for target, hook, _ in HOOKS for _, h, _ in HookRegistry._hooks.get(target, []))
+    monkeypatch.setenv(BUNDLE_ENV, str(reuse))
+    plugin.register()
+    plugin.register()  # once per process
+    for target, hook, _ in HOOKS:
+        assert sum(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])) == 1, target
+    # the launch script's arguments are SGLang's: the backend, the page, no prefill graph, no chunking
+    args = json.loads((reuse / "sglang.json").read_text())["server_args"]
+    flags = shlex.split(" ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items()))
+    assert " ".join(flags) in (reuse / "launch_sglang.sh").read_text()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = parser.parse_args(["--model-path", "m", *flags])
+    assert (parsed.attention_backend, parsed.page_size, parsed.chunked_prefill_size) == ("sparsetune", P, -1)
+    assert parsed.cuda_graph_backend_prefill == "disabled"
+
+
 def test_a_bundle_checks_against_this_sglang(tmp_path):
     from sparsetune.api import check_export
 
