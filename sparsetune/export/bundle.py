@@ -209,6 +209,7 @@ def write_bundle(out: Path, flow_file: Path | None, params: dict[str, str], *, r
             "block_size": int(resolved["block_size"]),
             **({} if reuse_entry is None else {"reuse": reuse_entry}),
             "model": model,
+            "field_memory_share": None if model is None else _field_share(cls.from_strings(resolved), model),
             "origin": origin or {"from": "params"},
             "measured": measured,
             "measured_params": (rresolved if reuse_entry else resolved) if measured else None,
@@ -245,6 +246,15 @@ def _calibration(cls, resolved: dict[str, str], model: str | None) -> tuple[Path
                                   f"{shape[2]}, {model} has {want[0]} x {want[1]} x {want[2]}: calibrate this model "
                                   f"(`sparsetune flows calibrate --model {model}`) or pass its file")
     return path, shape
+
+
+def _field_share(flow, model: str) -> float | None:
+    """The decode flow's fields per token over the K/V per token on `model` (`perf.cost.field_memory_share`):
+    what it adds beside SGLang's KV pool."""
+    from sparsetune.models.resolve import model_config
+    from sparsetune.perf.cost import field_memory_share
+
+    return 0.0 if flow.full_attention else round(field_memory_share(model_config(model, True)[1], flow), 4)
 
 
 def _setup(model: str, flow_file: Path | None, params: dict[str, str], reuse: tuple[Path, dict[str, str]] | None = None):
@@ -328,14 +338,27 @@ def sglang_config(manifest: dict[str, Any]) -> dict[str, Any]:
                    f"SGLang {supported_versions()} has no launch flag for "
                    f"{manifest['flow'] if reuse is None else reuse['flow']!r}: the {BACKEND} attention backend (plugin) runs it"),
         "cuda_graph": "on: the backend captures the flow's decode with the dense backend's graph hooks",
-        "memory": "the flow's per-page fields are allocated beside SGLang's KV pool: lower --mem-fraction-static "
-                  "a little if the first decode runs out of memory",
+        "memory": memory_note(manifest.get("field_memory_share")),
         **({} if reuse is None else {"reuse": {
             "flow": reuse["flow"],
             "client": "custom_params.sparsetune_parts: the prompt's parts as the engine takes them, as a JSON string "
                       "(README, 'Reuse flows in SGLang')",
             "served": serving_problem(manifest) or "yes"}}),
     }
+
+
+def memory_note(share: float | None) -> str:
+    """What the flow's fields take beside SGLang's KV pool, and how much lower --mem-fraction-static goes."""
+    rule = ("SGLang sizes its pool from --mem-fraction-static F (weights and KV), so take F' with (F' - w) x (1 + s) "
+            "<= F - w, w the weights' share of the GPU's memory")
+    if share == 0:
+        return "the flow keeps no fields: SGLang's own --mem-fraction-static applies"
+    if share is None:
+        return ("the flow's per-page fields are allocated beside SGLang's KV pool, s times its bytes (export with --model "
+                f"to have s computed for the served model): {rule}")
+    example = 0.116 + (0.80 - 0.116) / (1 + share)  # Qwen3-8B bf16 on a 141 GB GPU at SGLang's usual 0.80
+    return (f"the flow's fields take s = {share:.0%} of the KV pool's bytes again, beside it: {rule} (e.g. an 8B model "
+            f"on a 141 GB GPU, F 0.80: F' {example:.2f})")
 
 
 def launch_script(manifest: dict[str, Any], args: dict[str, Any]) -> str:

@@ -352,3 +352,18 @@ def test_a_calibrated_flow_carries_its_models_calibration_and_checks_it(tmp_path
     m = json.loads((b / MANIFEST).read_text())  # a manifest claiming a calibration its flow does not take
     (b / MANIFEST).write_text(json.dumps({**m, "calibration_shape": 5}))
     assert check_bundle(b) == [f"{MANIFEST} names a calibration, but flow 'quest' is not calibrated; export again"]
+
+
+def test_the_memory_note_says_what_the_fields_take_beside_sglangs_pool(tmp_path):
+    """block_topk_2l at 2-token units in 16-token pages keeps a mean key (head_dim values) per unit and
+    per page on its sparse layers (all but layer 0 of the embedded model's 30): (1/2 + 1/16) of a
+    token's K and V (2 x head_dim) per KV head, on 29 of 30 layers."""
+    m = write_bundle(tmp_path / "b", flow_path("block_topk_2l"), {"block_size": "16", "select_block": "2"}, model="smollm2-135m")
+    share = (1 / 2 + 1 / 16) / 2 * 29 / 30
+    assert abs(m["field_memory_share"] - share) < 1e-4
+    note = json.loads((tmp_path / "b" / SGLANG_CONFIG).read_text())["memory"]
+    assert f"s = {share:.0%}" in note and f"F' {0.116 + 0.684 / (1 + share):.2f}" in note
+    assert write_bundle(tmp_path / "d", flow_path("dense"), {}, model="smollm2-135m")["field_memory_share"] == 0.0
+    assert "keeps no fields" in json.loads((tmp_path / "d" / SGLANG_CONFIG).read_text())["memory"]
+    write_bundle(tmp_path / "n", flow_path("quest"), {})  # no model: the rule, and how to have s computed
+    assert "export with --model" in json.loads((tmp_path / "n" / SGLANG_CONFIG).read_text())["memory"]
