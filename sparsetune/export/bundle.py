@@ -378,6 +378,10 @@ here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 model="${{1:-}}"
 if [ -z "$model" ]; then echo "usage: $0 MODEL_PATH [sglang.launch_server args]" >&2; exit 2; fi
 shift
+if ! "$py" -c "import sparsetune.cli.main" 2>/dev/null; then
+  echo "sparsetune is not installed beside SGLang in $py's environment (SGLang loads this bundle's backend from it): pip install sparsetune there, or set PYTHON to SGLang's interpreter" >&2
+  exit 2
+fi
 "$py" -m sparsetune.cli.main export --check "$here" --require-sglang --model "$model"
 export {BUNDLE_ENV}="$here"
 exec "$py" -m sglang.launch_server --model-path "$model" {flags} "$@"

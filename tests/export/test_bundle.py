@@ -243,6 +243,13 @@ def test_the_launch_script_refuses_a_folder_sglang_cannot_load_and_a_missing_sgl
     no_sglang = subprocess.run(["bash", script, str(tmp_path / "weights")], capture_output=True, text=True, env=env)
     assert no_sglang.returncode == 2 and "SGLang is not installed" in no_sglang.stderr  # stops before launching
     assert "architectures" not in no_sglang.stderr
+    bare = tmp_path / "bare-python"  # an interpreter without sparsetune (no site packages)
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    alone = subprocess.run(["bash", script, str(tmp_path / "weights")], capture_output=True, text=True, cwd=tmp_path,
+                           env={**{k: v for k, v in env.items() if k != "PYTHONPATH"}, "PYTHON": str(bare)})
+    assert alone.returncode == 2 and alone.stderr.count("\n") == 1
+    assert "sparsetune is not installed beside SGLang" in alone.stderr and "pip install sparsetune there" in alone.stderr
 
 
 def test_check_model_names_what_keeps_sglang_from_serving_the_bundle_on_a_model(tmp_path):

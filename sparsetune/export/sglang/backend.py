@@ -84,13 +84,20 @@ def load_channels(path: Path, manifest: dict[str, Any], model_runner, layers: in
     found = calibration_of(path, manifest)
     if found is None:
         return None
-    mc = getattr(model_runner, "model_config", None)
-    total = mc.get_total_num_kv_heads() if hasattr(mc, "get_total_num_kv_heads") else pool.head_num
-    if pool.head_num != total:
-        raise SparsetuneError(f"flow {manifest['flow']!r} is calibrated (a channel order per KV head): its bundle serves at "
-                              f"--tp-size 1, and this rank holds {pool.head_num} of the model's {total} KV heads")
+    total = whole_model_only(model_runner, pool, f"flow {manifest['flow']!r} is calibrated (a channel order per KV head)")
     return load_calibration(found[0], layers, total, pool.head_dim,
                             fix="export again with the served model's calibration (`sparsetune export ... --model M`)")
+
+
+def whole_model_only(model_runner, pool, what: str) -> int:
+    """The model's KV heads, refusing a rank that holds only some of them (tensor parallelism), in one
+    line that says `what` needs them all."""
+    mc = getattr(model_runner, "model_config", None)
+    total = mc.get_total_num_kv_heads() if hasattr(mc, "get_total_num_kv_heads") else pool.head_num
+    if pool.head_num != total or (getattr(model_runner, "tp_size", 1) or 1) > 1:
+        raise SparsetuneError(f"{what}: its bundle serves at --tp-size 1, and this rank holds {pool.head_num} of the "
+                              f"model's {total} KV heads")
+    return total
 
 
 def step_metadata(fb, req_to_token: torch.Tensor, page_size: int, pages: int | None = None) -> AttentionMetadata:
@@ -171,6 +178,8 @@ class SparsetuneBackend(AttentionBackend):
         from sparsetune.models.config import ModelConfig
 
         reuse.check_flow(self.reuse)
+        whole_model_only(model_runner, self.token_to_kv_pool,
+                         f"reuse flow {self.reuse.name!r} selects tokens from all KV heads' keys (ranks would select apart)")
         hf = model_runner.model_config.hf_config
         cfg = ModelConfig.from_hf(hf.to_dict(), "the served model's config")  # the engine's RoPE rule
         self.reuse_layers, self.reuse_scale = layers, cfg.head_dim**-0.5

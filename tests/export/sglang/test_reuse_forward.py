@@ -25,6 +25,7 @@ import sglang
 import torch
 
 from sparsetune.engine.rope import inv_frequencies
+from sparsetune.errors import SparsetuneError
 from sparsetune.export.bundle import write_bundle
 from sparsetune.export.sglang.backend import SparsetuneBackend
 from sparsetune.export.sglang import schedule
@@ -107,6 +108,7 @@ class World:
         self.store = SegmentStore(self.tree)
         runner = SimpleNamespace(device="cpu", req_to_token_pool=self.rows, token_to_kv_pool=self.kv, page_size=P, model=sgl.model,
                                  model_config=SimpleNamespace(num_hidden_layers=LAYERS, hf_config=sgl.config))
+        self.runner = runner
         self.backend = SparsetuneBackend(runner, bundle=bundle or sgl.bundle, dense="torch_native")
         self.next_row = 1
 
@@ -273,6 +275,9 @@ def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, 
                  reuse=(flow_path("cacheblend"), {"ratio": "1.0", "check_layer": "1"}))
     w = World(sgl, bundle=str(bundle))
     assert w.backend.reuse.name == "cacheblend" and w.backend.reuse.ratio == 1.0
+    split = SimpleNamespace(**{**vars(w.runner), "tp_size": 2})  # a rank of two: its selection would differ
+    with pytest.raises(SparsetuneError, match="selects tokens from all KV heads' keys .*serves at --tp-size 1"):
+        SparsetuneBackend(split, bundle=str(bundle), dense="torch_native")
     w.store_segment(SEG)
     full, _ = w.forward([PROMPT], [w.admit(len(PROMPT))])
     layout = json.dumps([[AT, AT + len(SEG), "kb", False]])
