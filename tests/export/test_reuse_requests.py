@@ -43,9 +43,8 @@ def test_a_marked_request_is_encoded_as_the_engine_encodes_it(tok):
     moved = encode_request(tok, request_parts(params(["Q first? ", PARTS[1]])), "Q first? " + DOC, chat=False)
     (seg2,) = moved.segments
     assert seg2.start != seg.start and moved.token_ids[seg2.start:seg2.end] == tok.encode(DOC)
-    # the scheduler reads back the reused spans the tokenizer process wrote
-    spans = layout_spans({LAYOUT: layout_param(layout)}, len(layout.token_ids))
-    assert [(s.start, s.end, s.namespace, s.pin) for s in spans] == [(seg.start, seg.end, "kb", False)]
+    # the scheduler reads back the layout the tokenizer process wrote, every span
+    assert layout_spans({LAYOUT: layout_param(layout)}, len(layout.token_ids)) == layout.spans
     assert request_parts({"other": 1}) is None and layout_spans({}, 10) is None
 
 
@@ -67,6 +66,10 @@ def test_a_badly_marked_request_is_one_line_for_http_400(tok, custom_params, pro
 
 
 def test_a_malformed_layout_is_refused():
-    for raw in ("nope", "[[0]]", "[[3,1,\"kb\",false]]", "[[0,4,\"kb\",false],[2,6,\"kb\",false]]", "[[0,99,\"kb\",false]]"):
+    ok = '[[0,4,false,"default",false],[4,20,true,"kb",false]]'
+    assert [s.reuse for s in layout_spans({LAYOUT: ok}, 20)] == [False, True]
+    for raw in ("nope", "[[0]]", '[[3,1,true,"kb",false]]', '[[0,4,true,"kb",false],[2,20,true,"kb",false]]',
+                '[[0,99,true,"kb",false]]', '[[0,4,true,"kb",false],[5,20,true,"kb",false]]', '[[0,4,true,"kb",false]]',
+                '[[1,20,true,"kb",false]]'):
         with pytest.raises(ValueError, match="sparsetune_layout"):
             layout_spans({LAYOUT: raw}, 20)

@@ -178,6 +178,7 @@ class SparsetuneBackend(AttentionBackend):
         from sparsetune.models.config import ModelConfig
 
         reuse.check_flow(self.reuse)
+        self._check_reuse_launch(getattr(model_runner, "server_args", None))
         whole_model_only(model_runner, self.token_to_kv_pool,
                          f"reuse flow {self.reuse.name!r} selects tokens from all KV heads' keys (ranks would select apart)")
         hf = model_runner.model_config.hf_config
@@ -189,6 +190,24 @@ class SparsetuneBackend(AttentionBackend):
             HookRegistry.register(target, hook, getattr(HookType, kind))
         HookRegistry.apply_hooks()
 
+    def _check_reuse_launch(self, args) -> None:
+        """What a reuse bundle's launch_sglang.sh sets, checked (its "$@" may undo it): a reuse request
+        prefills whole (no chunked prefill), eagerly (no prefill CUDA graph), in this backend."""
+        if args is None:
+            return
+        fix = "as the bundle's launch_sglang.sh does"
+        if (getattr(args, "chunked_prefill_size", None) or -1) > 0:
+            raise SparsetuneError(f"--chunked-prefill-size {args.chunked_prefill_size}: a reuse bundle prefills a request "
+                                  f"whole; launch with --chunked-prefill-size -1 ({fix})")
+        graph = getattr(args, "cuda_graph_backend_prefill", None)
+        if graph not in (None, "disabled"):
+            raise SparsetuneError(f"--cuda-graph-backend-prefill {graph}: a reuse request's rows change per layer; launch "
+                                  f"with --cuda-graph-backend-prefill disabled ({fix})")
+        prefill = getattr(args, "prefill_attention_backend", None)
+        if prefill not in (None, NAME):
+            raise SparsetuneError(f"--prefill-attention-backend {prefill}: a reuse bundle's prefill runs in the {NAME} "
+                                  "backend; drop the flag")
+
     # ---- metadata --------------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch) -> None:
@@ -196,12 +215,16 @@ class SparsetuneBackend(AttentionBackend):
         self.meta = step_metadata(forward_batch, self.req_to_token_pool.req_to_token, self.page_size)
         requests = getattr(forward_batch, "sparsetune_requests", None)
         if requests is not None and self.reuse is not None:
-            from sparsetune.export.sglang.reuse import ReuseStep
+            from sparsetune.export.sglang.reuse import ReuseStep, release_pins
 
-            forward_batch.sparsetune_reuse = ReuseStep(
-                self.reuse, self.token_to_kv_pool, self.req_to_token_pool.req_to_token, forward_batch, requests,
-                self.reuse_layers, self.reuse_scale, self.inv_freq, self.page_size,
-                pins=getattr(forward_batch, "sparsetune_pins", None))
+            pins = getattr(forward_batch, "sparsetune_pins", None)
+            try:
+                forward_batch.sparsetune_reuse = ReuseStep(
+                    self.reuse, self.token_to_kv_pool, self.req_to_token_pool.req_to_token, forward_batch, requests,
+                    self.reuse_layers, self.reuse_scale, self.inv_freq, self.page_size, pins=pins)
+            except Exception:
+                release_pins(pins)  # nothing runs the step: its segments go back to the tree
+                raise
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.dense.init_cuda_graph_state(max_bs, max_num_tokens)

@@ -25,9 +25,11 @@ causal mask. This module runs those very plan objects inside SGLang's forward, o
   members store their rows' K/V (a plan's selection runs here, reading the placed KV before the
   store overwrites it) and attend (`Rows.attention`: the torch path on CPU, the row kernels on CUDA).
 
-Not here yet: the scheduler side (reading a request's layout, finding and pinning its segments,
-capping its prefix match, storing segments) and the plugin's hooks; flows that narrow the MLP
-(RedKnot's `mlp_rows`) are refused, since SGLang's MLP runs every row.
+The scheduler side (finding and pinning what a request reuses) is `schedule`, the requests' side
+`segments`. Differences from the engine: a flow that narrows the MLP (RedKnot's `mlp_rows`) is
+refused, since SGLang's MLP runs every row; at a selection layer, a flow's attention pattern sees
+the rows before the narrowing (no built-in flow has both); the stats count no token-layers (the
+engine counts them in its MLP hook, which SGLang does not call).
 """
 
 from __future__ import annotations
@@ -47,14 +49,26 @@ from sparsetune.reuse.parts import ReuseLayout
 
 @dataclass
 class ReuseRequest:
-    """One request's reuse, as the scheduler side found it: its layout (segment spans cut to the
-    stored heads found), its cached prefix (`num_cached` tokens of exact KV at `prefix_slots`), and
-    each reused span's stored slots (`segments`: (span start, slots of its first tokens, stored at 0..))."""
+    """One request's reuse, as the scheduler side found it: its layout (as the tokenizer process
+    wrote it), its cached prefix (`num_cached` tokens of exact KV at `prefix_slots`), and the stored
+    slots of each segment's head (`segments`: (span start, slots of its first tokens, stored at 0..);
+    SGLang keeps whole pages of a segment, so a tail past them is not stored)."""
 
     layout: ReuseLayout
     num_cached: int = 0
     prefix_slots: torch.Tensor | None = None
     segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def reused(self, flow: ReuseFlow, device) -> torch.Tensor:
+        """`[T]` bool: the tokens the flow takes as reused (`reused_tokens`), but those that have no KV
+        to take: a segment's tail past its stored head, or a segment not stored, outside the cached
+        prefix (computed as the engine computes the tokens of a plain part)."""
+        mask = reused_tokens(flow, self.layout, device)
+        have = torch.zeros_like(mask)
+        have[: self.num_cached] = True
+        for begin, slots in self.segments:
+            have[begin : begin + slots.numel()] = True
+        return mask & have
 
 
 def check_flow(flow: ReuseFlow) -> None:
@@ -89,8 +103,8 @@ class ReuseStep:
                     raise SparsetuneError(f"request {i}: a reuse request runs whole in its extend ({t} tokens, "
                                           f"{prefix} of SGLang's prefix; its layout has {r.layout.num_tokens})")
                 stats = ReuseStats(prompt_tokens=t, num_layers=num_layers, num_kv_heads=self.pool.num_kv_heads)
-                m = ReusePlan(self.pool, tables[i], flow, r.layout, reused_tokens(flow, r.layout, dev), stats,
-                              num_layers, scale, r.num_cached)
+                m = ReusePlan(self.pool, tables[i], flow, r.layout, r.reused(flow, dev), stats, num_layers, scale,
+                              r.num_cached)
             first.append(start + m.positions - prefix)
             start += ext_lens[i]
             members.append(m)
@@ -100,17 +114,18 @@ class ReuseStep:
         self.saved: dict | None = None
 
     def place(self) -> None:
-        """Each reuse request's reused KV into its slots, every layer: its cached prefix as it is, each
-        segment's rotated from position 0 to its position (not rotated: a flow that reuses KV as stored)."""
+        """Each reuse request's reused KV into its slots, every layer: its cached prefix as it is (exact
+        KV, which the plan does not compute, whatever the flow), each segment's rotated from position 0
+        to its position (not rotated: a flow that reuses KV as stored; none: a flow that reads none)."""
         src, dst, delta = [], [], []
         for row, r in zip(self.rows, self.requests):
-            if r is None or not self.flow.reads_cache:
+            if r is None:
                 continue
             if r.num_cached:
                 src.append(r.prefix_slots[: r.num_cached])
                 dst.append(self.req_to_token[row, : r.num_cached])
                 delta.append(torch.zeros(r.num_cached, dtype=torch.long))
-            for begin, slots in r.segments:
+            for begin, slots in r.segments if self.flow.reads_cache else ():
                 skip = max(0, r.num_cached - begin)  # inside the cached prefix: its exact KV is there
                 n = slots.numel() - skip
                 if n <= 0:
@@ -153,10 +168,15 @@ class ReuseStep:
             fb.extend_seq_lens = torch.tensor(sizes, dtype=fb.extend_seq_lens.dtype, device=fb.extend_seq_lens.device)
             fb.extend_seq_lens_cpu = list(sizes)
             fb.extend_num_tokens = sum(sizes)
+            starts = getattr(fb, "extend_logprob_start_lens_cpu", None)
+            if starts is not None:  # a plain request's input logprobs beside: a reuse request's last row only
+                fb.extend_logprob_start_lens_cpu = [n if r is not None else a for a, n, r in zip(starts, sizes, self.requests)]
         return out
 
+    SAVED = ("extend_seq_lens", "extend_seq_lens_cpu", "extend_num_tokens", "extend_logprob_start_lens_cpu")
+
     def save(self, fb) -> None:
-        self.saved = {k: getattr(fb, k) for k in ("extend_seq_lens", "extend_seq_lens_cpu", "extend_num_tokens")}
+        self.saved = {k: getattr(fb, k, None) for k in self.SAVED}
 
     def restore(self, fb) -> None:
         for k, v in (self.saved or {}).items():
@@ -165,11 +185,8 @@ class ReuseStep:
     def release(self) -> None:
         """Let go of the pins the plans held: their KV is in the requests' own slots now (a later
         write to a freed slot is ordered after this step's copies on the device)."""
-        if self.pins:
-            store, pins = self.pins
-            for pin in pins:
-                store.unpin(pin)
-            self.pins = None
+        release_pins(self.pins)
+        self.pins = None
 
     def finish(self) -> list[ReuseStats | None]:
         """Each request's counts (None: a plain prompt), read once the forward is done."""
@@ -181,6 +198,14 @@ class ReuseStep:
             else:
                 out.append(None)
         return out
+
+
+def release_pins(pins) -> None:
+    """Unpin what `schedule.attach` put on a forward batch: (a SegmentStore, its pins)."""
+    if pins:
+        store, held = pins
+        for pin in held:
+            store.unpin(pin)
 
 
 def step_of(fb) -> ReuseStep | None:

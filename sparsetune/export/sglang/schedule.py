@@ -23,43 +23,47 @@ under its segment key (`store.segment_key`), at positions 0.. (the page-aligned 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sparsetune.export.sglang.reuse import ReuseRequest
-from sparsetune.export.sglang.segments import layout_spans
+from sparsetune.export.sglang.segments import LAYOUT, layout_spans
 from sparsetune.export.sglang.store import SegmentStore
-from sparsetune.reuse.parts import DEFAULT_NAMESPACE, ReuseLayout, Span
+from sparsetune.reuse.parts import ReuseLayout, Span
+
+logger = logging.getLogger(__name__)
 
 ATTR = "_sparsetune_reuse"  # on a Req: (its ReuseRequest, the pins it holds), once planned
 
 
 def spans_of(req) -> list[Span] | None:
-    """A request's reused spans (None: a plain request)."""
+    """A request's layout spans (None: a plain request; one whose prompt grew since, a retracted
+    request's that goes on from its output, runs as a plain one). A malformed layout is logged and
+    the request runs as a plain one: nothing a request carries may stop the scheduler."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return layout_spans(params, len(req.origin_input_ids)) if params else None
+    if not params or LAYOUT not in params or getattr(req, "output_ids", None):
+        return None
+    try:
+        return layout_spans(params, len(req.origin_input_ids))
+    except ValueError as e:
+        logger.warning("sparsetune: request %s runs without reuse: %s", getattr(req, "rid", "?"), e)
+        return None
 
 
 def plan_request(ids: list[int], spans: list[Span], extra_key: str | None, store: SegmentStore) -> tuple[ReuseRequest, list]:
-    """What the tree holds of a prompt with reused `spans`, pinned: its plain prefix (at most all
-    but the last token, as SGLang caps a match) and each segment's stored head. Returns the plan's
-    input (the layout with each segment cut to its stored head; the rest is prompt text) and the pins."""
+    """What the tree holds of a prompt with `spans`, pinned: its plain prefix (at most all but the
+    last token, as SGLang caps a match) and each segment's stored head. Returns the plan's input and
+    the pins."""
     prefix = store.match(ids[: len(ids) - 1], extra_key)
     pins = [store.pin(prefix)] if prefix.length else []
-    cut, found, last = [], [], 0
+    found = []
     for span in spans:
-        if span.start > last:
-            cut.append(Span(last, span.start, False, DEFAULT_NAMESPACE))
-        hit = store.find(ids[span.start : span.end], span.namespace)
-        if hit.length:
-            pins.append(store.pin(hit))
-            found.append((span.start, hit.slots))
-            cut.append(Span(span.start, span.start + hit.length, True, span.namespace, span.pin))
-        if span.start + hit.length < span.end:
-            cut.append(Span(span.start + hit.length, span.end, False, span.namespace))
-        last = span.end
-    if last < len(ids):
-        cut.append(Span(last, len(ids), False, DEFAULT_NAMESPACE))
-    return ReuseRequest(ReuseLayout(list(ids), cut), prefix.length, prefix.slots, found), pins
+        if span.reuse and span.end > prefix.length:  # a segment inside the cached prefix has its KV there
+            hit = store.find(ids[span.start : span.end], span.namespace)
+            if hit.length:
+                pins.append(store.pin(hit))
+                found.append((span.start, hit.slots))
+    return ReuseRequest(ReuseLayout(list(ids), list(spans)), prefix.length, prefix.slots, found), pins
 
 
 # ---- the hooks (HookRegistry: AROUND gets the original first; AFTER the result first) ---------------
@@ -72,12 +76,30 @@ def cap_prefix(original, req, input_len: int, *args, **kwargs) -> int:
 
 def plan_batch(original, batch, *args, **kwargs):
     store = SegmentStore(batch.tree_cache)
+    need = sum(len(r.get_fill_ids()) - _prefix_len(r) for r in batch.reqs)  # the slots SGLang allocates next
     for req in batch.reqs:
         spans = None if hasattr(req, ATTR) else spans_of(req)
         if spans:
-            setattr(req, ATTR, plan_request(list(req.origin_input_ids), spans, req.extra_key, store))
+            plan, pins = plan_request(list(req.origin_input_ids), spans, req.extra_key, store)
+            if _room(batch.tree_cache) < need:  # SGLang admitted the batch counting what this pinned as evictable
+                for pin in pins:
+                    store.unpin(pin)
+                logger.info("sparsetune: request %s prefills without reuse: the pool is too full to hold its segments", req.rid)
+                continue
+            setattr(req, ATTR, (plan, pins))
             req.skip_radix_cache_insert = True
     return original(batch, *args, **kwargs)
+
+
+def _prefix_len(req) -> int:
+    """The prefix SGLang matched for a request (0.5.16: its slots; 0.5.23: a length)."""
+    indices = getattr(req, "prefix_indices", None)
+    return len(indices) if indices is not None else int(getattr(req, "prefix_len", 0) or 0)
+
+
+def _room(tree) -> int:
+    """Slots an allocation can have: free ones, and what eviction can free."""
+    return tree.token_to_kv_pool_allocator.available_size() + tree.evictable_size()
 
 
 def attach(fb, *args, **kwargs):

@@ -11,8 +11,8 @@ answers the same request from the same text.
 
 The tokenizer process encodes such a prompt as the engine does (`encode_parts`: each part on its
 own, a chat request's inside the chat template's frame), so a segment has the same token ids
-wherever it appears and is found by its ids, and hands the scheduler the spans under
-`"sparsetune_layout"` (JSON: `[[start, end, namespace, pin], ...]`, the reused spans only). A bad
+wherever it appears and is found by its ids, and hands the scheduler the layout's spans under
+`"sparsetune_layout"` (JSON: `[[start, end, reuse, namespace, pin], ...]`, every span, in order). A bad
 request raises `ValueError` with one line naming the problem and the fix: SGLang answers it with
 HTTP 400 (`TokenizerManager` and the OpenAI routes turn a ValueError into one).
 """
@@ -71,43 +71,50 @@ def encode_request(tokenizer, parts: list[Part], prompt: str, *, chat: bool) -> 
 
 
 def layout_param(layout: ReuseLayout) -> str:
-    """The reused spans, as the scheduler reads them from custom_params (`LAYOUT`)."""
-    return json.dumps([[s.start, s.end, s.namespace, s.pin] for s in layout.segments], separators=(",", ":"))
+    """A layout's spans, as the scheduler reads them from custom_params (`LAYOUT`)."""
+    return json.dumps([[s.start, s.end, s.reuse, s.namespace, s.pin] for s in layout.spans], separators=(",", ":"))
 
 
 def layout_spans(custom_params: dict[str, Any] | None, num_tokens: int) -> list[Span] | None:
-    """The reused spans the tokenizer process wrote for a prompt of `num_tokens` ids (None: a plain
-    request). They come from this package's own tokenizer hook; a malformed value is refused."""
+    """The spans the tokenizer process wrote for a prompt of `num_tokens` ids (None: a plain request),
+    one after another from 0 to the end. They come from this package's own hook; a malformed value
+    is refused."""
     raw = (custom_params or {}).get(LAYOUT)
     if raw is None:
         return None
     try:
-        rows = json.loads(raw)
-        spans = [Span(int(a), int(b), True, str(ns), bool(pin)) for a, b, ns, pin in rows]
+        spans = [Span(int(a), int(b), bool(reuse), str(ns), bool(pin)) for a, b, reuse, ns, pin in json.loads(raw)]
     except (TypeError, ValueError) as e:
         raise ValueError(f"custom_params.{LAYOUT} is malformed ({e}); it is the server's own field") from None
     last = 0
     for s in spans:
-        if not (last <= s.start < s.end <= num_tokens):
-            raise ValueError(f"custom_params.{LAYOUT}: span [{s.start}, {s.end}) does not fit a prompt of "
-                             f"{num_tokens} tokens in order; it is the server's own field")
+        if not (last == s.start < s.end <= num_tokens):
+            raise ValueError(f"custom_params.{LAYOUT}: span [{s.start}, {s.end}) does not follow on at {last} in a prompt "
+                             f"of {num_tokens} tokens; it is the server's own field")
         last = s.end
+    if last != num_tokens:
+        raise ValueError(f"custom_params.{LAYOUT}: the spans end at {last}, the prompt at {num_tokens}; it is the "
+                         "server's own field")
     return spans
 
 
 # ---- the tokenizer process's hooks (SGLang's HookRegistry: an AROUND hook gets the original first) ----
 #
 # - `OpenAIServingChat._convert_to_internal_request` (`chat_request`): a chat request with parts holds
-#   one user message, whose text the parts make up; its ids are the parts inside the tokenizer's chat
-#   frame (the engine's `encode_parts`), and its custom_params carry the layout in the parts' place.
-# - `TokenizerManager._tokenize_one_request` (`tokenize_request`, /generate and /v1/completions and
-#   the chat requests above): a prompt with parts is encoded likewise (text only: no frame); a layout
-#   a client sent itself is refused; then, as the engine queues a segment's fill before the request
-#   that needs it, each of its segments is sent first as a request of its own (`store_segments`: its
-#   ids alone, under the segment key of its namespace, one token), which SGLang keeps in its tree at
-#   positions 0.. (a stored one is a prefix hit there: one token computed, nothing stored again).
+#   one user message of text, which the parts make up (no tools, no template arguments: the frame is
+#   the tokenizer's own chat template, as the engine's); its ids are the parts inside that frame, and
+#   its custom_params carry the layout in the parts' place.
+# - `TokenizerManager.generate_request` (`generate_request`: every route, before SGLang takes its
+#   model-update lock): a prompt with parts is encoded likewise (text only, no frame), a request that
+#   cannot be served so is refused (a layout a client sent itself, a batch, input logprobs, hidden
+#   states, parallel samples, a LoRA adapter, a cache salt or key of its own, multimodal data), and,
+#   as the engine queues a segment's fill before the request that needs it, each distinct segment is
+#   sent first as a request of its own (`store_segments`: its ids alone, under the segment key of its
+#   namespace, one token), which SGLang keeps in its tree at positions 0.. (a stored one is a prefix
+#   hit there: one token computed, nothing stored again).
 
 _ENCODED = "_sparsetune_encoded"  # on a GenerateReqInput this module encoded (a chat request's)
+_FILL = "_sparsetune_fill"  # on a segment's own request
 
 
 def _custom_params(obj) -> dict[str, Any] | None:
@@ -117,7 +124,8 @@ def _custom_params(obj) -> dict[str, Any] | None:
 
 def _with_layout(obj, params: dict[str, Any], layout: ReuseLayout) -> None:
     obj.input_ids = layout.token_ids
-    obj.sampling_params["custom_params"] = {**{k: v for k, v in params.items() if k != FIELD}, LAYOUT: layout_param(layout)}
+    custom = {**{k: v for k, v in params.items() if k != FIELD}, LAYOUT: layout_param(layout)}
+    obj.sampling_params = {**obj.sampling_params, "custom_params": custom}  # a copy: a batch shares one dict
     setattr(obj, _ENCODED, True)
 
 
@@ -131,6 +139,9 @@ def chat_request(original, serving, request, *args, **kwargs):
     if len(messages) != 1 or messages[0].role != "user" or not isinstance(messages[0].content, str):
         raise ValueError(f"custom_params.{FIELD}: a chat request with parts holds one user message of text, which the "
                          "parts make up (put a conversation's earlier turns in the parts)")
+    if getattr(request, "tools", None) or getattr(request, "chat_template_kwargs", None):
+        raise ValueError(f"custom_params.{FIELD}: a chat request with parts takes no tools and no chat_template_kwargs "
+                         "(its frame is the tokenizer's own chat template, as on sparsetune's engine)")
     from sparsetune.models.tokenizer import HFTokenizer
 
     layout = encode_request(HFTokenizer.wrap(serving.tokenizer_manager.tokenizer), parts, messages[0].content, chat=True)
@@ -139,23 +150,67 @@ def chat_request(original, serving, request, *args, **kwargs):
     return adapted, request
 
 
-async def tokenize_request(original, manager, obj, *args, **kwargs):
+_REFUSED = (("return_hidden_states", "hidden states"), ("lora_path", "a LoRA adapter"), ("lora_id", "a LoRA adapter"),
+            ("cache_salt", "a cache salt"), ("extra_key", "an extra_key"), ("image_data", "images"),
+            ("video_data", "videos"), ("audio_data", "audio"), ("input_embeds", "input embeddings"))
+
+
+def check_request(obj, tokenizer) -> ReuseLayout | None:
+    """What `generate_request` does before SGLang sees a request: a plain one passes (unless it takes a
+    segment key of its own); one with parts is encoded (a chat request's already was) and returned
+    as its layout; one that cannot be served so is a ValueError (HTTP 400). `tokenizer`: sparsetune's
+    (`models.tokenizer.HFTokenizer.wrap(SGLang's)`)."""
+    from sparsetune.export.sglang.store import KEY_PREFIX
+
+    own = [k for k in ("extra_key", "cache_salt") if isinstance(getattr(obj, k, None), str) and getattr(obj, k).startswith(KEY_PREFIX)]
+    if own and not getattr(obj, _FILL, False):
+        raise ValueError(f"{own[0]}: keys starting {KEY_PREFIX!r} are sparsetune's segment store; mark segments with "
+                         f"custom_params.{FIELD} instead")
+    sp = getattr(obj, "sampling_params", None)
+    if isinstance(sp, list) or isinstance(getattr(obj, "text", None), list) or _is_batch_ids(obj):
+        if any(FIELD in (p or {}).get("custom_params", {}) or LAYOUT in (p or {}).get("custom_params", {})
+               for p in (sp if isinstance(sp, list) else [sp]) if isinstance(p, dict)):
+            raise ValueError(f"custom_params.{FIELD}: one prompt per request with parts, not a batch")
+        return None
     params = _custom_params(obj)
-    if params and not getattr(obj, _ENCODED, False):
+    if not params or (FIELD not in params and LAYOUT not in params):
+        return None
+    if not getattr(obj, _ENCODED, False):
         parts = request_parts(params)  # refuses a layout a client sent
-        if parts is not None:
-            if not isinstance(obj.text, str) or obj.input_ids is not None:
-                raise ValueError(f"custom_params.{FIELD}: send the prompt as text (the parts' texts joined), not token ids")
-            from sparsetune.models.tokenizer import HFTokenizer
+        if not isinstance(obj.text, str) or obj.input_ids is not None:
+            raise ValueError(f"custom_params.{FIELD}: send the prompt as text (the parts' texts joined), not token ids")
+        _with_layout(obj, params, encode_request(tokenizer, parts, obj.text, chat=False))
+    bad = [what for k, what in _REFUSED if getattr(obj, k, None)]
+    start = getattr(obj, "logprob_start_len", None)
+    if getattr(obj, "return_logprob", False) and start is not None and start >= 0:
+        bad.append("input logprobs (logprob_start_len)")
+    if (obj.sampling_params or {}).get("n", 1) not in (None, 1):
+        bad.append("parallel samples (n)")
+    if bad:
+        raise ValueError(f"custom_params.{FIELD}: a request with parts is served without {', '.join(dict.fromkeys(bad))}; "
+                         "drop them")
+    return ReuseLayout(list(obj.input_ids), layout_spans(obj.sampling_params["custom_params"], len(obj.input_ids)))
 
-            _with_layout(obj, params, encode_request(HFTokenizer.wrap(manager.tokenizer), parts, obj.text, chat=False))
-    if getattr(obj, _ENCODED, False):
-        params = _custom_params(obj)
-        await store_segments(manager, obj.input_ids, layout_spans(params, len(obj.input_ids)))
-    return await original(manager, obj, *args, **kwargs)
+
+def _is_batch_ids(obj) -> bool:
+    ids = getattr(obj, "input_ids", None)
+    return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
-async def store_segments(manager, ids: list[int], spans: list[Span]) -> None:
+async def generate_request(original, manager, obj, *args, **kwargs):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if isinstance(obj, GenerateReqInput):
+        from sparsetune.models.tokenizer import HFTokenizer
+
+        layout = check_request(obj, HFTokenizer.wrap(manager.tokenizer))
+        if layout is not None:
+            await store_segments(manager, layout)
+    async for out in original(manager, obj, *args, **kwargs):
+        yield out
+
+
+async def store_segments(manager, layout: ReuseLayout) -> None:
     """Each distinct segment of a prompt as a request of its own, under its namespace's segment key, awaited."""
     import asyncio
 
@@ -165,14 +220,15 @@ async def store_segments(manager, ids: list[int], spans: list[Span]) -> None:
 
     async def one(seg: tuple[int, ...], namespace: str) -> None:
         fill = GenerateReqInput(input_ids=list(seg), sampling_params={"max_new_tokens": 1}, extra_key=segment_key(namespace))
+        setattr(fill, _FILL, True)
         async for _ in manager.generate_request(fill):
             pass
 
-    wanted = dict.fromkeys((tuple(ids[s.start : s.end]), s.namespace) for s in spans)
+    wanted = dict.fromkeys((tuple(layout.token_ids[s.start : s.end]), s.namespace) for s in layout.segments)
     await asyncio.gather(*(one(seg, ns) for seg, ns in wanted))
 
 
 HOOKS: list[tuple[str, Any, str]] = [
     ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request", chat_request, "AROUND"),
-    ("sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request", tokenize_request, "AROUND"),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request", generate_request, "AROUND"),
 ]

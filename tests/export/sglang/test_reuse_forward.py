@@ -172,18 +172,17 @@ def _insert(key, value):
 
 def reuse_request(world: World, prompt: list[int], spans: list[tuple[int, int]], num_cached: int = 0) -> ReuseRequest:
     """The scheduler side's findings for a prompt with segments at `spans` (each looked up in the store)."""
-    cut, segments, last = [], [], 0
+    layout, segments, last = [], [], 0
     for a, b in spans:
         if a > last:
-            cut.append(Span(last, a, False, "default"))
+            layout.append(Span(last, a, False, "default"))
+        layout.append(Span(a, b, True, "kb"))
         hit = world.store.find(prompt[a:b], "kb")
-        cut.append(Span(a, a + hit.length, True, "kb"))
-        segments.append((a, hit.slots))
-        if a + hit.length < b:
-            cut.append(Span(a + hit.length, b, False, "default"))
+        if hit.length:
+            segments.append((a, hit.slots))
         last = b
     if last < len(prompt):
-        cut.append(Span(last, len(prompt), False, "default"))
+        layout.append(Span(last, len(prompt), False, "default"))
     prefix = None
     if num_cached:
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -191,7 +190,7 @@ def reuse_request(world: World, prompt: list[int], spans: list[tuple[int, int]],
         m = world.tree.match_prefix(MatchPrefixParams(key=RadixKey_of(prompt[:num_cached], None)))
         prefix = m.device_indices if hasattr(m, "device_indices") else world.tree.path_device_indices(m.last_device_node)
         assert prefix.numel() == num_cached
-    return ReuseRequest(ReuseLayout(list(prompt), cut), num_cached, prefix, segments)
+    return ReuseRequest(ReuseLayout(list(prompt), layout), num_cached, prefix, segments)
 
 
 def step_for(world: World, flow: ReuseFlow, requests):
@@ -260,6 +259,13 @@ def test_at_a_partial_ratio_cacheblends_rule_picks_the_rows_and_the_rest_keep_th
     torch.testing.assert_close(v_new[idx], v_ref[idx], atol=1e-4, rtol=0)
     assert torch.equal(v_new[kept], w.kv.get_value_buffer(3)[stored][kept - AT])
     assert not torch.allclose(k_new[kept], k_ref[kept], atol=1e-3)
+    # their K is the stored K rotated on by the segment's position: SGLang's own RoPE at AT applied to
+    # keys already rotated to 0.. gives its RoPE at AT.. (rotations compose)
+    rope = sgl.model.model.layers[3].self_attn.rotary_emb
+    k_stored = w.kv.get_key_buffer(3)[stored][kept - AT]
+    n = len(kept)
+    _, want_k = rope.forward_native(torch.full((n,), AT), torch.zeros(n, HQ * D), k_stored.reshape(n, -1).clone())
+    torch.testing.assert_close(k_new[kept], want_k.view(n, HKV, D), atol=1e-5, rtol=0)
 
 
 def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, tmp_path):
@@ -280,8 +286,10 @@ def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, 
         SparsetuneBackend(split, bundle=str(bundle), dense="torch_native")
     w.store_segment(SEG)
     full, _ = w.forward([PROMPT], [w.admit(len(PROMPT))])
-    layout = json.dumps([[AT, AT + len(SEG), "kb", False]])
+    layout = json.dumps([[0, AT, False, "default", False], [AT, AT + len(SEG), True, "kb", False],
+                         [AT + len(SEG), len(PROMPT), False, "default", False]])
     req = Req("r", "", array("q", PROMPT), SamplingParams(max_new_tokens=1, custom_params={LAYOUT: layout}))
+    req.get_fill_ids = lambda: array("q", PROMPT)  # as SGLang's admission leaves it: the whole prompt to extend
     batch = SimpleNamespace(reqs=[req], tree_cache=w.tree)
     schedule.plan_batch(lambda b: None, batch)
     assert w.tree.protected_size() == len(SEG) and req.skip_radix_cache_insert
@@ -290,3 +298,30 @@ def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, 
     assert w.tree.protected_size() == 0  # let go after the forward
     (stats,) = fb.sparsetune_reuse.finish()
     assert stats.recomputed_reused == len(SEG) and stats.prompt_tokens == len(PROMPT)
+
+
+def test_a_prefix_hit_is_taken_as_it_is_by_a_flow_that_reads_no_segment_and_a_segments_tail_is_computed(sgl):
+    """Full recompute (no cached KV read) with a plain prefix hit: the prefix's exact KV is still taken
+    (the plan does not compute it), so the output is SGLang's full prefill. A segment whose last page
+    SGLang did not keep (14 tokens, pages of 4): its 12 stored tokens are reused, the 2 past them
+    computed; at ratio 1, SGLang's full prefill again."""
+    w = World(sgl)
+    row = w.admit(len(HEAD))
+    w.forward([HEAD], [row])
+    w.tree.insert(_insert(RadixKey_of(HEAD, None), w.rows.req_to_token[row, : len(HEAD)].long()))
+    full, _ = w.forward([PROMPT], [w.admit(len(PROMPT))])
+    flow = build_flow("full_recompute", {}, ReuseFlow)
+    req = reuse_request(w, PROMPT, [(AT, AT + len(SEG))], num_cached=len(HEAD))
+    got, fb = w.forward([PROMPT], [w.admit(len(PROMPT))], step=step_for(w, flow, [req]))
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=0)
+    long_seg = SEG + [3, 4]
+    prompt = PROMPT[:AT] + long_seg + PROMPT[AT + len(SEG):]
+    w.store_segment(long_seg)
+    assert w.store.find(long_seg, "kb").length == 12
+    full, _ = w.forward([prompt], [w.admit(len(prompt))])
+    req = reuse_request(w, prompt, [(AT, AT + len(long_seg))])
+    got, fb = w.forward([prompt], [w.admit(len(prompt))],
+                        step=step_for(w, build_flow("cacheblend", {"ratio": "1.0", "check_layer": "1"}, ReuseFlow), [req]))
+    torch.testing.assert_close(got, full, atol=1e-5, rtol=0)
+    plan = fb.sparsetune_reuse.batch.members[0]
+    assert plan.from_segments.nonzero().squeeze(1).tolist() == list(range(AT, AT + 12))

@@ -16,6 +16,8 @@ from __future__ import annotations
 from array import array
 from types import SimpleNamespace
 
+import json
+
 import sglang
 import torch
 from sglang.srt.managers.schedule_batch import Req
@@ -30,6 +32,8 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sparsetune.export.sglang import schedule
 from sparsetune.export.sglang.segments import LAYOUT
 from sparsetune.export.sglang.store import SegmentStore, segment_key
+from sparsetune.loader import build_flow
+from sparsetune.reuse.base import ReuseFlow
 from sparsetune.reuse.parts import Span
 
 P = 4
@@ -62,9 +66,13 @@ PROMPT = HEAD + [7, 7] + SEG + [8] + HALF + GONE + [9, 9, 9]
 
 
 def spans():
-    at = [len(HEAD) + 2, len(HEAD) + 2 + len(SEG) + 1]
-    return [Span(at[0], at[0] + len(SEG), True, "kb"), Span(at[1], at[1] + len(HALF), True, "kb"),
-            Span(at[1] + len(HALF), at[1] + len(HALF) + len(GONE), True, "kb")]
+    """The prompt's layout, every span, as the tokenizer process writes it."""
+    a = len(HEAD) + 2
+    b = a + len(SEG) + 1
+    c = b + len(HALF)
+    d = c + len(GONE)
+    return [Span(0, a, False, "default"), Span(a, a + len(SEG), True, "kb"), Span(a + len(SEG), b, False, "default"),
+            Span(b, c, True, "kb"), Span(c, d, True, "kb"), Span(d, len(PROMPT), False, "default")]
 
 
 def test_a_plan_finds_and_pins_the_prefix_and_each_segments_stored_head():
@@ -76,11 +84,15 @@ def test_a_plan_finds_and_pins_the_prefix_and_each_segments_stored_head():
     store = SegmentStore(t)
     req, pins = schedule.plan_request(PROMPT, spans(), None, store)
     assert req.num_cached == len(HEAD) and torch.equal(req.prefix_slots, head)
-    s1, s2, _ = spans()
+    _, s1, _, s2, s3, _ = spans()
     assert [(a, b.tolist()) for a, b in req.segments] == [(s1.start, seg.tolist()), (s2.start, half.tolist())]
-    assert [(s.start, s.end, s.reuse) for s in req.layout.spans] == [
-        (0, s1.start, False), (s1.start, s1.end, True), (s1.end, s2.start, False), (s2.start, s2.start + 8, True),
-        (s2.start + 8, s2.end, False), (s2.end, s2.end + len(GONE), False), (s2.end + len(GONE), len(PROMPT), False)]
+    assert req.layout.spans == spans()  # the flow sees the layout as written
+    # ... and takes as reused what has KV to take: not the tail past a stored head, nor a segment not stored
+    reused = req.reused(build_flow("cacheblend", {}, ReuseFlow), "cpu")
+    want = torch.zeros(len(PROMPT), dtype=torch.bool)
+    want[s1.start : s1.end] = True
+    want[s2.start : s2.start + 8] = True
+    assert torch.equal(reused, want) and not reused[s3.start : s3.end].any()
     assert len(pins) == 3
     t.evict(EvictParams(num_tokens=96))  # all it may free: the idle prompt, not the pinned
     assert store.match(list(range(80, 96)), None).length == 0
@@ -93,7 +105,13 @@ def test_a_plan_finds_and_pins_the_prefix_and_each_segments_stored_head():
 
 def request(rid: str, layout: str | None) -> Req:
     params = SamplingParams(max_new_tokens=4, custom_params=None if layout is None else {LAYOUT: layout})
-    return Req(rid, "", array("q", PROMPT), params)
+    req = Req(rid, "", array("q", PROMPT), params)
+    req.get_fill_ids = lambda: array("q", PROMPT)  # as admission leaves it: the whole prompt to extend
+    return req
+
+
+LAYOUT_OF_PROMPT = json.dumps([[0, 10, False, "default", False], [10, 22, True, "kb", False],
+                               [22, len(PROMPT), False, "default", False]])
 
 
 def test_the_hooks_resolve_on_sglangs_targets_and_plan_each_request_once():
@@ -102,11 +120,10 @@ def test_the_hooks_resolve_on_sglangs_targets_and_plan_each_request_once():
     for target, hook, kind in schedule.HOOKS:  # each target exists in this version, and takes the hook
         HookRegistry.register(target, hook, getattr(HookType, kind))
     HookRegistry.apply_hooks()
-    layout = '[[10,22,"kb",false]]'
-    reuse, plain = request("r", layout), request("p", None)
+    reuse, plain = request("r", LAYOUT_OF_PROMPT), request("p", None)
     assert reuse._compute_max_prefix_len(len(PROMPT)) == 0
     assert plain._compute_max_prefix_len(len(PROMPT)) == len(PROMPT) - 1  # SGLang's own
-    t, alloc = tree(96)
+    t, alloc = tree(192)
     put(t, alloc, SEG, segment_key("kb"))
     batch = SimpleNamespace(reqs=[reuse, plain], tree_cache=t)
     seen = []
@@ -122,3 +139,28 @@ def test_the_hooks_resolve_on_sglangs_targets_and_plan_each_request_once():
     assert not hasattr(reuse, schedule.ATTR)
     decode = schedule.attach(SimpleNamespace(forward_mode=ForwardMode.DECODE), object, SimpleNamespace(reqs=[plain]), None)
     assert not hasattr(decode, "sparsetune_requests")
+
+
+def test_a_retracted_or_malformed_request_and_a_full_pool_prefill_without_reuse(caplog):
+    """Nothing a request carries stops the scheduler: a retracted request (its prompt now holds its
+    output too) and a malformed layout run as plain prompts, with SGLang's own prefix; when pinning a
+    request's segments would leave SGLang's admitted batch without room, they are let go and it
+    prefills whole."""
+    retracted, broken = request("t", LAYOUT_OF_PROMPT), request("b", '[[0,3,true,"kb",false]]')
+    retracted.output_ids = [5]
+    for req in (retracted, broken):
+        assert schedule.spans_of(req) is None
+        assert schedule.cap_prefix(lambda r, n: n - 1, req, len(PROMPT)) == len(PROMPT) - 1
+    assert "runs without reuse" in caplog.text
+    t, alloc = tree(48)
+    put(t, alloc, SEG, segment_key("kb"))
+    alloc.alloc(alloc.available_size() - 4 * P)  # what other requests hold: 16 slots free, the segment evictable
+    req = request("r", LAYOUT_OF_PROMPT)  # 44 tokens: SGLang counted 16 free + 12 evictable as its room... and more
+    batch = SimpleNamespace(reqs=[req], tree_cache=t)
+    schedule.plan_batch(lambda b: None, batch)
+    assert not hasattr(req, schedule.ATTR) and t.protected_size() == 0  # let go: room stays as SGLang counted it
+    roomy, alloc2 = tree(96)
+    put(roomy, alloc2, SEG, segment_key("kb"))
+    ok = request("r2", LAYOUT_OF_PROMPT)
+    schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[ok], tree_cache=roomy))
+    assert hasattr(ok, schedule.ATTR) and roomy.protected_size() == len(SEG)

@@ -7,8 +7,10 @@ tokenizer as SGLang's tokenizer manager holds it.
   of content parts, is refused in one line (HTTP 400: a ValueError).
 - /generate (and /v1/completions) with parts: the text encoded part by part; each distinct segment
   is sent first as a request of its own under its namespace's segment key (one token, its ids
-  alone), and the request goes on after those; a layout a client sent itself, token ids with parts,
-  parts that are not the text: refused.
+  alone), before SGLang's own generate_request (and its model-update lock), and the request goes on
+  after those; refused: a layout a client sent itself, token ids with parts, parts that are not the
+  text, a batch, input logprobs, parallel samples, a LoRA adapter, an extra_key, and a plain
+  request's key in the segment store's namespace; a plain batch's shared sampling params untouched.
 - The hooks' targets resolve in both versions through SGLang's own registry.
 """
 
@@ -64,50 +66,73 @@ def test_a_chat_request_with_parts_is_encoded_in_the_chat_frame(hf):
     assert adapted.input_ids == want.token_ids and adapted.text is None
     params = adapted.sampling_params["custom_params"]
     assert FIELD not in params and params["other"] == 1
-    assert [(s.start, s.end) for s in layout_spans(params, len(want.token_ids))] == [(s.start, s.end) for s in want.segments]
-    for messages, needle in (([{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXT}], "one user message"),
-                             ([{"role": "user", "content": [{"type": "text", "text": TEXT}]}], "one user message of text")):
-        bad = ChatCompletionRequest(model="m", messages=messages, custom_params={FIELD: json.dumps(PARTS)})
+    assert layout_spans(params, len(want.token_ids)) == want.spans
+    # then SGLang's generate_request: encoded already (not twice), the segments sent first
+    manager = serving.tokenizer_manager
+    ran = []
+
+    async def original(m, o, *a):
+        ran.append(list(o.input_ids))
+        yield "reply"
+
+    asyncio.run(drain(segments.generate_request(original, manager, adapted)))
+    assert ran == [want.token_ids] and len(manager.sent) == 2
+    for kw, needle in (({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXT}]},
+                         "one user message"),
+                        ({"messages": [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]}, "one user message of text"),
+                        ({"messages": [{"role": "user", "content": TEXT}], "chat_template_kwargs": {"enable_thinking": False}},
+                         "no tools and no chat_template_kwargs")):
+        bad = ChatCompletionRequest(model="m", custom_params={FIELD: json.dumps(PARTS)}, **kw)
         with pytest.raises(ValueError, match=needle):
             segments.chat_request(convert, serving, bad)
     plain = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": TEXT}])
     assert segments.chat_request(convert, serving, plain)[0].sampling_params["custom_params"] == {}
 
 
-def run(coro):
-    return asyncio.run(coro)
+async def drain(gen) -> list:
+    return [out async for out in gen]
 
 
 def test_a_generate_request_with_parts_stores_its_segments_first(hf):
     manager = Manager(hf)
     obj = GenerateReqInput(text=TEXT, sampling_params={"max_new_tokens": 8, "custom_params": {FIELD: json.dumps(PARTS)}})
-    obj.normalize_batch_and_arguments()
     seen = []
 
-    async def original(m, o):
+    async def original(m, o, *a):  # SGLang's generate_request: it takes its model-update lock in here
         seen.append((None if o.input_ids is None else list(o.input_ids), len(m.sent)))
-        return "tokenized"
+        yield "reply"
 
-    assert run(segments.tokenize_request(original, manager, obj)) == "tokenized"
+    assert asyncio.run(drain(segments.generate_request(original, manager, obj))) == ["reply"]
     want = encode_parts(HFTokenizer.wrap(hf), parse_parts(PARTS), chat=False)
-    assert seen == [(want.token_ids, 2)]  # after both distinct segments were sent
+    assert seen == [(want.token_ids, 2)]  # after both distinct segments were sent, before the lock
     fills = {(tuple(f.input_ids), f.extra_key, f.sampling_params["max_new_tokens"]) for f in manager.sent}
     assert fills == {(tuple(hf.encode(DOC, add_special_tokens=False)), segment_key("kb"), 1),
                      (tuple(hf.encode(NOTE, add_special_tokens=False)), segment_key("default"), 1)}
-    assert LAYOUT in obj.sampling_params["custom_params"] and FIELD not in obj.sampling_params["custom_params"]
-    for kw, needle in (({"text": TEXT, "custom_params": {LAYOUT: "[]"}}, "written by the server"),
-                       ({"input_ids": [1, 2, 3], "custom_params": {FIELD: json.dumps(PARTS)}}, "send the prompt as text"),
-                       ({"text": TEXT + "!", "custom_params": {FIELD: json.dumps(PARTS)}}, "they differ at character")):
-        bad = GenerateReqInput(**{k: v for k, v in kw.items() if k != "custom_params"},
-                               sampling_params={"custom_params": kw["custom_params"]})
-        bad.normalize_batch_and_arguments()
+    params = obj.sampling_params["custom_params"]
+    assert FIELD not in params and layout_spans(params, len(want.token_ids)) == want.spans
+    parts = {FIELD: json.dumps(PARTS)}
+    for kw, needle in (({"text": TEXT, "sampling_params": {"custom_params": {LAYOUT: "[]"}}}, "written by the server"),
+                       ({"input_ids": [1, 2, 3], "sampling_params": {"custom_params": parts}}, "send the prompt as text"),
+                       ({"text": TEXT + "!", "sampling_params": {"custom_params": parts}}, "they differ at character"),
+                       ({"text": [TEXT, TEXT], "sampling_params": {"custom_params": parts}}, "not a batch"),
+                       ({"text": TEXT, "sampling_params": {"custom_params": parts}, "return_logprob": True,
+                         "logprob_start_len": 0}, "input logprobs"),
+                       ({"text": TEXT, "sampling_params": {"custom_params": parts, "n": 2}}, "parallel samples"),
+                       ({"text": TEXT, "sampling_params": {"custom_params": parts}, "lora_path": "a"}, "a LoRA adapter"),
+                       ({"text": TEXT, "sampling_params": {"custom_params": parts}, "extra_key": "x"}, "an extra_key"),
+                       ({"text": TEXT, "extra_key": segment_key("kb")}, "sparsetune's segment store")):
+        bad = GenerateReqInput(**kw)
         with pytest.raises(ValueError, match=needle):
-            run(segments.tokenize_request(original, Manager(hf), bad))
+            asyncio.run(drain(segments.generate_request(original, Manager(hf), bad)))
     plain = GenerateReqInput(text=TEXT, sampling_params={"max_new_tokens": 8})
-    plain.normalize_batch_and_arguments()
     quiet = Manager(hf)
-    run(segments.tokenize_request(original, quiet, plain))
+    asyncio.run(drain(segments.generate_request(original, quiet, plain)))
     assert quiet.sent == [] and plain.input_ids is None
+    # a batch of plain prompts shares one sampling-params dict: untouched
+    shared = {"max_new_tokens": 4}
+    batch = GenerateReqInput(text=[TEXT, TEXT], sampling_params=shared)
+    asyncio.run(drain(segments.generate_request(original, Manager(hf), batch)))
+    assert shared == {"max_new_tokens": 4}
 
 
 def test_the_tokenizer_hooks_resolve_on_sglangs_targets():
@@ -119,5 +144,5 @@ def test_the_tokenizer_hooks_resolve_on_sglangs_targets():
     from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    for cls, name in ((OpenAIServingChat, "_convert_to_internal_request"), (TokenizerManager, "_tokenize_one_request")):
+    for cls, name in ((OpenAIServingChat, "_convert_to_internal_request"), (TokenizerManager, "generate_request")):
         assert getattr(getattr(cls, name), "__wrapped__", None) is not None, name
