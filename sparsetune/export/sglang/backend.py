@@ -199,7 +199,10 @@ class SparsetuneBackend(AttentionBackend):
         if (getattr(args, "chunked_prefill_size", None) or -1) > 0:
             raise SparsetuneError(f"--chunked-prefill-size {args.chunked_prefill_size}: a reuse bundle prefills a request "
                                   f"whole; launch with --chunked-prefill-size -1 ({fix})")
-        graph = getattr(args, "cuda_graph_backend_prefill", None)
+        cfg = getattr(args, "cuda_graph_config", None)  # what SGLang uses, the flag folded in
+        phase = cfg.get("prefill") if isinstance(cfg, dict) else getattr(cfg, "prefill", None)
+        graph = ((phase.get("backend") if isinstance(phase, dict) else getattr(phase, "backend", None))
+                 or getattr(args, "cuda_graph_backend_prefill", None))
         if graph not in (None, "disabled"):
             raise SparsetuneError(f"--cuda-graph-backend-prefill {graph}: a reuse request's rows change per layer; launch "
                                   f"with --cuda-graph-backend-prefill disabled ({fix})")

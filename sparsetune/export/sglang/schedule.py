@@ -76,7 +76,9 @@ def cap_prefix(original, req, input_len: int, *args, **kwargs) -> int:
 
 def plan_batch(original, batch, *args, **kwargs):
     store = SegmentStore(batch.tree_cache)
-    need = sum(len(r.get_fill_ids()) - _prefix_len(r) for r in batch.reqs)  # the slots SGLang allocates next
+    # the slots SGLang's allocation next evicts for: the batch's tokens and a page per request (its own figure)
+    page = getattr(batch.tree_cache.token_to_kv_pool_allocator, "page_size", 1)
+    need = sum(len(r.get_fill_ids()) - _prefix_len(r) for r in batch.reqs) + len(batch.reqs) * page
     for req in batch.reqs:
         spans = None if hasattr(req, ATTR) else spans_of(req)
         if spans:

@@ -158,8 +158,9 @@ _REFUSED = (("return_hidden_states", "hidden states"), ("lora_path", "a LoRA ada
 def check_request(obj, tokenizer) -> ReuseLayout | None:
     """What `generate_request` does before SGLang sees a request: a plain one passes (unless it takes a
     segment key of its own); one with parts is encoded (a chat request's already was) and returned
-    as its layout; one that cannot be served so is a ValueError (HTTP 400). `tokenizer`: sparsetune's
-    (`models.tokenizer.HFTokenizer.wrap(SGLang's)`)."""
+    as its layout; one that cannot be served so is a ValueError (HTTP 400). `tokenizer()`: sparsetune's
+    tokenizer over SGLang's (`models.tokenizer.HFTokenizer.wrap`), asked for only to encode parts (a
+    server launched with --skip-tokenizer-init has none)."""
     from sparsetune.export.sglang.store import KEY_PREFIX
 
     own = [k for k in ("extra_key", "cache_salt") if isinstance(getattr(obj, k, None), str) and getattr(obj, k).startswith(KEY_PREFIX)]
@@ -168,18 +169,18 @@ def check_request(obj, tokenizer) -> ReuseLayout | None:
                          f"custom_params.{FIELD} instead")
     sp = getattr(obj, "sampling_params", None)
     if isinstance(sp, list) or isinstance(getattr(obj, "text", None), list) or _is_batch_ids(obj):
-        if any(FIELD in (p or {}).get("custom_params", {}) or LAYOUT in (p or {}).get("custom_params", {})
-               for p in (sp if isinstance(sp, list) else [sp]) if isinstance(p, dict)):
+        custom = [(p or {}).get("custom_params") for p in (sp if isinstance(sp, list) else [sp]) if isinstance(p, dict)]
+        if any(isinstance(c, dict) and (FIELD in c or LAYOUT in c) for c in custom):
             raise ValueError(f"custom_params.{FIELD}: one prompt per request with parts, not a batch")
         return None
     params = _custom_params(obj)
-    if not params or (FIELD not in params and LAYOUT not in params):
+    if not isinstance(params, dict) or (FIELD not in params and LAYOUT not in params):
         return None
     if not getattr(obj, _ENCODED, False):
         parts = request_parts(params)  # refuses a layout a client sent
         if not isinstance(obj.text, str) or obj.input_ids is not None:
             raise ValueError(f"custom_params.{FIELD}: send the prompt as text (the parts' texts joined), not token ids")
-        _with_layout(obj, params, encode_request(tokenizer, parts, obj.text, chat=False))
+        _with_layout(obj, params, encode_request(tokenizer(), parts, obj.text, chat=False))
     bad = [what for k, what in _REFUSED if getattr(obj, k, None)]
     start = getattr(obj, "logprob_start_len", None)
     if getattr(obj, "return_logprob", False) and start is not None and start >= 0:
@@ -203,7 +204,7 @@ async def generate_request(original, manager, obj, *args, **kwargs):
     if isinstance(obj, GenerateReqInput):
         from sparsetune.models.tokenizer import HFTokenizer
 
-        layout = check_request(obj, HFTokenizer.wrap(manager.tokenizer))
+        layout = check_request(obj, lambda: HFTokenizer.wrap(manager.tokenizer))
         if layout is not None:
             await store_segments(manager, layout)
     async for out in original(manager, obj, *args, **kwargs):

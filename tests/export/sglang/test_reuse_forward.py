@@ -284,6 +284,17 @@ def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, 
     split = SimpleNamespace(**{**vars(w.runner), "tp_size": 2})  # a rank of two: its selection would differ
     with pytest.raises(SparsetuneError, match="selects tokens from all KV heads' keys .*serves at --tp-size 1"):
         SparsetuneBackend(split, bundle=str(bundle), dense="torch_native")
+    # the launch args its launch_sglang.sh sets, checked (the script's "$@" may undo them)
+    good = dict(chunked_prefill_size=-1, cuda_graph_backend_prefill="disabled", prefill_attention_backend=None,
+                cuda_graph_config=SimpleNamespace(prefill={"backend": "disabled"}))
+    for bad, needle in (({"chunked_prefill_size": 8192}, "--chunked-prefill-size -1"),
+                        ({"cuda_graph_config": SimpleNamespace(prefill={"backend": "breakable"})}, "prefill disabled"),
+                        ({"prefill_attention_backend": "triton"}, "drop the flag")):
+        runner = SimpleNamespace(**{**vars(w.runner), "server_args": SimpleNamespace(**{**good, **bad})})
+        with pytest.raises(SparsetuneError, match=needle):
+            SparsetuneBackend(runner, bundle=str(bundle), dense="torch_native")
+    SparsetuneBackend(SimpleNamespace(**{**vars(w.runner), "server_args": SimpleNamespace(**good)}), bundle=str(bundle),
+                      dense="torch_native")
     w.store_segment(SEG)
     full, _ = w.forward([PROMPT], [w.admit(len(PROMPT))])
     layout = json.dumps([[0, AT, False, "default", False], [AT, AT + len(SEG), True, "kb", False],

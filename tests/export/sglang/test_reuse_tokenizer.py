@@ -128,11 +128,14 @@ def test_a_generate_request_with_parts_stores_its_segments_first(hf):
     quiet = Manager(hf)
     asyncio.run(drain(segments.generate_request(original, quiet, plain)))
     assert quiet.sent == [] and plain.input_ids is None
-    # a batch of plain prompts shares one sampling-params dict: untouched
-    shared = {"max_new_tokens": 4}
+    # a batch of plain prompts shares one sampling-params dict: untouched; /v1/completions writes
+    # custom_params None into it; a server without a tokenizer (--skip-tokenizer-init) serves plain ones
+    shared = {"max_new_tokens": 4, "custom_params": None}
     batch = GenerateReqInput(text=[TEXT, TEXT], sampling_params=shared)
     asyncio.run(drain(segments.generate_request(original, Manager(hf), batch)))
-    assert shared == {"max_new_tokens": 4}
+    assert shared == {"max_new_tokens": 4, "custom_params": None}
+    single = GenerateReqInput(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4, "custom_params": None})
+    assert asyncio.run(drain(segments.generate_request(original, Manager(None), single))) == ["reply"]
 
 
 def test_the_tokenizer_hooks_resolve_on_sglangs_targets():
