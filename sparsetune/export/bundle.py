@@ -171,8 +171,8 @@ def write_bundle(out: Path, flow_file: Path | None, params: dict[str, str], *, r
         resolved, params = {**resolved, "calibration": CALIBRATION}, {**params, "calibration": CALIBRATION}
     source_bytes = flow_file.read_bytes()
     reuse_bytes = None if reuse is None else reuse[0].read_bytes()
-    graph = json.dumps(describe(cls, cls.from_strings(resolved).params(), BUNDLE_HEAD_DIMS, block_sizes=False),
-                       sort_keys=True)
+    flow = cls.from_strings(resolved)
+    graph = json.dumps(describe(cls, flow.params(), BUNDLE_HEAD_DIMS, block_sizes=False), sort_keys=True)
     setup = None
     if model is not None:
         setup = _setup(model, flow_file if decode_given else None, params if decode_given else given,
@@ -209,7 +209,7 @@ def write_bundle(out: Path, flow_file: Path | None, params: dict[str, str], *, r
             "block_size": int(resolved["block_size"]),
             **({} if reuse_entry is None else {"reuse": reuse_entry}),
             "model": model,
-            "field_memory_share": None if model is None else _field_share(cls.from_strings(resolved), model),
+            "field_memory_share": None if model is None else _field_share(flow, model),
             "origin": origin or {"from": "params"},
             "measured": measured,
             "measured_params": (rresolved if reuse_entry else resolved) if measured else None,
@@ -305,10 +305,17 @@ def serving_problem(manifest: dict[str, Any]) -> str | None:
 
     # a built-in's rule by its name (a file of the user's: the backend checks it when it loads it, with the opt-in)
     cls = lookup_flow_class(r["flow"], ReuseFlow) if r.get("builtin") and r["flow"] in builtin_flows() else None
-    if cls is not None and cls.mlp_rows is not ReuseFlow.mlp_rows:
-        return (f"reuse flow {r['flow']!r} narrows the MLP per row (mlp_rows), which SGLang's model forward cannot: "
+    return (cls is not None and reuse_flow_problem(cls)) or REUSE_NOT_LIVE
+
+
+def reuse_flow_problem(cls) -> str | None:
+    """What keeps SGLang's model forward from running a reuse flow class (None: nothing): its MLP runs every row."""
+    from sparsetune.reuse.base import ReuseFlow
+
+    if cls.mlp_rows is not ReuseFlow.mlp_rows:
+        return (f"reuse flow {cls.name!r} narrows the MLP per row (mlp_rows), which SGLang's model forward cannot: "
                 "serve it on sparsetune's engine")
-    return REUSE_NOT_LIVE
+    return None
 
 
 def reuse_flow_of(path: Path, manifest: dict[str, Any]):
@@ -456,9 +463,7 @@ def check_bundle(path: Path) -> list[str]:
         f = path / m[key]
         if Path(m[key]).name != m[key] or not f.is_file():
             return [f"the flow {key} {m[key]!r} is not in the bundle"]
-        digest = file_sha256(f)
-        if digest != m[digest_key]:
-            problems.append(f"{m[key]} changed since export (sha256 {digest[:12]}…, manifest {m[digest_key][:12]}…); export again")
+        problems += _changed(f, m[digest_key])
     if problems:
         return problems
     try:
@@ -472,12 +477,8 @@ def check_bundle(path: Path) -> list[str]:
     resolved = as_text(flow)
     if cls.name != m["flow"]:
         problems.append(f"{m['graph']} holds flow {cls.name!r}, the manifest says {m['flow']!r}")
-    changed = {k: (v, m["params"].get(k)) for k, v in resolved.items() if m["params"].get(k) != v}
-    if changed:
-        problems.append("params not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items()))
-    if flow.full_attention:  # dense: no stages, so no graphs
-        pass
-    elif graph_key(flow) not in cls.graphs:
+    problems += _unresolved("params", m["params"], resolved)
+    if not flow.full_attention and graph_key(flow) not in cls.graphs:  # dense: no stages, so no graphs
         traced, now = json.loads(next(iter(cls.graphs))), json.loads(graph_key(flow))
         diff = ", ".join(f"{k}={m['params'].get(k)}" for k in now if now[k] != traced.get(k))
         problems.append(f"params {diff} change what the flow computes, and its graphs were traced at other values; "
@@ -520,18 +521,27 @@ def _reuse_problems(path: Path, r: dict[str, Any]) -> list[str]:
     f = path / r["source"]
     if Path(r["source"]).name != r["source"] or not f.is_file():
         return [f"the reuse flow source {r['source']!r} is not in the bundle"]
-    digest = file_sha256(f)
-    if digest != r["source_sha256"]:
-        return [f"{r['source']} changed since export (sha256 {digest[:12]}…, manifest {r['source_sha256'][:12]}…); export again"]
+    changed = _changed(f, r["source_sha256"])
+    if changed:
+        return changed
     try:  # a built-in as shipped loads; another file only with the trust opt-in (the loader's one rule)
         cls, resolved = _resolve(f, r["params"], reuse=True)
     except SparsetuneError as e:
         return [str(e)]
     problems = [] if cls.name == r["flow"] else [f"{r['source']} holds reuse flow {cls.name!r}, the manifest says {r['flow']!r}"]
-    changed = {k: (v, r["params"].get(k)) for k, v in resolved.items() if r["params"].get(k) != v}
-    if changed:
-        problems.append("reuse params not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items()))
-    return problems
+    return problems + _unresolved("reuse params", r["params"], resolved)
+
+
+def _changed(f: Path, digest: str) -> list[str]:
+    """A bundle file whose sha256 is not the manifest's, named (none: unchanged)."""
+    now = file_sha256(f)
+    return [] if now == digest else [f"{f.name} changed since export (sha256 {now[:12]}…, manifest {digest[:12]}…); export again"]
+
+
+def _unresolved(what: str, given: dict[str, str], resolved: dict[str, str]) -> list[str]:
+    """Params a manifest holds otherwise than the flow resolves them, named (none: as resolved)."""
+    changed = {k: (v, given.get(k)) for k, v in resolved.items() if given.get(k) != v}
+    return [f"{what} not as resolved: " + ", ".join(f"{k}={b!r} (resolves to {a!r})" for k, (a, b) in changed.items())] if changed else []
 
 
 def _calibration_problems(path: Path, m: dict[str, Any]) -> list[str]:

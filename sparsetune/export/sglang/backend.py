@@ -171,10 +171,11 @@ class SparsetuneBackend(AttentionBackend):
         """A reuse bundle: its flow's prefill runs in SGLang's model forward (`export.sglang.reuse`),
         planned by the scheduler hooks (`export.sglang.schedule`), registered here, in the scheduler's
         process, where SGLang builds this backend."""
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        from sglang.srt.plugins.hook_registry import HookRegistry
 
         from sparsetune.engine.rope import inv_frequencies
         from sparsetune.export.sglang import reuse, schedule
+        from sparsetune.export.sglang.segments import add_hooks
         from sparsetune.models.config import ModelConfig
 
         reuse.check_flow(self.reuse)
@@ -186,8 +187,7 @@ class SparsetuneBackend(AttentionBackend):
         self.reuse_layers, self.reuse_scale = layers, cfg.head_dim**-0.5
         self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(self.device)
         reuse.wrap_model(model_runner.model)
-        for target, hook, kind in schedule.HOOKS:
-            HookRegistry.register(target, hook, getattr(HookType, kind))
+        add_hooks(schedule.HOOKS)
         HookRegistry.apply_hooks()
 
     def _check_reuse_launch(self, args) -> None:

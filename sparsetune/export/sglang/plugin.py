@@ -36,13 +36,9 @@ def register() -> None:
     if BACKEND not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND)(_create)
     if _serves_reuse():
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        from sparsetune.export.sglang.segments import HOOKS, add_hooks
 
-        from sparsetune.export.sglang.segments import HOOKS
-
-        for target, hook, kind in HOOKS:
-            if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):  # once per process
-                HookRegistry.register(target, hook, getattr(HookType, kind))
+        add_hooks(HOOKS)
 
 
 def _serves_reuse() -> bool:

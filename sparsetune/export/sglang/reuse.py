@@ -40,6 +40,7 @@ import torch
 
 from sparsetune.engine.rows import Rows, RowsBatch
 from sparsetune.errors import SparsetuneError
+from sparsetune.export.bundle import reuse_flow_problem
 from sparsetune.export.sglang.pool import PagedPool, page_table
 from sparsetune.export.sglang.store import place
 from sparsetune.reuse.base import ReuseFlow
@@ -72,10 +73,10 @@ class ReuseRequest:
 
 
 def check_flow(flow: ReuseFlow) -> None:
-    """A reuse flow SGLang's forward can run: its MLP runs every row there."""
-    if type(flow).mlp_rows is not ReuseFlow.mlp_rows:
-        raise SparsetuneError(f"reuse flow {flow.name!r} narrows the MLP per row (mlp_rows), which SGLang's model "
-                              "forward cannot: serve it on sparsetune's engine")
+    """A reuse flow SGLang's forward can run (`bundle.reuse_flow_problem`)."""
+    problem = reuse_flow_problem(type(flow))
+    if problem:
+        raise SparsetuneError(problem)
 
 
 class ReuseStep:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sparsetune.export.sglang.reuse import ReuseRequest
+from sparsetune.export.sglang.reuse import ReuseRequest, release_pins
 from sparsetune.export.sglang.segments import LAYOUT, layout_spans
 from sparsetune.export.sglang.store import SegmentStore
 from sparsetune.reuse.parts import ReuseLayout, Span
@@ -84,8 +84,7 @@ def plan_batch(original, batch, *args, **kwargs):
         if spans:
             plan, pins = plan_request(list(req.origin_input_ids), spans, req.extra_key, store)
             if _room(batch.tree_cache) < need:  # SGLang admitted the batch counting what this pinned as evictable
-                for pin in pins:
-                    store.unpin(pin)
+                release_pins((store, pins))
                 logger.info("sparsetune: request %s prefills without reuse: the pool is too full to hold its segments", req.rid)
                 continue
             setattr(req, ATTR, (plan, pins))

@@ -233,3 +233,13 @@ HOOKS: list[tuple[str, Any, str]] = [
     ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request", chat_request, "AROUND"),
     ("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request", generate_request, "AROUND"),
 ]
+
+
+def add_hooks(hooks) -> None:
+    """Register (target, hook, kind) triples with SGLang's hook registry, each once per process (what
+    `load_plugins` then applies; a caller after it applies them itself)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook, kind in hooks:
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, hook, getattr(HookType, kind))
