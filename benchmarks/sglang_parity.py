@@ -9,7 +9,13 @@ Each turn's prompt token ids go to SGLang's `/generate` as `input_ids` (one requ
 sample's prompt of that turn; greedy, the task's generation length), so both sides decode the very
 same tokens; multi-turn samples feed back each side's own replies, as `sparsetune eval` does.
 `--engine` runs the same loop on sparsetune's engine instead of a server, with the bundle's flow and
-parameters (no bundle: dense), float16 as SGLang serves it. Replies are scored by `sparsetune eval`'s
+parameters (no bundle: dense), float16 as SGLang serves it.
+
+A reuse bundle (issue #44) is checked on the samples with segments (`rag`): each prompt goes as its
+parts (the chat frame's text and the answer prefix as plain parts around the sample's, which encode
+to `sparsetune eval`'s very ids, `prompt_layout`), a request of its own with the parts in
+`custom_params.sparsetune_parts` (the server stores each segment first); `--engine` generates the
+same parts with the bundle's reuse flow (its fills first, as the server's). Replies are scored by `sparsetune eval`'s
 scorer; each row written holds the per-task accuracy and every reply, so two runs compare reply by reply.
 """
 
@@ -61,15 +67,22 @@ def main() -> None:
     args = ap.parse_args()
 
     from sparsetune.evaluation.samples import prompt_ids
-    from sparsetune.evaluation.scoring import score_turns
     from sparsetune.evaluation.tasks import DEFAULT_SUITE, build_samples
     from sparsetune.models.config import ModelConfig
     from sparsetune.models.tokenizer import HFTokenizer
 
     model = Path(args.model)
     tok = HFTokenizer(model, ModelConfig.from_json_file(model / "config.json").eos_token_ids)
-    tasks = [t for t in args.tasks.split(",") if t] or list(DEFAULT_SUITE)
+    manifest = json.loads((Path(args.bundle) / "bundle.json").read_text()) if args.bundle else {}
+    reuse = manifest.get("reuse")
+    tasks = [t for t in args.tasks.split(",") if t] or (["rag"] if reuse else list(DEFAULT_SUITE))
     samples = [s for t in tasks for s in build_samples(t, tok, args.context, args.samples, args.seed)]
+    if reuse:
+        if args.engine:  # the engine serves the bundle's reuse flow over dense decode
+            reuse_engine(args, model, tok, samples, reuse)
+        else:
+            reuse_server(args, tok, samples)
+        return
 
     if args.engine:
         from sparsetune.engine.sequence import SamplingParams
@@ -77,7 +90,6 @@ def main() -> None:
 
         flow, params = None, {}
         if args.bundle:
-            manifest = json.loads((Path(args.bundle) / "bundle.json").read_text())
             flow, params = str(Path(args.bundle) / manifest["source"]), dict(manifest["params"])
             if "calibration" in params:  # a calibrated flow: the bundle's own file (a name inside it)
                 params["calibration"] = str(Path(args.bundle) / params["calibration"])
@@ -102,7 +114,57 @@ def main() -> None:
         texts = run(prompts, [samples[i].max_new_tokens for i in rows])
         for i, t in zip(rows, texts):
             replies[i].append(t)
-    seconds = time.perf_counter() - t0
+    write_row(args, samples, replies, time.perf_counter() - t0)
+
+
+def sample_parts(tok, sample) -> list:
+    """A first turn with segments as parts whose own encoding (`encode_parts`, no chat frame) is
+    `prompt_layout`'s: the frame and the answer prefix as plain parts around the sample's."""
+    from sparsetune.evaluation.samples import prompt_layout
+    from sparsetune.reuse.parts import encode_parts, parse_parts
+
+    if len(sample.turns) != 1 or not sample.segments:
+        raise SystemExit(f"{sample.task}[{sample.index}]: the reuse parity takes single-turn samples with segments (rag)")
+    before, after = tok.chat_frame()  # encode_parts(chat=True, suffix=...) encodes each of these on its own too
+    parts = [p for p in (before, *[dict(p) for p in sample.segments], after, sample.turns[0].answer_prefix) if p]
+    assert encode_parts(tok, parse_parts(parts), chat=False).token_ids == prompt_layout(tok, sample).token_ids
+    return parts
+
+
+def reuse_server(args, tok, samples) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparsetune.export.sglang.segments import FIELD
+
+    wait_ready(args.url, 300, args.server_pid)
+
+    def one(sample) -> str:
+        parts = sample_parts(tok, sample)
+        text = "".join(p if isinstance(p, str) else p["text"] for p in parts)
+        (out,) = post(args.url, {"text": text, "sampling_params": {
+            "temperature": 0, "max_new_tokens": sample.max_new_tokens, "custom_params": {FIELD: json.dumps(parts)}}})
+        return out["text"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        replies = [[t] for t in pool.map(one, samples)]
+    write_row(args, samples, replies, time.perf_counter() - t0)
+
+
+def reuse_engine(args, model: Path, tok, samples, reuse: dict) -> None:
+    from sparsetune.engine.sequence import SamplingParams
+    from sparsetune.llm import LLM
+
+    llm = LLM(model=str(model), dtype="float16", max_num_seqs=len(samples))
+    llm.use_reuse(reuse["flow"], dict(reuse["params"]))
+    t0 = time.perf_counter()
+    outs = llm.generate([sample_parts(tok, s) for s in samples],
+                        [SamplingParams(max_tokens=s.max_new_tokens) for s in samples], chat=False)
+    write_row(args, samples, [[tok.decode(o.token_ids)] for o in outs], time.perf_counter() - t0)
+
+
+def write_row(args, samples, replies: list[list[str]], seconds: float) -> None:
+    from sparsetune.evaluation.scoring import score_turns
 
     per_task: dict[str, list[float]] = {}
     records = []

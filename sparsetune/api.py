@@ -322,7 +322,7 @@ def export(run_dir: str | Path | None = None, *, out: str | Path, flow: str | No
 def check_export(bundle: str | Path, *, require_sglang: bool = False, model: str | Path | None = None) -> dict[str, Any]:
     """A bundle's problems (`export.bundle.check_bundle`; with `model`, the model folder's for serving
     it, `check_model`), whether this environment's SGLang can serve it (`sglang_problem`) and whether
-    this sparsetune's plugin serves its kind (`serving_problem`: reuse bundles, not yet); `ok` is False
+    this sparsetune's plugin serves its flows (`serving_problem`: a reuse flow that narrows the MLP); `ok` is False
     when the bundle or the model has a problem, or, with `require_sglang`, either of the others."""
     from sparsetune.export.bundle import (MANIFEST, calibration_of, check_bundle, check_model, edited_since_measured,
                                           serving_problem, sglang_problem, sglang_version)

@@ -49,7 +49,7 @@ def export(
                       "its recorded accuracy and speedup no longer apply; measure it again (sparsetune eval)")
         if result["ok"]:
             if result["serving_problem"]:
-                err.print(f"[yellow]not served yet:[/] {escape(result['serving_problem'])}")
+                err.print(f"[yellow]not served by SGLang:[/] {escape(result['serving_problem'])}")
             if result["sglang_problem"]:
                 err.print(f"[yellow]sglang:[/] {escape(result['sglang_problem'])}")
             serves = not result["sglang_problem"] and not result["serving_problem"]
@@ -81,8 +81,11 @@ def export(
         r = m["reuse"]
         err.print(f"reuse bundle {out}: {r['flow']} ({', '.join(f'{k}={v}' for k, v in r['params'].items())}){figures}; "
                   f"decode: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())})")
-        err.print(f"[yellow]not served yet:[/] {escape(m['serving_problem'])}")
-        return
-    err.print(f"bundle {out}: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())}){figures}")
+        if m["serving_problem"]:
+            err.print(f"[yellow]not served by SGLang:[/] {escape(m['serving_problem'])}")
+            return
+    else:
+        err.print(f"bundle {out}: {m['flow']} ({', '.join(f'{k}={v}' for k, v in m['params'].items())}){figures}")
     err.print(f"serve it: {out}/launch_sglang.sh MODEL_PATH   (needs SGLang {api.sglang_versions()} with sparsetune "
-              "installed beside it)")
+              "installed beside it)" + ("; clients mark segments in custom_params.sparsetune_parts (README, 'Reuse flows in "
+                                        "SGLang')" if m.get("reuse") else ""))

@@ -287,15 +287,9 @@ def flow_of(path: Path, manifest: dict[str, Any]):
     return flow_class(desc, origin=f"bundle {path}").from_strings(manifest["params"])
 
 
-# What a reuse bundle's launch and `export --check --require-sglang` say until a live SGLang has served one.
-REUSE_NOT_LIVE = ("SGLang serves reuse flows through this package's plugin (its scheduler, forward and request hooks "
-                  "pass their contract tests on SGLang's own objects, CPU), but none has run in a live server yet "
-                  "(issue #44): launch_sglang.sh refuses a reuse bundle until one has; run the reuse flow on "
-                  "sparsetune's engine meanwhile (sparsetune eval / bench serve --reuse)")
-
-
 def serving_problem(manifest: dict[str, Any]) -> str | None:
-    """Why SGLang cannot serve a checked bundle with this sparsetune, whatever SGLang's version (None: it can)."""
+    """Why SGLang cannot serve a checked bundle with this sparsetune, whatever SGLang's version (None: it can):
+    a reuse flow SGLang's model forward cannot run (`reuse_flow_problem`)."""
     r = manifest.get("reuse")
     if r is None:
         return None
@@ -305,7 +299,7 @@ def serving_problem(manifest: dict[str, Any]) -> str | None:
 
     # a built-in's rule by its name (a file of the user's: the backend checks it when it loads it, with the opt-in)
     cls = lookup_flow_class(r["flow"], ReuseFlow) if r.get("builtin") and r["flow"] in builtin_flows() else None
-    return (cls is not None and reuse_flow_problem(cls)) or REUSE_NOT_LIVE
+    return (cls is not None and reuse_flow_problem(cls)) or None
 
 
 def reuse_flow_problem(cls) -> str | None:

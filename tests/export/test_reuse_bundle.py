@@ -160,7 +160,7 @@ def test_a_reuse_searchs_point_exports_with_its_measured_figures(tmp_path):
     assert check_bundle(tmp_path / "b") == []
 
 
-def test_until_a_live_sglang_has_served_one_a_reuse_bundles_launch_refuses_in_one_line(tmp_path):
+def test_a_reuse_bundle_is_served_unless_its_flow_narrows_the_mlp_and_its_launch_says_why_in_one_line(tmp_path):
     import os
     import subprocess
     import sys
@@ -168,22 +168,24 @@ def test_until_a_live_sglang_has_served_one_a_reuse_bundles_launch_refuses_in_on
     proc = run("export", "--reuse", "cacheblend", "--reuse-param", "ratio=0.2", "--out", str(tmp_path / "b"), "--json")
     assert proc.returncode == 0, proc.stderr
     m = json.loads(proc.stdout)
-    assert m["serving_problem"] == serving_problem(m) and "none has run in a live server yet" in m["serving_problem"]
-    assert "not served yet:" in proc.stderr
+    assert m["serving_problem"] is None and serving_problem(m) is None and "not served" not in proc.stderr
     served = json.loads((tmp_path / "b" / "sglang.json").read_text())
     assert served["server_args"] == {"attention_backend": "sparsetune", "page_size": 16, "cuda_graph_backend_prefill": "disabled",
                                      "chunked_prefill_size": -1}  # the backend, even for dense decode; prefills whole, eager
-    assert served["reuse"]["served"] == m["serving_problem"] and "sparsetune_parts" in served["reuse"]["client"]
+    assert served["reuse"]["served"] == "yes" and "sparsetune_parts" in served["reuse"]["client"]
     ok = run("export", "--check", str(tmp_path / "b"), "--json")  # the bundle itself checks
-    assert ok.returncode == 0 and json.loads(ok.stdout)["problems"] == [] and "not served yet" in ok.stderr
-    refused = run("export", "--check", str(tmp_path / "b"), "--require-sglang")
-    assert_clean_error(refused, "none has run in a live server yet")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["problems"] == [] and "not served" not in ok.stderr
+    # RedKnot narrows the MLP per row, which SGLang's model forward cannot: exported (the engine serves it), not launched
+    red = run("export", "--reuse", "redknot", "--out", str(tmp_path / "r"), "--json")
+    assert red.returncode == 0 and "narrows the MLP per row" in json.loads(red.stdout)["serving_problem"]
+    assert "not served by SGLang:" in red.stderr and "launch_sglang.sh" in proc.stderr
+    assert_clean_error(run("export", "--check", str(tmp_path / "r"), "--require-sglang"), "narrows the MLP per row")
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}')
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    launch = subprocess.run(["bash", str(tmp_path / "b" / "launch_sglang.sh"), str(tmp_path / "m")],
+    launch = subprocess.run(["bash", str(tmp_path / "r" / "launch_sglang.sh"), str(tmp_path / "m")],
                             capture_output=True, text=True, env=env)
-    assert launch.returncode == 2 and "none has run in a live server yet" in launch.stderr
+    assert launch.returncode == 2 and "narrows the MLP per row" in launch.stderr and "Traceback" not in launch.stderr
     assert_clean_error(run("export", "--reuse", "quest", "--out", str(tmp_path / "x")), "is not a reuse flow")
     assert_clean_error(run("export", "--reuse-param", "ratio=0.2", "--flow", "quest", "--out", str(tmp_path / "y")),
                        "--reuse-param needs a reuse flow")

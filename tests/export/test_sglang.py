@@ -37,7 +37,8 @@ REPO = HERE.parent.parent
 _CHAIN = """orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 ipython==9.18.1 traitlets==5.16.1
 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 attrs==26.1.0
 yarl==1.25.1 propcache==0.5.4 pyzmq==27.3.0 httpx==0.28.1 httpcore==1.0.9 dill==0.4.1 msgspec==0.22.0
-apache-tvm-ffi==0.1.11 loguru==0.7.3 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0""".split()
+apache-tvm-ffi==0.1.11 loguru==0.7.3 fastapi==0.165.0 uvicorn==0.54.0 uvloop==0.23.0 jsonschema==4.26.0
+jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0""".split()
 # The torch each SGLang pins (its wheel's Requires-Dist), and the torchvision built for that torch.
 TORCH = {"0.5.16": ["torch==2.11.0", "torchvision==0.26.0"], "0.5.23": ["torch==2.14.1", "torchvision==0.29.1"]}
 PINS = {

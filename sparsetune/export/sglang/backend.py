@@ -216,11 +216,14 @@ class SparsetuneBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         self.dense.init_forward_metadata(forward_batch)
         self.meta = step_metadata(forward_batch, self.req_to_token_pool.req_to_token, self.page_size)
-        requests = getattr(forward_batch, "sparsetune_requests", None)
-        if requests is not None and self.reuse is not None:
-            from sparsetune.export.sglang.reuse import ReuseStep, release_pins
+        if self.reuse is None:
+            return
+        from sparsetune.export.sglang.reuse import ReuseStep, release_pins
+        from sparsetune.export.sglang.schedule import take
 
-            pins = getattr(forward_batch, "sparsetune_pins", None)
+        taken = take(forward_batch)  # the scheduler's plans for this batch's requests
+        if taken is not None:
+            requests, pins = taken
             try:
                 forward_batch.sparsetune_reuse = ReuseStep(
                     self.reuse, self.token_to_kv_pool, self.req_to_token_pool.req_to_token, forward_batch, requests,

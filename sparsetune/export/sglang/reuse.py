@@ -34,6 +34,7 @@ engine counts them in its MLP hook, which SGLang does not call).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,7 @@ from sparsetune.reuse.base import ReuseFlow
 from sparsetune.reuse.executor import ReusePlan, ReuseStats, reused_tokens
 from sparsetune.reuse.parts import ReuseLayout
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class ReuseRequest:
@@ -103,7 +105,9 @@ class ReuseStep:
                 if prefix or r.layout.num_tokens != t:
                     raise SparsetuneError(f"request {i}: a reuse request runs whole in its extend ({t} tokens, "
                                           f"{prefix} of SGLang's prefix; its layout has {r.layout.num_tokens})")
-                stats = ReuseStats(prompt_tokens=t, num_layers=num_layers, num_kv_heads=self.pool.num_kv_heads)
+                stats = ReuseStats(prompt_tokens=t, num_layers=num_layers, num_kv_heads=self.pool.num_kv_heads,
+                                   prefix_tokens=r.num_cached, segment_hits=len(r.segments),
+                                   stored_tokens=sum(int(slots.numel()) for _, slots in r.segments))
                 m = ReusePlan(self.pool, tables[i], flow, r.layout, r.reused(flow, dev), stats, num_layers, scale,
                               r.num_cached)
             first.append(start + m.positions - prefix)
@@ -190,11 +194,12 @@ class ReuseStep:
         self.pins = None
 
     def finish(self) -> list[ReuseStats | None]:
-        """Each request's counts (None: a plain prompt), read once the forward is done."""
+        """Each request's counts (None: a plain prompt), read once the forward is done (a device sync)."""
         out = []
         for m in self.batch.members:
             if isinstance(m, ReusePlan):
                 m.finish()
+                m.stats.reused_tokens = int(m.from_segments.sum())
                 out.append(m.stats)
             else:
                 out.append(None)
@@ -202,7 +207,7 @@ class ReuseStep:
 
 
 def release_pins(pins) -> None:
-    """Unpin what `schedule.attach` put on a forward batch: (a SegmentStore, its pins)."""
+    """Unpin what `schedule.take` handed a forward batch: (a SegmentStore, its pins)."""
     if pins:
         store, held = pins
         for pin in held:
@@ -227,10 +232,17 @@ def wrap_model(model) -> None:
         step.place()
         step.save(forward_batch)
         try:
-            return forward(input_ids[step.first], positions[step.first], forward_batch, *args, **kwargs)
+            out = forward(input_ids[step.first], positions[step.first], forward_batch, *args, **kwargs)
         finally:
             step.restore(forward_batch)
             step.release()
+        if logger.isEnabledFor(logging.INFO):  # --log-level info: what each reuse request computed (a sync)
+            for stats in step.finish():
+                if stats is not None:
+                    logger.info("sparsetune reuse: %d tokens, %d from SGLang's prefix cache, %d from %d stored segments "
+                                "(%.1f%% of them recomputed)", stats.prompt_tokens, stats.prefix_tokens,
+                                stats.reused_tokens, stats.segment_hits, 100 * stats.recompute_ratio)
+        return out
 
     layers = model.model.layers
     end = getattr(model.model, "end_layer", len(layers))

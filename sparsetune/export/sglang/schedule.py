@@ -13,9 +13,11 @@ same there, `HOOKS`):
   segment key of its namespace) are found and pinned; a segment not stored (or its tail past the
   stored head) is computed as prompt text. Its KV, approximate once a flow reuses, is never put in
   the tree (`skip_radix_cache_insert`).
-- `ForwardBatch.init_new` (AFTER, `attach`): the batch's plans go on the forward batch
-  (`fb.sparsetune_requests`, and the pins as `fb.sparsetune_pins`); the attention backend makes the
-  step of them (`reuse.ReuseStep`), which lets the pins go once its forward has run.
+- The plans wait by request id (`PLANNED`) until the attention backend's `init_forward_metadata`
+  takes those of its forward batch (`take`, by the batch's `rids`) and makes the step of them
+  (`reuse.ReuseStep`), which lets the pins go once its forward has run. Nothing is put on the
+  forward batch between: SGLang's runners hand the forward a `dataclasses.replace` copy of it
+  (`EagerRunner.load_batch`), which keeps its fields only.
 
 Segments get into the tree as SGLang keeps any prompt: a request whose prompt is the segment alone,
 under its segment key (`store.segment_key`), at positions 0.. (the page-aligned head is kept).
@@ -33,7 +35,9 @@ from sparsetune.reuse.parts import ReuseLayout, Span
 
 logger = logging.getLogger(__name__)
 
-ATTR = "_sparsetune_reuse"  # on a Req: (its ReuseRequest, the pins it holds), once planned
+# A request's plan, from its planning (`plan_batch`) to its forward (`take`): request id -> (its
+# ReuseRequest, the store and the pins it holds). The scheduler's process only.
+PLANNED: dict[str, tuple[ReuseRequest, SegmentStore, list]] = {}
 
 
 def spans_of(req) -> list[Span] | None:
@@ -66,7 +70,7 @@ def plan_request(ids: list[int], spans: list[Span], extra_key: str | None, store
     return ReuseRequest(ReuseLayout(list(ids), list(spans)), prefix.length, prefix.slots, found), pins
 
 
-# ---- the hooks (HookRegistry: AROUND gets the original first; AFTER the result first) ---------------
+# ---- the hooks (HookRegistry: AROUND gets the original first) ----------------------------------------
 
 def cap_prefix(original, req, input_len: int, *args, **kwargs) -> int:
     if spans_of(req):
@@ -80,14 +84,14 @@ def plan_batch(original, batch, *args, **kwargs):
     page = getattr(batch.tree_cache.token_to_kv_pool_allocator, "page_size", 1)
     need = sum(len(r.get_fill_ids()) - _prefix_len(r) for r in batch.reqs) + len(batch.reqs) * page
     for req in batch.reqs:
-        spans = None if hasattr(req, ATTR) else spans_of(req)
+        spans = None if req.rid in PLANNED else spans_of(req)  # planned once (a retried batch keeps the plan)
         if spans:
             plan, pins = plan_request(list(req.origin_input_ids), spans, req.extra_key, store)
             if _room(batch.tree_cache) < need:  # SGLang admitted the batch counting what this pinned as evictable
                 release_pins((store, pins))
                 logger.info("sparsetune: request %s prefills without reuse: the pool is too full to hold its segments", req.rid)
                 continue
-            setattr(req, ATTR, (plan, pins))
+            PLANNED[req.rid] = (plan, store, pins)
             req.skip_radix_cache_insert = True
     return original(batch, *args, **kwargs)
 
@@ -103,21 +107,22 @@ def _room(tree) -> int:
     return tree.token_to_kv_pool_allocator.available_size() + tree.evictable_size()
 
 
-def attach(fb, *args, **kwargs):
-    """After `ForwardBatch.init_new(batch, model_runner, ...)` (a classmethod: the class comes first)."""
-    batch = next((a for a in args if hasattr(a, "reqs")), kwargs.get("batch"))
-    plans = [getattr(req, ATTR, None) for req in getattr(batch, "reqs", None) or []]
-    if fb.forward_mode.is_extend() and any(p is not None for p in plans):
-        fb.sparsetune_requests = [None if p is None else p[0] for p in plans]
-        fb.sparsetune_pins = (SegmentStore(batch.tree_cache), [pin for p in plans if p is not None for pin in p[1]])
-        for req in batch.reqs:  # planned once: a retry (retraction) plans anew
-            if hasattr(req, ATTR):
-                delattr(req, ATTR)
-    return fb
+def take(fb) -> tuple[list[ReuseRequest | None], tuple[SegmentStore, list]] | None:
+    """The plans of a forward batch's requests (by its `rids`, in its order; None for a plain one) and
+    the pins they hold, taken once; None when none of them reuses. A plan found in a batch that is no
+    extend (none should be) is let go."""
+    found = [PLANNED.pop(rid, None) for rid in getattr(fb, "rids", None) or ()]
+    held = [f for f in found if f is not None]
+    if not held:
+        return None
+    pins = (held[0][1], [pin for _, _, p in held for pin in p])  # one tree: the scheduler's
+    if not fb.forward_mode.is_extend():
+        release_pins(pins)
+        return None
+    return [None if f is None else f[0] for f in found], pins
 
 
 HOOKS: list[tuple[str, Any, str]] = [
     ("sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len", cap_prefix, "AROUND"),
     ("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend", plan_batch, "AROUND"),
-    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", attach, "AFTER"),
 ]

@@ -339,14 +339,15 @@ def test_a_launch_that_cannot_work_says_why(tmp_path, monkeypatch):
         SparsetuneBackend(world.runner, bundle=str(tmp_path))
     with pytest.raises(SparsetuneError, match="not one of SGLang's attention backends"):
         SparsetuneBackend(world.runner, bundle=bundle(tmp_path, "block_topk", block_size=P), dense="nosuch")
-    # a reuse bundle: its launch refuses until a live SGLang has served one (the backend's side is
-    # test_reuse_forward's); a reuse flow SGLang's forward cannot run is named at once
+    # a reuse bundle checks against this SGLang (the backend's side is test_reuse_forward's); a reuse flow
+    # SGLang's forward cannot run is named at once, and its launch refused
     from sparsetune.api import check_export
 
     reuse = tmp_path / "reuse"
     write_bundle(reuse, flow_path("quest"), {"block_size": str(P)}, reuse=(flow_path("cacheblend"), {}))
     result = check_export(reuse, require_sglang=True)
-    assert not result["ok"] and result["sglang_problem"] is None and "live" in result["serving_problem"]
+    assert result["ok"] and result["sglang_problem"] is None and result["serving_problem"] is None
     redknot = tmp_path / "redknot"
     write_bundle(redknot, flow_path("quest"), {"block_size": str(P)}, reuse=(flow_path("redknot"), {}))
-    assert "narrows the MLP per row" in check_export(redknot)["serving_problem"]
+    result = check_export(redknot, require_sglang=True)
+    assert not result["ok"] and "narrows the MLP per row" in result["serving_problem"]

@@ -14,6 +14,7 @@ plan run by `export.sglang.reuse`, against SGLang's own full prefill of the same
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import socket
@@ -137,9 +138,9 @@ class World:
                           extend_seq_lens_cpu=list(ext), extend_num_tokens=int(sum(ext)))
         fb.capture_hidden_mode = CaptureHiddenMode.NULL
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = self.rows, self.kv, self.backend
-        if batch is not None:  # the scheduler's plans, as ForwardBatch.init_new's hook puts them on
-            schedule.attach(fb, ForwardBatch, batch)
-        self.backend.init_forward_metadata(fb)
+        fb.rids = [r.rid for r in batch.reqs] if batch is not None else [f"plain-{r}" for r in rows]
+        fb = dataclasses.replace(fb)  # what SGLang's eager runner runs: a copy, its fields only (load_batch)
+        self.backend.init_forward_metadata(fb)  # takes the scheduler's plans by the requests' ids
         if step is not None:
             fb.sparsetune_reuse = step(fb)
         with torch.no_grad(), fc.forward_context(fc.ForwardContext(attn_backend=self.backend)):

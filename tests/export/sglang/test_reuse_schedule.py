@@ -8,7 +8,7 @@ prefix tree and `HookRegistry`.
 - The hooks resolve on both versions' real targets through SGLang's own registry; on a real `Req`
   the prefix cap is 0 for a request with segments and SGLang's own for a plain one; `plan_batch`
   plans each new request with segments once, before SGLang's allocation, and keeps its KV out of the
-  tree; `attach` puts the plans on an extend's forward batch.
+  tree; `take` hands an extend's forward batch the plans of its requests (by their ids), once.
 """
 
 from __future__ import annotations
@@ -129,16 +129,23 @@ def test_the_hooks_resolve_on_sglangs_targets_and_plan_each_request_once():
     seen = []
     schedule.plan_batch(lambda b: seen.append(t.protected_size()), batch)
     assert seen == [len(SEG)]  # pinned before SGLang's allocation ran
-    plan, pins = getattr(reuse, schedule.ATTR)
-    assert reuse.skip_radix_cache_insert and not hasattr(plain, schedule.ATTR)
+    plan, _, pins = schedule.PLANNED["r"]
+    assert reuse.skip_radix_cache_insert and "p" not in schedule.PLANNED
     assert [(a, s.numel()) for a, s in plan.segments] == [(10, len(SEG))]
     schedule.plan_batch(lambda b: None, batch)  # planned once
-    assert getattr(reuse, schedule.ATTR)[1] is pins and t.protected_size() == len(SEG)
-    fb = schedule.attach(SimpleNamespace(forward_mode=ForwardMode.EXTEND), object, batch, None)
-    assert fb.sparsetune_requests == [plan, None] and fb.sparsetune_pins[1] == pins
-    assert not hasattr(reuse, schedule.ATTR)
-    decode = schedule.attach(SimpleNamespace(forward_mode=ForwardMode.DECODE), object, SimpleNamespace(reqs=[plain]), None)
-    assert not hasattr(decode, "sparsetune_requests")
+    assert schedule.PLANNED["r"][2] is pins and t.protected_size() == len(SEG)
+    # taken by the forward batch's request ids (what SGLang's copies of it keep), once, in its order
+    assert schedule.take(SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["p"])) is None
+    requests, (store, held) = schedule.take(SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["p", "r"]))
+    assert requests == [None, plan] and held == pins and store.tree is t and not schedule.PLANNED
+    assert schedule.take(SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["p", "r"])) is None
+    schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[reuse], tree_cache=t))  # pinned twice now
+    assert t.protected_size() == len(SEG)
+    assert schedule.take(SimpleNamespace(forward_mode=ForwardMode.DECODE, rids=["r"])) is None  # no extend: let go
+    assert not schedule.PLANNED
+    for pin in pins:
+        SegmentStore(t).unpin(pin)
+    assert t.protected_size() == 0
 
 
 def test_a_retracted_or_malformed_request_and_a_full_pool_prefill_without_reuse(caplog):
@@ -158,9 +165,10 @@ def test_a_retracted_or_malformed_request_and_a_full_pool_prefill_without_reuse(
     req = request("r", LAYOUT_OF_PROMPT)  # 44 tokens: SGLang counted 16 free + 12 evictable as its room... and more
     batch = SimpleNamespace(reqs=[req], tree_cache=t)
     schedule.plan_batch(lambda b: None, batch)
-    assert not hasattr(req, schedule.ATTR) and t.protected_size() == 0  # let go: room stays as SGLang counted it
+    assert "r" not in schedule.PLANNED and t.protected_size() == 0  # let go: room stays as SGLang counted it
     roomy, alloc2 = tree(96)
     put(roomy, alloc2, SEG, segment_key("kb"))
     ok = request("r2", LAYOUT_OF_PROMPT)
     schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[ok], tree_cache=roomy))
-    assert hasattr(ok, schedule.ATTR) and roomy.protected_size() == len(SEG)
+    assert "r2" in schedule.PLANNED and roomy.protected_size() == len(SEG)
+    schedule.release_pins(schedule.PLANNED.pop("r2")[1:])
