@@ -15,7 +15,7 @@ A reuse bundle (issue #44) is checked on the samples with segments (`rag`): each
 parts (the chat frame's text and the answer prefix as plain parts around the sample's, which encode
 to `sparsetune eval`'s very ids, `prompt_layout`), a request of its own with the parts in
 `custom_params.sparsetune_parts` (the server stores each segment first); `--engine` generates the
-same parts with the bundle's reuse flow (its fills first, as the server's). Replies are scored by `sparsetune eval`'s
+same parts with the bundle's reuse flow and decode flow (its fills first, as the server's). Replies are scored by `sparsetune eval`'s
 scorer; each row written holds the per-task accuracy and every reply, so two runs compare reply by reply.
 """
 
@@ -79,21 +79,15 @@ def main() -> None:
     samples = [s for t in tasks for s in build_samples(t, tok, args.context, args.samples, args.seed)]
     if reuse:
         if args.engine:  # the engine serves the bundle's reuse flow over dense decode
-            reuse_engine(args, model, tok, samples, reuse)
+            reuse_engine(args, model, tok, samples, manifest)
         else:
             reuse_server(args, tok, samples)
         return
 
     if args.engine:
         from sparsetune.engine.sequence import SamplingParams
-        from sparsetune.llm import LLM
 
-        flow, params = None, {}
-        if args.bundle:
-            flow, params = str(Path(args.bundle) / manifest["source"]), dict(manifest["params"])
-            if "calibration" in params:  # a calibrated flow: the bundle's own file (a name inside it)
-                params["calibration"] = str(Path(args.bundle) / params["calibration"])
-        llm = LLM(model=str(model), flow=flow, params=params, dtype="float16", max_num_seqs=len(samples))
+        llm = engine(args, model, manifest, len(samples))
 
         def run(prompts: list[list[int]], lengths: list[int]) -> list[str]:
             outs = llm.generate(prompts, [SamplingParams(max_tokens=n) for n in lengths], chat=False)
@@ -151,16 +145,27 @@ def reuse_server(args, tok, samples) -> None:
     write_row(args, samples, replies, time.perf_counter() - t0)
 
 
-def reuse_engine(args, model: Path, tok, samples, reuse: dict) -> None:
+def reuse_engine(args, model: Path, tok, samples, manifest: dict) -> None:
     from sparsetune.engine.sequence import SamplingParams
-    from sparsetune.llm import LLM
 
-    llm = LLM(model=str(model), dtype="float16", max_num_seqs=len(samples))
-    llm.use_reuse(reuse["flow"], dict(reuse["params"]))
+    llm = engine(args, model, manifest, len(samples))
+    llm.use_reuse(manifest["reuse"]["flow"], dict(manifest["reuse"]["params"]))
     t0 = time.perf_counter()
     outs = llm.generate([sample_parts(tok, s) for s in samples],
                         [SamplingParams(max_tokens=s.max_new_tokens) for s in samples], chat=False)
     write_row(args, samples, [[tok.decode(o.token_ids)] for o in outs], time.perf_counter() - t0)
+
+
+def engine(args, model: Path, manifest: dict, seqs: int):
+    """sparsetune's engine, float16 as SGLang serves it, with a bundle's decode flow and params (none: dense)."""
+    from sparsetune.llm import LLM
+
+    flow, params = None, {}
+    if args.bundle:
+        flow, params = str(Path(args.bundle) / manifest["source"]), dict(manifest["params"])
+        if "calibration" in params:  # a calibrated flow: the bundle's own file (a name inside it)
+            params["calibration"] = str(Path(args.bundle) / params["calibration"])
+    return LLM(model=str(model), flow=flow, params=params, dtype="float16", max_num_seqs=seqs)
 
 
 def write_row(args, samples, replies: list[list[str]], seconds: float) -> None:

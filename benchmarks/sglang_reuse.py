@@ -20,7 +20,10 @@ tokenization included). The modes:
   `bench_reuse.py` computes it on the engine), so what it skips is what the flow reuses.
 
 One warm-up request precedes the timed ones (kernels' first launch). Each row written holds the
-median, every request's seconds and SGLang's `meta_info` of the last one (prompt and cached tokens).
+median, every request's seconds and SGLang's `meta_info` of the last one (prompt and cached tokens),
+and SGLang's own `e2e_latency` of each (`server_s`: from the request's admission by its tokenizer
+manager, so without HTTP, and, for a request with parts, without the hook's encoding and the
+segments' fill requests that precede it).
 """
 
 from __future__ import annotations
@@ -83,15 +86,17 @@ def main() -> None:
     request(args.url, rest[0], args.mode)  # warm-up
     runs = [request(args.url, p, args.mode) for p in rest[1:]]
     seconds = [s for s, _ in runs]
+    server = [m.get("e2e_latency") for _, m in runs]
     meta = runs[-1][1]
     row = {"label": args.label, "mode": args.mode, "ttft_s": statistics.median(seconds), "runs_s": seconds,
+           "server_s": statistics.median(server) if None not in server else None, "runs_server_s": server,
            "first_s": s0, "context": args.context, "segments": args.segments, "reuse_ratio": args.reuse_ratio,
            "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens"), "meta_info": meta}
     with open(args.json_out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"{args.label}: TTFT {row['ttft_s']:.3f} s (median of {len(seconds)}: "
-          f"{', '.join(f'{s:.3f}' for s in seconds)}), {row['prompt_tokens']} tokens, {row['cached_tokens']} cached",
-          flush=True)
+          f"{', '.join(f'{s:.3f}' for s in seconds)}; SGLang's e2e_latency {row['server_s']}), "
+          f"{row['prompt_tokens']} tokens, {row['cached_tokens']} cached", flush=True)
 
 
 if __name__ == "__main__":

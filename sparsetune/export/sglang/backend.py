@@ -210,6 +210,12 @@ class SparsetuneBackend(AttentionBackend):
         if prefill not in (None, NAME):
             raise SparsetuneError(f"--prefill-attention-backend {prefill}: a reuse bundle's prefill runs in the {NAME} "
                                   "backend; drop the flag")
+        # the plan is handed to a whole extend of one scheduler, run by the model's `forward`
+        for flag, off in (("enable_pdmux", False), ("disaggregation_mode", "null"), ("pp_size", 1)):
+            value = getattr(args, flag, off)
+            if value not in (off, None):
+                raise SparsetuneError(f"--{flag.replace('_', '-')} {value}: a reuse bundle serves without split prefill "
+                                      "(pdmux), prefill/decode disaggregation and pipeline parallelism; drop the flag")
 
     # ---- metadata --------------------------------------------------------------------------------
 

@@ -229,9 +229,9 @@ def wrap_model(model) -> None:
         step = step_of(forward_batch)
         if step is None:
             return forward(input_ids, positions, forward_batch, *args, **kwargs)
-        step.place()
-        step.save(forward_batch)
         try:
+            step.place()
+            step.save(forward_batch)
             out = forward(input_ids[step.first], positions[step.first], forward_batch, *args, **kwargs)
         finally:
             step.restore(forward_batch)

@@ -15,7 +15,9 @@ same there, `HOOKS`):
   the tree (`skip_radix_cache_insert`).
 - The plans wait by request id (`PLANNED`) until the attention backend's `init_forward_metadata`
   takes those of its forward batch (`take`, by the batch's `rids`) and makes the step of them
-  (`reuse.ReuseStep`), which lets the pins go once its forward has run. Nothing is put on the
+  (`reuse.ReuseStep`), which lets the pins go once its forward has run. SGLang plans a batch and
+  runs it in one pass of its loop (one thread, overlap scheduling included), so a plan still there
+  when the next batch is planned never ran: `sweep` lets it go. Nothing is put on the
   forward batch between: SGLang's runners hand the forward a `dataclasses.replace` copy of it
   (`EagerRunner.load_batch`), which keeps its fields only.
 
@@ -79,12 +81,14 @@ def cap_prefix(original, req, input_len: int, *args, **kwargs) -> int:
 
 
 def plan_batch(original, batch, *args, **kwargs):
+    sweep()
     store = SegmentStore(batch.tree_cache)
     # the slots SGLang's allocation next evicts for: the batch's tokens and a page per request (its own figure)
     page = getattr(batch.tree_cache.token_to_kv_pool_allocator, "page_size", 1)
     need = sum(len(r.get_fill_ids()) - _prefix_len(r) for r in batch.reqs) + len(batch.reqs) * page
+    planned = []
     for req in batch.reqs:
-        spans = None if req.rid in PLANNED else spans_of(req)  # planned once (a retried batch keeps the plan)
+        spans = spans_of(req)
         if spans:
             plan, pins = plan_request(list(req.origin_input_ids), spans, req.extra_key, store)
             if _room(batch.tree_cache) < need:  # SGLang admitted the batch counting what this pinned as evictable
@@ -92,8 +96,25 @@ def plan_batch(original, batch, *args, **kwargs):
                 logger.info("sparsetune: request %s prefills without reuse: the pool is too full to hold its segments", req.rid)
                 continue
             PLANNED[req.rid] = (plan, store, pins)
-            req.skip_radix_cache_insert = True
-    return original(batch, *args, **kwargs)
+            planned.append(req)
+    try:
+        out = original(batch, *args, **kwargs)
+    except BaseException:
+        for req in planned:
+            release_pins(PLANNED.pop(req.rid)[1:])
+        raise
+    for req in planned:
+        req.skip_radix_cache_insert = True
+    return out
+
+
+def sweep() -> None:
+    """Let go of plans no forward took. SGLang plans a batch and runs it in one pass of its scheduler's
+    loop, so a plan still waiting when the next batch is planned will never run (its forward failed):
+    its pins would hold their segments forever."""
+    for rid in list(PLANNED):
+        logger.warning("sparsetune: request %s's reuse plan was not run; its segments are let go", rid)
+        release_pins(PLANNED.pop(rid)[1:])
 
 
 def _prefix_len(req) -> int:

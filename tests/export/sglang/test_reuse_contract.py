@@ -20,15 +20,14 @@ import json
 from array import array
 
 import pytest
-import sglang
 import torch
 from sglang.srt.managers import io_struct
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.sampling.sampling_params import SamplingParams
+from trees import default_tree
 
 from sparsetune.engine.rope import cos_sin_table, inv_frequencies
 from sparsetune.export.sglang.segments import FIELD, LAYOUT
@@ -65,16 +64,7 @@ class Tree:
                                      device="cpu", enable_memory_saver=False)
         self.alloc = PagedTokenToKVPoolAllocator(slots, page, torch.float32, "cpu", self.pool, need_sort=False)
         rows = ReqToTokenPool(size=4, max_context_len=256, device="cpu", enable_memory_saver=False)
-        params = dict(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=self.alloc, page_size=page)
-        if sglang.__version__.startswith("0.5.16"):
-            from sglang.srt.mem_cache.radix_cache import RadixCache
-
-            self.tree = RadixCache(CacheInitParams(**params))
-        else:
-            from sglang.srt.mem_cache.unified_cache.components import ComponentType
-            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-            self.tree = UnifiedRadixCache(CacheInitParams(**params, tree_components=(ComponentType.FULL,)))
+        self.tree = default_tree(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=self.alloc, page_size=page)
         self.store = SegmentStore(self.tree)
 
     def put(self, ids: list[int], extra_key: str | None) -> torch.Tensor:

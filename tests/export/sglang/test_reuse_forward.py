@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import sglang
 import torch
+from trees import default_tree
 
 from sparsetune.engine.rope import inv_frequencies
 from sparsetune.errors import SparsetuneError
@@ -88,7 +89,6 @@ class World:
 
     def __init__(self, sgl, slots: int = 512, bundle: str | None = None) -> None:
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
         self.sgl = sgl
@@ -96,16 +96,7 @@ class World:
                                    layer_num=LAYERS, device="cpu", enable_memory_saver=False)
         self.rows = ReqToTokenPool(size=8, max_context_len=256, device="cpu", enable_memory_saver=False)
         self.alloc = PagedTokenToKVPoolAllocator(slots, P, torch.float32, "cpu", self.kv, need_sort=False)
-        params = dict(disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=P)
-        if sglang.__version__.startswith("0.5.16"):
-            from sglang.srt.mem_cache.radix_cache import RadixCache
-
-            self.tree = RadixCache(CacheInitParams(**params))
-        else:
-            from sglang.srt.mem_cache.unified_cache.components import ComponentType
-            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-            self.tree = UnifiedRadixCache(CacheInitParams(**params, tree_components=(ComponentType.FULL,)))
+        self.tree = default_tree(disable=False, req_to_token_pool=self.rows, token_to_kv_pool_allocator=self.alloc, page_size=P)
         self.store = SegmentStore(self.tree)
         runner = SimpleNamespace(device="cpu", req_to_token_pool=self.rows, token_to_kv_pool=self.kv, page_size=P, model=sgl.model,
                                  model_config=SimpleNamespace(num_hidden_layers=LAYERS, hf_config=sgl.config))
@@ -287,10 +278,13 @@ def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, 
         SparsetuneBackend(split, bundle=str(bundle), dense="torch_native")
     # the launch args its launch_sglang.sh sets, checked (the script's "$@" may undo them)
     good = dict(chunked_prefill_size=-1, cuda_graph_backend_prefill="disabled", prefill_attention_backend=None,
-                cuda_graph_config=SimpleNamespace(prefill={"backend": "disabled"}))
+                cuda_graph_config=SimpleNamespace(prefill={"backend": "disabled"}), enable_pdmux=False,
+                disaggregation_mode="null", pp_size=1)
     for bad, needle in (({"chunked_prefill_size": 8192}, "--chunked-prefill-size -1"),
                         ({"cuda_graph_config": SimpleNamespace(prefill={"backend": "breakable"})}, "prefill disabled"),
-                        ({"prefill_attention_backend": "triton"}, "drop the flag")):
+                        ({"prefill_attention_backend": "triton"}, "drop the flag"),
+                        ({"enable_pdmux": True}, "--enable-pdmux True: .*without split prefill"),
+                        ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"), ({"pp_size": 2}, "--pp-size 2")):
         runner = SimpleNamespace(**{**vars(w.runner), "server_args": SimpleNamespace(**{**good, **bad})})
         with pytest.raises(SparsetuneError, match=needle):
             SparsetuneBackend(runner, bundle=str(bundle), dense="torch_native")
@@ -307,7 +301,7 @@ def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, 
     assert w.tree.protected_size() == len(SEG) and req.skip_radix_cache_insert
     got, fb = w.forward([PROMPT], [w.admit(len(PROMPT))], batch=batch)
     torch.testing.assert_close(got, full, atol=1e-5, rtol=0)
-    assert w.tree.protected_size() == 0  # let go after the forward
+    assert w.tree.protected_size() == 0 and not schedule.PLANNED  # taken, and let go after the forward
     (stats,) = fb.sparsetune_reuse.finish()
     assert stats.recomputed_reused == len(SEG) and stats.prompt_tokens == len(PROMPT)
 

@@ -13,21 +13,20 @@ prefix tree and `HookRegistry`.
 
 from __future__ import annotations
 
+import json
 from array import array
 from types import SimpleNamespace
 
-import json
-
-import sglang
+import pytest
 import torch
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
+from trees import default_tree
 
 from sparsetune.export.sglang import schedule
 from sparsetune.export.sglang.segments import LAYOUT
@@ -44,15 +43,7 @@ def tree(slots: int):
                           enable_memory_saver=False)
     alloc = PagedTokenToKVPoolAllocator(slots, P, torch.float32, "cpu", kv, need_sort=False)
     rows = ReqToTokenPool(size=4, max_context_len=128, device="cpu", enable_memory_saver=False)
-    params = dict(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc, page_size=P)
-    if sglang.__version__.startswith("0.5.16"):
-        from sglang.srt.mem_cache.radix_cache import RadixCache
-
-        return RadixCache(CacheInitParams(**params)), alloc
-    from sglang.srt.mem_cache.unified_cache.components import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-    return UnifiedRadixCache(CacheInitParams(**params, tree_components=(ComponentType.FULL,))), alloc
+    return default_tree(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc, page_size=P), alloc
 
 
 def put(t, alloc, ids, extra_key):
@@ -103,6 +94,14 @@ def test_a_plan_finds_and_pins_the_prefix_and_each_segments_stored_head():
     assert store.find(SEG, "kb").length == 0
 
 
+@pytest.fixture(autouse=True)
+def no_plans_left():
+    """Each test starts and ends with no plan waiting (`schedule.PLANNED` is the process's)."""
+    schedule.sweep()
+    yield
+    schedule.sweep()
+
+
 def request(rid: str, layout: str | None) -> Req:
     params = SamplingParams(max_new_tokens=4, custom_params=None if layout is None else {LAYOUT: layout})
     req = Req(rid, "", array("q", PROMPT), params)
@@ -132,20 +131,37 @@ def test_the_hooks_resolve_on_sglangs_targets_and_plan_each_request_once():
     plan, _, pins = schedule.PLANNED["r"]
     assert reuse.skip_radix_cache_insert and "p" not in schedule.PLANNED
     assert [(a, s.numel()) for a, s in plan.segments] == [(10, len(SEG))]
-    schedule.plan_batch(lambda b: None, batch)  # planned once
-    assert schedule.PLANNED["r"][2] is pins and t.protected_size() == len(SEG)
     # taken by the forward batch's request ids (what SGLang's copies of it keep), once, in its order
     assert schedule.take(SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["p"])) is None
     requests, (store, held) = schedule.take(SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["p", "r"]))
     assert requests == [None, plan] and held == pins and store.tree is t and not schedule.PLANNED
     assert schedule.take(SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["p", "r"])) is None
-    schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[reuse], tree_cache=t))  # pinned twice now
-    assert t.protected_size() == len(SEG)
-    assert schedule.take(SimpleNamespace(forward_mode=ForwardMode.DECODE, rids=["r"])) is None  # no extend: let go
-    assert not schedule.PLANNED
-    for pin in pins:
-        SegmentStore(t).unpin(pin)
+    assert t.protected_size() == len(SEG)  # the forward lets go of what it took (ReuseStep.release)
+    schedule.release_pins((store, held))
     assert t.protected_size() == 0
+    schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[reuse], tree_cache=t))
+    assert "r" in schedule.PLANNED and t.protected_size() == len(SEG)
+    assert schedule.take(SimpleNamespace(forward_mode=ForwardMode.DECODE, rids=["r"])) is None  # no extend: let go
+    assert not schedule.PLANNED and t.protected_size() == 0
+
+
+def test_a_plan_no_forward_took_and_a_failed_allocation_let_their_segments_go(caplog):
+    """SGLang plans a batch and runs it in one pass of its loop: a plan still waiting when the next batch
+    is planned never ran, and is let go (with a warning); a batch whose allocation fails lets go of the
+    plans it just made, and SGLang's error goes on."""
+    t, alloc = tree(192)
+    put(t, alloc, SEG, segment_key("kb"))
+    schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[request("r", LAYOUT_OF_PROMPT)], tree_cache=t))
+    assert "r" in schedule.PLANNED and t.protected_size() == len(SEG)
+    schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[request("p", None)], tree_cache=t))
+    assert not schedule.PLANNED and t.protected_size() == 0 and "r's reuse plan was not run" in caplog.text
+
+    def fails(batch):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        schedule.plan_batch(fails, SimpleNamespace(reqs=[request("r2", LAYOUT_OF_PROMPT)], tree_cache=t))
+    assert not schedule.PLANNED and t.protected_size() == 0
 
 
 def test_a_retracted_or_malformed_request_and_a_full_pool_prefill_without_reuse(caplog):
@@ -171,4 +187,3 @@ def test_a_retracted_or_malformed_request_and_a_full_pool_prefill_without_reuse(
     ok = request("r2", LAYOUT_OF_PROMPT)
     schedule.plan_batch(lambda b: None, SimpleNamespace(reqs=[ok], tree_cache=roomy))
     assert "r2" in schedule.PLANNED and roomy.protected_size() == len(SEG)
-    schedule.release_pins(schedule.PLANNED.pop("r2")[1:])
