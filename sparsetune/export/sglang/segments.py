@@ -20,10 +20,14 @@ HTTP 400 (`TokenizerManager` and the OpenAI routes turn a ValueError into one).
 from __future__ import annotations
 
 import json
+import logging
+from collections import OrderedDict
 from typing import Any
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.reuse.parts import Part, ReuseLayout, Span, encode_parts, parse_parts
+
+logger = logging.getLogger(__name__)
 
 FIELD = "sparsetune_parts"  # what a client sets in custom_params
 LAYOUT = "sparsetune_layout"  # what the tokenizer process adds for the scheduler
@@ -111,7 +115,10 @@ def layout_spans(custom_params: dict[str, Any] | None, num_tokens: int) -> list[
 #   as the engine queues a segment's fill before the request that needs it, each distinct segment is
 #   sent first as a request of its own (`store_segments`: its ids alone, under the segment key of its
 #   namespace, one token), which SGLang keeps in its tree at positions 0.. (a stored one is a prefix
-#   hit there: one token computed, nothing stored again).
+#   hit there: one token computed, nothing stored again). The request waits for the fills of segments
+#   this process has not had stored before; the others' fills go beside it (on an H200, with every fill
+#   awaited, 92-105 ms passed before a 32K request's admission, against 2-3 ms for a plain one:
+#   BENCHMARKS.md, "Reuse bundles inside SGLang").
 
 _ENCODED = "_sparsetune_encoded"  # on a GenerateReqInput this module encoded (a chat request's)
 _FILL = "_sparsetune_fill"  # on a segment's own request
@@ -211,8 +218,19 @@ async def generate_request(original, manager, obj, *args, **kwargs):
         yield out
 
 
+# Segments this process has had stored (namespace, token ids): their fills are sent without waiting.
+# Oldest first; bounded, so a long-running server forgets the least recent.
+_STORED: OrderedDict[tuple[str, tuple[int, ...]], None] = OrderedDict()
+STORED_MAX = 65536
+_PENDING: set = set()  # fills in flight that nobody awaits (kept referenced until they end)
+
+
 async def store_segments(manager, layout: ReuseLayout) -> None:
-    """Each distinct segment of a prompt as a request of its own, under its namespace's segment key, awaited."""
+    """Each distinct segment of a prompt as a request of its own, under its namespace's segment key.
+    One this process has not had stored yet is awaited, as the engine fills a segment before the
+    request that reuses it. One it has (`_STORED`) is sent without waiting: the request goes on at
+    once and finds it in SGLang's tree; were it evicted since, the request computes it as prompt text
+    and its fill stores it again for the next."""
     import asyncio
 
     from sglang.srt.managers.io_struct import GenerateReqInput
@@ -224,9 +242,25 @@ async def store_segments(manager, layout: ReuseLayout) -> None:
         setattr(fill, _FILL, True)
         async for _ in manager.generate_request(fill):
             pass
+        _STORED[(namespace, seg)] = None
+        _STORED.move_to_end((namespace, seg))
+        while len(_STORED) > STORED_MAX:
+            _STORED.popitem(last=False)
 
-    wanted = dict.fromkeys((tuple(layout.token_ids[s.start : s.end]), s.namespace) for s in layout.segments)
-    await asyncio.gather(*(one(seg, ns) for seg, ns in wanted))
+    wanted = dict.fromkeys((s.namespace, tuple(layout.token_ids[s.start : s.end])) for s in layout.segments)
+    for key in wanted:
+        if key in _STORED:
+            task = asyncio.ensure_future(one(key[1], key[0]))
+            _PENDING.add(task)
+            task.add_done_callback(_fill_done)
+    await asyncio.gather(*(one(seg, ns) for ns, seg in wanted if (ns, seg) not in _STORED))
+
+
+def _fill_done(task) -> None:
+    _PENDING.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("sparsetune: a stored segment's fill failed (%s); requests compute it as prompt text",
+                       task.exception())
 
 
 HOOKS: list[tuple[str, Any, str]] = [

@@ -93,7 +93,41 @@ async def drain(gen) -> list:
     return [out async for out in gen]
 
 
+def test_segments_stored_before_are_filled_beside_the_request_not_before_it(hf):
+    """The engine fills a segment before the request that reuses it; so does the hook the first time.
+    A segment this process has had stored is filled without waiting (SGLang's tree has it; an evicted
+    one is computed as prompt text and stored again by that fill)."""
+    segments._STORED.clear()
+    manager = Manager(hf)
+    seen = []
+
+    async def original(m, o, *a):
+        seen.append(len(m.sent))
+        yield "reply"
+
+    def request():
+        return GenerateReqInput(text=TEXT, sampling_params={"max_new_tokens": 8, "custom_params": {FIELD: json.dumps(PARTS)}})
+
+    async def three():
+        await drain(segments.generate_request(original, manager, request()))  # both segments new: awaited
+        await drain(segments.generate_request(original, manager, request()))  # both stored: sent beside it
+        for _ in range(4):
+            await asyncio.sleep(0)
+        other = [PARTS[0], {**PARTS[1], "namespace": "kb2"}, *PARTS[2:]]
+        obj = GenerateReqInput(text=TEXT, sampling_params={"custom_params": {FIELD: json.dumps(other)}})
+        await drain(segments.generate_request(original, manager, obj))  # a new namespace: its segment awaited
+
+    asyncio.run(three())
+    # the second request went on before its fills were sent; the third waited for its new segment's only
+    assert seen == [2, 2, 7] and len(manager.sent) == 7 and not segments._PENDING
+    keys = [f.extra_key for f in manager.sent]
+    assert set(keys[2:4]) == {segment_key("kb"), segment_key("default")}
+    assert sorted(keys[4:]) == sorted([segment_key("kb"), segment_key("default"), segment_key("kb2")])
+    assert len(segments._STORED) == 3
+
+
 def test_a_generate_request_with_parts_stores_its_segments_first(hf):
+    segments._STORED.clear()
     manager = Manager(hf)
     obj = GenerateReqInput(text=TEXT, sampling_params={"max_new_tokens": 8, "custom_params": {FIELD: json.dumps(PARTS)}})
     seen = []
