@@ -42,18 +42,25 @@ logger = logging.getLogger(__name__)
 PLANNED: dict[str, tuple[ReuseRequest, SegmentStore, list]] = {}
 
 
+_SPANS = "_sparsetune_spans"  # on a Req: its layout's spans once read (None: malformed, runs plain)
+
+
 def spans_of(req) -> list[Span] | None:
     """A request's layout spans (None: a plain request; one whose prompt grew since, a retracted
-    request's that goes on from its output, runs as a plain one). A malformed layout is logged and
-    the request runs as a plain one: nothing a request carries may stop the scheduler."""
+    request's that goes on from its output, runs as a plain one). A malformed layout is logged (once
+    per request: the scheduler asks at every pass) and the request runs as a plain one: nothing a
+    request carries may stop the scheduler."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     if not params or LAYOUT not in params or getattr(req, "output_ids", None):
         return None
-    try:
-        return layout_spans(params, len(req.origin_input_ids))
-    except ValueError as e:
-        logger.warning("sparsetune: request %s runs without reuse: %s", getattr(req, "rid", "?"), e)
-        return None
+    if not hasattr(req, _SPANS):
+        try:
+            spans = layout_spans(params, len(req.origin_input_ids))
+        except ValueError as e:
+            logger.warning("sparsetune: request %s runs without reuse: %s", getattr(req, "rid", "?"), e)
+            spans = None
+        setattr(req, _SPANS, spans)
+    return getattr(req, _SPANS)
 
 
 def plan_request(ids: list[int], spans: list[Span], extra_key: str | None, store: SegmentStore) -> tuple[ReuseRequest, list]:
