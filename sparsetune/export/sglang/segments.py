@@ -218,9 +218,10 @@ async def generate_request(original, manager, obj, *args, **kwargs):
         yield out
 
 
-# Segments this process has had stored (namespace, token ids): their fills are sent without waiting.
-# Oldest first; bounded, so a long-running server forgets the least recent.
-_STORED: OrderedDict[tuple[str, tuple[int, ...]], None] = OrderedDict()
+# Segments this process has had stored, by (namespace, hash of the token ids): their fills are sent
+# without waiting. Oldest first; bounded, so a long-running server forgets the least recent. (A hash
+# collision only lets a request go on without its fill: the segment, if not stored, is prompt text.)
+_STORED: OrderedDict[tuple[str, int], None] = OrderedDict()
 STORED_MAX = 65536
 _PENDING: set = set()  # fills in flight that nobody awaits (kept referenced until they end)
 
@@ -242,18 +243,18 @@ async def store_segments(manager, layout: ReuseLayout) -> None:
         setattr(fill, _FILL, True)
         async for _ in manager.generate_request(fill):
             pass
-        _STORED[(namespace, seg)] = None
-        _STORED.move_to_end((namespace, seg))
+        _STORED[(namespace, hash(seg))] = None
+        _STORED.move_to_end((namespace, hash(seg)))
         while len(_STORED) > STORED_MAX:
             _STORED.popitem(last=False)
 
     wanted = dict.fromkeys((s.namespace, tuple(layout.token_ids[s.start : s.end])) for s in layout.segments)
-    for key in wanted:
-        if key in _STORED:
-            task = asyncio.ensure_future(one(key[1], key[0]))
+    for ns, seg in wanted:
+        if (ns, hash(seg)) in _STORED:
+            task = asyncio.ensure_future(one(seg, ns))
             _PENDING.add(task)
             task.add_done_callback(_fill_done)
-    await asyncio.gather(*(one(seg, ns) for ns, seg in wanted if (ns, seg) not in _STORED))
+    await asyncio.gather(*(one(seg, ns) for ns, seg in wanted if (ns, hash(seg)) not in _STORED))
 
 
 def _fill_done(task) -> None:
