@@ -100,6 +100,17 @@ def whole_model_only(model_runner, pool, what: str) -> int:
     return total
 
 
+def in_effect(args, name: str):
+    """A server argument's value in effect. 0.5.23 keeps the operator's input on `ServerArgs` and what
+    SGLang resolved from it (a default it picked) apart: `resolution_result` reads the latter first;
+    0.5.16 resolves in place."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+    except ImportError:
+        return getattr(args, name, None)
+    return resolution_result(args, name, None)
+
+
 def step_metadata(fb, req_to_token: torch.Tensor, page_size: int, pages: int | None = None) -> AttentionMetadata:
     """This engine's `AttentionMetadata` of an SGLang `ForwardBatch`. `pages`: the page table's
     width (a CUDA graph's fixed one); None: as wide as the batch's longest request needs."""
@@ -191,31 +202,34 @@ class SparsetuneBackend(AttentionBackend):
         HookRegistry.apply_hooks()
 
     def _check_reuse_launch(self, args) -> None:
-        """What a reuse bundle's launch_sglang.sh sets, checked (its "$@" may undo it): a reuse request
-        prefills whole (no chunked prefill), eagerly (no prefill CUDA graph), in this backend."""
+        """What a reuse bundle's launch_sglang.sh sets, checked (its "$@" may undo it, and SGLang may pick
+        a value the launch left unset): a reuse request prefills whole (no chunked prefill), eagerly (no
+        prefill CUDA graph), in this backend, as one extend of one scheduler run by the model's `forward`."""
         if args is None:
             return
         fix = "as the bundle's launch_sglang.sh does"
-        if (getattr(args, "chunked_prefill_size", None) or -1) > 0:
-            raise SparsetuneError(f"--chunked-prefill-size {args.chunked_prefill_size}: a reuse bundle prefills a request "
-                                  f"whole; launch with --chunked-prefill-size -1 ({fix})")
+        chunk = in_effect(args, "chunked_prefill_size")
+        if (chunk or -1) > 0:
+            raise SparsetuneError(f"--chunked-prefill-size {chunk}: a reuse bundle prefills a request whole; launch with "
+                                  f"--chunked-prefill-size -1 ({fix})")
         cfg = getattr(args, "cuda_graph_config", None)  # what SGLang uses, the flag folded in
         phase = cfg.get("prefill") if isinstance(cfg, dict) else getattr(cfg, "prefill", None)
         graph = ((phase.get("backend") if isinstance(phase, dict) else getattr(phase, "backend", None))
-                 or getattr(args, "cuda_graph_backend_prefill", None))
+                 or in_effect(args, "cuda_graph_backend_prefill"))
         if graph not in (None, "disabled"):
             raise SparsetuneError(f"--cuda-graph-backend-prefill {graph}: a reuse request's rows change per layer; launch "
                                   f"with --cuda-graph-backend-prefill disabled ({fix})")
-        prefill = getattr(args, "prefill_attention_backend", None)
+        prefill = in_effect(args, "prefill_attention_backend")
         if prefill not in (None, NAME):
             raise SparsetuneError(f"--prefill-attention-backend {prefill}: a reuse bundle's prefill runs in the {NAME} "
                                   "backend; drop the flag")
-        # the plan is handed to a whole extend of one scheduler, run by the model's `forward`
-        for flag, off in (("enable_pdmux", False), ("disaggregation_mode", "null"), ("pp_size", 1)):
-            value = getattr(args, flag, off)
+        for flag, off in (("enable_pdmux", False), ("enable_two_batch_overlap", False), ("disaggregation_mode", "null"),
+                          ("pp_size", 1)):
+            value = in_effect(args, flag)
             if value not in (off, None):
                 raise SparsetuneError(f"--{flag.replace('_', '-')} {value}: a reuse bundle serves without split prefill "
-                                      "(pdmux), prefill/decode disaggregation and pipeline parallelism; drop the flag")
+                                      "(pdmux), two-batch overlap, prefill/decode disaggregation and pipeline "
+                                      "parallelism; drop the flag")
 
     # ---- metadata --------------------------------------------------------------------------------
 

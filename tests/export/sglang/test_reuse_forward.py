@@ -279,17 +279,27 @@ def test_a_reuse_bundle_on_the_backend_plans_runs_and_lets_its_segments_go(sgl, 
     # the launch args its launch_sglang.sh sets, checked (the script's "$@" may undo them)
     good = dict(chunked_prefill_size=-1, cuda_graph_backend_prefill="disabled", prefill_attention_backend=None,
                 cuda_graph_config=SimpleNamespace(prefill={"backend": "disabled"}), enable_pdmux=False,
-                disaggregation_mode="null", pp_size=1)
+                enable_two_batch_overlap=False, disaggregation_mode="null", pp_size=1)
     for bad, needle in (({"chunked_prefill_size": 8192}, "--chunked-prefill-size -1"),
                         ({"cuda_graph_config": SimpleNamespace(prefill={"backend": "breakable"})}, "prefill disabled"),
                         ({"prefill_attention_backend": "triton"}, "drop the flag"),
                         ({"enable_pdmux": True}, "--enable-pdmux True: .*without split prefill"),
+                        ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap True"),
                         ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"), ({"pp_size": 2}, "--pp-size 2")):
         runner = SimpleNamespace(**{**vars(w.runner), "server_args": SimpleNamespace(**{**good, **bad})})
         with pytest.raises(SparsetuneError, match=needle):
             SparsetuneBackend(runner, bundle=str(bundle), dense="torch_native")
     SparsetuneBackend(SimpleNamespace(**{**vars(w.runner), "server_args": SimpleNamespace(**good)}), bundle=str(bundle),
                       dense="torch_native")
+    if not sglang.__version__.startswith("0.5.16"):  # 0.5.23: a chunk size SGLang picked itself, the flag left unset
+        from sglang.srt.arg_groups.overrides import declare_resolution
+        from sglang.srt.server_args import ServerArgs
+
+        args = ServerArgs(model_path=str(bundle), cuda_graph_backend_prefill="disabled")
+        declare_resolution(args, "sglang's default", chunked_prefill_size=8192)
+        assert args.chunked_prefill_size is None  # the operator's input
+        with pytest.raises(SparsetuneError, match="--chunked-prefill-size 8192"):
+            SparsetuneBackend(SimpleNamespace(**{**vars(w.runner), "server_args": args}), bundle=str(bundle), dense="torch_native")
     w.store_segment(SEG)
     full, _ = w.forward([PROMPT], [w.admit(len(PROMPT))])
     layout = json.dumps([[0, AT, False, "default", False], [AT, AT + len(SEG), True, "kb", False],

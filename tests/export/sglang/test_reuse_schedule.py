@@ -7,7 +7,7 @@ prefix tree and `HookRegistry`.
   frees neither; the layout's segments are cut to what was found.
 - The hooks resolve on both versions' real targets through SGLang's own registry; on a real `Req`
   the prefix cap is 0 for a request with segments and SGLang's own for a plain one; `plan_batch`
-  plans each new request with segments once, before SGLang's allocation, and keeps its KV out of the
+  plans each new request with segments before SGLang's allocation (letting go of plans no forward took), and keeps its KV out of the
   tree; `take` hands an extend's forward batch the plans of its requests (by their ids), once.
 """
 
@@ -113,7 +113,7 @@ LAYOUT_OF_PROMPT = json.dumps([[0, 10, False, "default", False], [10, 22, True, 
                                [22, len(PROMPT), False, "default", False]])
 
 
-def test_the_hooks_resolve_on_sglangs_targets_and_plan_each_request_once():
+def test_the_hooks_resolve_on_sglangs_targets_and_a_plan_is_taken_by_request_id_once():
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for target, hook, kind in schedule.HOOKS:  # each target exists in this version, and takes the hook
@@ -159,9 +159,10 @@ def test_a_plan_no_forward_took_and_a_failed_allocation_let_their_segments_go(ca
     def fails(batch):
         raise RuntimeError("out of memory")
 
+    failed = request("r2", LAYOUT_OF_PROMPT)
     with pytest.raises(RuntimeError, match="out of memory"):
-        schedule.plan_batch(fails, SimpleNamespace(reqs=[request("r2", LAYOUT_OF_PROMPT)], tree_cache=t))
-    assert not schedule.PLANNED and t.protected_size() == 0
+        schedule.plan_batch(fails, SimpleNamespace(reqs=[failed], tree_cache=t))
+    assert not schedule.PLANNED and t.protected_size() == 0 and not failed.skip_radix_cache_insert
 
 
 def test_a_retracted_or_malformed_request_and_a_full_pool_prefill_without_reuse(caplog):
