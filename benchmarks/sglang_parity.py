@@ -36,6 +36,11 @@ def post(url: str, body: dict, timeout: float = 600.0) -> list[dict]:
     return out if isinstance(out, list) else [out]
 
 
+def joined(parts: list) -> str:
+    """The prompt a list of parts (text, or {"text": ...}) makes: what the server is sent beside them."""
+    return "".join(p if isinstance(p, str) else p["text"] for p in parts)
+
+
 def wait_ready(url: str, seconds: float, pid: int | None) -> None:
     end = time.time() + seconds
     while time.time() < end:
@@ -134,8 +139,7 @@ def reuse_server(args, tok, samples) -> None:
 
     def one(sample) -> str:
         parts = sample_parts(tok, sample)
-        text = "".join(p if isinstance(p, str) else p["text"] for p in parts)
-        (out,) = post(args.url, {"text": text, "sampling_params": {
+        (out,) = post(args.url, {"text": joined(parts), "sampling_params": {
             "temperature": 0, "max_new_tokens": sample.max_new_tokens, "custom_params": {FIELD: json.dumps(parts)}}})
         return out["text"]
 

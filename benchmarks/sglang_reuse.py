@@ -36,14 +36,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_parity import post, wait_ready  # noqa: E402
+from sglang_parity import joined, post, wait_ready  # noqa: E402
 
 from sparsetune.export.sglang.segments import FIELD  # noqa: E402
 from sparsetune.perf.speed import reuse_prompt  # noqa: E402
-
-
-def texts(parts: list) -> str:
-    return "".join(p if isinstance(p, str) else p["text"] for p in parts)
 
 
 def prompts(mode: str, context: int, ratio: float, segments: int, count: int) -> tuple[list, list[list]]:
@@ -61,7 +57,7 @@ def request(url: str, parts: list, mode: str) -> tuple[float, dict]:
     if mode == "reuse":
         sp["custom_params"] = {FIELD: json.dumps(parts)}
     t0 = time.perf_counter()
-    (out,) = post(url, {"text": texts(parts), "sampling_params": sp})
+    (out,) = post(url, {"text": joined(parts), "sampling_params": sp})
     return time.perf_counter() - t0, out.get("meta_info", {})
 
 

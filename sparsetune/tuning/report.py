@@ -136,10 +136,10 @@ def next_step(cfg: SearchConfig, s: dict[str, Any]) -> tuple[str, str]:
                 (" (or a new --study with a lower --min-accuracy)" if bar else ""), resume_command(more))
     what = (f"{r['trial']} ({100 * r['confirmed_accuracy']:.0f}% of dense on fresh prompts, {r['speedup']:.2f}× "
             f"{'decode' if cfg.kind == 'decode' else 'prefill'} speed, {r['speed_kind']}), the fastest confirmed point{bar}")
+    export = shlex.join(["sparsetune", "export", str(cfg.run_dir), "--pick", rule, "--out", f"bundles/{cfg.study}"])
     if cfg.kind == "decode":
-        return (f"export {what}, as a bundle that runs in SGLang",
-                shlex.join(["sparsetune", "export", str(cfg.run_dir), "--pick", rule, "--out", f"bundles/{cfg.study}"]))
-    return (f"measure {what}, with sparsetune eval (a reuse bundle exports, but no live SGLang has served one yet)",
+        return f"export {what}, as a bundle that runs in SGLang", export
+    return (f"measure {what}, with sparsetune eval; then `{export}` writes a reuse bundle SGLang serves",
             shlex.join(["sparsetune", "eval", "--reuse", cfg.flow_arg(r["flow"]), "--model", cfg.model,
                         *[a for k, v in (r["params"] or {}).items() for a in ("--reuse-param", f"{k}={v}")],
                         *[a for task in cfg.tasks or () for a in ("--task", task)],

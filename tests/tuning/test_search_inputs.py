@@ -256,8 +256,8 @@ def test_a_search_with_no_confirmed_point_above_its_bar_ends_with_the_command_th
 
 
 def test_a_reuse_search_ends_with_the_eval_command_that_runs_its_point(cli, tmp_path, monkeypatch):
-    """No live SGLang has served a reuse bundle yet: the next step measures the point with `sparsetune eval`, whose
-    flags give the evaluation the trial's reuse flow, params, tasks and context."""
+    """The next step measures the point with `sparsetune eval`, whose flags give the evaluation the
+    trial's reuse flow, params, tasks and context (and says how to export it for SGLang)."""
     import sparsetune.evaluation.runner as runner
     from sparsetune.tuning.report import next_step
 
@@ -265,7 +265,8 @@ def test_a_reuse_search_ends_with_the_eval_command_that_runs_its_point(cli, tmp_
     point = {"trial": "cacheblend#3", "flow": "cacheblend", "params": {"ratio": "0.07", "check_layer": "2"},
              "confirmed_accuracy": 0.93, "speedup": 2.5, "speed_kind": "modeled"}
     said, command = next_step(cfg, {"confirmed_frontier": [point], "trials": {"finished": 6, "failed": 0}})
-    assert said.startswith("measure cacheblend#3 ") and "no live SGLang has served one yet" in said
+    assert said.startswith("measure cacheblend#3 ") and "writes a reuse bundle SGLang serves" in said
+    assert f"sparsetune export {cfg.run_dir} --pick" in said
     seen = {}
 
     def evaluate(ecfg, **_kw):

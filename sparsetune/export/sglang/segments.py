@@ -238,23 +238,26 @@ async def store_segments(manager, layout: ReuseLayout) -> None:
 
     from sparsetune.export.sglang.store import segment_key
 
-    async def one(seg: tuple[int, ...], namespace: str) -> None:
-        fill = GenerateReqInput(input_ids=list(seg), sampling_params={"max_new_tokens": 1}, extra_key=segment_key(namespace))
+    async def one(key: tuple[str, int], seg: tuple[int, ...]) -> None:
+        fill = GenerateReqInput(input_ids=list(seg), sampling_params={"max_new_tokens": 1}, extra_key=segment_key(key[0]))
         setattr(fill, _FILL, True)
         async for _ in manager.generate_request(fill):
             pass
-        _STORED[(namespace, hash(seg))] = None
-        _STORED.move_to_end((namespace, hash(seg)))
+        _STORED[key] = None
+        _STORED.move_to_end(key)
         while len(_STORED) > STORED_MAX:
             _STORED.popitem(last=False)
 
-    wanted = dict.fromkeys((s.namespace, tuple(layout.token_ids[s.start : s.end])) for s in layout.segments)
-    for ns, seg in wanted:
-        if (ns, hash(seg)) in _STORED:
-            task = asyncio.ensure_future(one(seg, ns))
-            _PENDING.add(task)
-            task.add_done_callback(_fill_done)
-    await asyncio.gather(*(one(seg, ns) for ns, seg in wanted if (ns, hash(seg)) not in _STORED))
+    wanted = {}  # (namespace, hash of the ids) -> the ids, each distinct segment once
+    for span in layout.segments:
+        seg = tuple(layout.token_ids[span.start : span.end])
+        wanted[(span.namespace, hash(seg))] = seg
+    new = [key for key in wanted if key not in _STORED]
+    for key in wanted.keys() - set(new):
+        task = asyncio.ensure_future(one(key, wanted[key]))
+        _PENDING.add(task)
+        task.add_done_callback(_fill_done)
+    await asyncio.gather(*(one(key, wanted[key]) for key in new))
 
 
 def _fill_done(task) -> None:
