@@ -31,12 +31,13 @@ start)
         --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 \
         --study "$STUDY" --out /tmp/runs > /tmp/search.log 2>&1 < /dev/null &
     sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 /tmp/search.log; exit 1; }
-    for _ in $(seq 1 50); do running || break; sleep 10; done
+    for _ in $(seq 1 40); do running || break; sleep 10; done
     tail -c 1500 /tmp/search.log
     ;;
 finish)
     for _ in $(seq 1 54); do running || break; sleep 10; done
     if running; then tail -c 1500 /tmp/search.log; echo "still searching: call finish again"; exit 0; fi
+    if [ $SECONDS -gt 330 ]; then echo "the search has ended: call finish again for the held-out evals"; exit 0; fi
     tail -c 4000 /tmp/search.log; cp /tmp/search.log "$OUT/search.log"
     tar -czf "$OUT/run.tgz" -C /tmp/runs "$STUDY" || exit 1
     $ST export "/tmp/runs/$STUDY" --pick "$PICK" --out /tmp/bundle --force --json > "$OUT/bundle.json" || exit 1
