@@ -12,3 +12,8 @@ class SparsetuneError(Exception):
     """An error caused by input; the message says what is wrong and how to fix it."""
 
     exit_code: int = 2
+
+
+class OutOfMemory(SparsetuneError):
+    """A KV pool (with a flow's fields) larger than the device memory left: what else holds memory
+    (another engine in the same process) may be what is in the way."""

@@ -100,6 +100,8 @@ class _Live:
                                                       for r in front))
         elif kind == "confirm":
             err.print(f"confirming {data['flow']}#{data['number']} on fresh prompts ({data['index'] + 1}/{data['total']})")
+        elif kind == "confirm_failed":
+            err.print(f"  [red]could not confirm {data['flow']}#{data['number']}:[/] {data['reason']}")
         elif kind == "candidate":
             err.print(f"[bold]candidate {data['id']}[/] {data['name']} ({data['proposer']}): {data['rationale']}")
         elif kind == "verdict":

@@ -35,7 +35,7 @@ from sparsetune.engine.runner import DEFAULT_GRAPH_BATCH_SIZES, ModelRunner
 from sparsetune.engine.sampler import sample
 from sparsetune.engine.scheduler import Batch, Scheduler
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status
-from sparsetune.errors import SparsetuneError
+from sparsetune.errors import OutOfMemory, SparsetuneError
 from sparsetune.models.resolve import ResolvedModel, resolve_model
 from sparsetune.models.weights import init_random, load_safetensors_dir
 
@@ -276,7 +276,7 @@ class Engine:
         else:
             have, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory"
         if need > have:
-            raise SparsetuneError(f"the KV pool needs {need / 2**30:.1f} GiB but {what} is {have / 2**30:.1f} GiB; "
+            raise OutOfMemory(f"the KV pool needs {need / 2**30:.1f} GiB but {what} is {have / 2**30:.1f} GiB; "
                                   "lower --batch or --context, or set --kv-memory")
 
     def bytes_per_block(self) -> int:

@@ -28,8 +28,13 @@ def confirm(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, on_event: E
     `confirm_samples` per task); the figures go into the study (`user_attrs["confirm:<trial>"]`).
     A point that does not hold leaves the frontier, which can expose points it dominated: those are
     confirmed in the next round, until every frontier point has held (or, after the first round,
-    `deadline` has passed)."""
+    `deadline` has passed). A point whose evaluation fails (out of memory, say) does not hold in
+    this run: its reason is recorded (`error`), the others are confirmed, and a resumed search
+    tries it again."""
     emit = on_event or (lambda kind, data: None)
+    for rec in trial_records(flows):  # a resumed search tries again what an earlier run failed to evaluate
+        if (rec.get("confirm") or {}).get("error"):
+            flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", None)
     rounds = 0
     while todo := to_confirm(trial_records(flows), cfg.min_accuracy):
         if rounds and deadline is not None and time.time() >= deadline:
@@ -37,8 +42,14 @@ def confirm(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, on_event: E
         rounds += 1
         for i, rec in enumerate(todo):
             emit("confirm", {"flow": rec["flow"], "number": rec["number"], "index": i, "total": len(todo), "round": rounds})
-            acc = evaluator.accuracy(flows.args[rec["flow"]], rec["params"], samples=cfg.confirm_samples,
-                                     seed=cfg.seed + CONFIRM_SEED_OFFSET, out=cfg.run_dir / "confirm")
+            try:
+                acc = evaluator.accuracy(flows.args[rec["flow"]], rec["params"], samples=cfg.confirm_samples,
+                                         seed=cfg.seed + CONFIRM_SEED_OFFSET, out=cfg.run_dir / "confirm")
+            except Exception as e:  # as a trial's failure: recorded with its reason, and the search goes on
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                emit("confirm_failed", {"flow": rec["flow"], "number": rec["number"], "reason": reason})
+                flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", {"holds": False, "error": reason})
+                continue
             conf = confirmation(acc.to_dict(), rec["accuracy"], cfg.min_accuracy)
             flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", conf)  # a finished trial is read-only
 

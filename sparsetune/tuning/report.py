@@ -82,6 +82,7 @@ def _row(rec: dict[str, Any], shares: dict[str, float | None]) -> dict[str, Any]
         "relative_accuracy": acc.get("relative_accuracy"), "fidelity_top1": (acc.get("fidelity") or {}).get("top1"),
         "speedup": (rec.get("speed") or {}).get("speedup"), "speed_kind": (rec.get("speed") or {}).get("kind"),
         "confirmed_accuracy": conf.get("relative_accuracy"), "interval": conf.get("interval"), "holds": conf.get("holds"),
+        "confirm_error": conf.get("error"),
     }
 
 
@@ -112,6 +113,7 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
         "frontier": [_row(by_name[p.name], shares) for p in front],
         "confirmed_frontier": [_row(by_name[p.name], shares) for p in confirmed_front],
         "not_confirmed": [_row(r, shares) for r in confirmed if not r["confirm"]["holds"] and r["role"] != "defaults"],
+        "confirm_failed": [_row(r, shares) for r in records if (r.get("confirm") or {}).get("error")],
         "against_defaults": against_defaults(defaults, [_row(r, shares) for r in held]),
         "hypervolume": round(hypervolume(front), 6),
     }
@@ -203,6 +205,9 @@ def markdown(s: dict[str, Any]) -> str:
     lines += table(s["confirmed_frontier"], True) if s["confirmed_frontier"] else ["(none confirmed yet)"]
     if s["not_confirmed"]:
         lines += ["", "Did not hold up on fresh prompts:", ""] + table(s["not_confirmed"], True)
+    if s["confirm_failed"]:
+        lines += ["", "Could not be confirmed (the evaluation failed; `--resume` tries again):", ""] + [
+            f"- {r['trial']}: {r['confirm_error']}" for r in s["confirm_failed"]]
     lines += ["", "## Each flow's defaults", ""] + table(s["defaults"], True)
     if s["against_defaults"]:
         lines += ["", f"Against the defaults (a confirmed point that held, with no more {s['share_of']}, and beat "

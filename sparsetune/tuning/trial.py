@@ -7,6 +7,11 @@ model (random weights when it is another architecture) at the speed batch and co
 
 - accuracy: `evaluate` (the evaluation `sparsetune eval` runs) on the search set, relative to
   dense on the same prompts, with fidelity beside it; each trial's run folder is kept.
+- memory: both engines stay on the GPU while they fit together. An out-of-memory failure (a KV pool
+  or a prefill's activations) while both are held makes them take turns for the rest of the search:
+  the failed step runs again with the other engine dropped, and from then on each engine is built
+  when its step comes and the other dropped (a long accuracy context beside a 16 x 32K speed shape
+  does not fit on one H200).
 - speed: measured decode speedup over dense (median step times, side by side on one engine), or
   modeled: dense step time over the flow's, each modeled from what the step does with per-operation
   costs measured on a GPU (`perf.cost`; the speed info names the GPU and the fields' memory share).
@@ -72,6 +77,7 @@ class EngineEvaluator:
         self.cfg = cfg
         self._llm = None
         self._speed_llm = None
+        self.take_turns = False  # the engines did not fit together: one at a time (module docstring)
         self._dense_step: dict[int, float] = {}  # block size -> dense step seconds on the speed engine
         self._reuse_prompt: list | None = None  # reuse speed: the prompt, its segments stored
         self.references: dict[tuple[int, int], DenseReference] = {}  # (samples, seed) -> reference
@@ -80,6 +86,8 @@ class EngineEvaluator:
 
     @property
     def llm(self):
+        if self.take_turns:
+            self._drop("_speed_llm")
         if self._llm is None:
             from sparsetune.device import resolve_device
             from sparsetune.evaluation.runner import eval_kv_memory, graph_batch_sizes
@@ -94,6 +102,8 @@ class EngineEvaluator:
         return self._llm
 
     def _speed_engine(self):
+        if self.take_turns:
+            self._drop("_llm")
         if self._speed_llm is None:
             from sparsetune.perf.speed import speed_engine
 
@@ -102,6 +112,32 @@ class EngineEvaluator:
                 batch, context = 1, 3 * context  # in blocks of its own), and the room a pool needs to keep them
             self._speed_llm = speed_engine(model, random, batch, context, self.cfg.device, self.cfg.seed)
         return self._speed_llm
+
+    def _drop(self, name: str) -> None:
+        """Let go of an engine (`_llm` or `_speed_llm`) and give its memory back to the device."""
+        if getattr(self, name) is None:
+            return
+        import gc
+
+        import torch
+
+        setattr(self, name, None)
+        gc.collect()  # captured graphs and compiled stages can sit in reference cycles with the pool
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _turns_after(self, error: BaseException, other: str) -> bool:
+        """Whether a step that failed with `error` runs again with the engines taking turns: it ran
+        out of memory while the `other` engine was held too, and they were not taking turns yet."""
+        import torch
+
+        from sparsetune.errors import OutOfMemory
+
+        if self.take_turns or getattr(self, other) is None or not isinstance(error, (torch.OutOfMemoryError, OutOfMemory)):
+            return False
+        self.take_turns = True
+        self._drop(other)
+        return True
 
     # ---- objectives ------------------------------------------------------------------------------
 
@@ -130,6 +166,17 @@ class EngineEvaluator:
             value = modeled_speedup(mcfg, built, batch, context, costs)
             return round(value, 4), {"kind": "modeled", "what": costs.describe(), "costs": costs.gpu,
                                      "field_memory_share": round(field_memory_share(mcfg, built), 4), **info}
+        try:
+            llm, flow_s, dense_s = self._step_seconds(flow, params, batch, context)
+        except BaseException as e:
+            if not self._turns_after(e, "_llm"):
+                raise
+            llm, flow_s, dense_s = self._step_seconds(flow, params, batch, context)
+        return round(dense_s / flow_s, 4), {"kind": "measured", "device": str(llm.device), "flow_step_ms": round(1e3 * flow_s, 4),
+                                             "dense_step_ms": round(1e3 * dense_s, 4), **info}
+
+    def _step_seconds(self, flow: str, params: dict[str, str], batch: int, context: int):
+        """(the speed engine, the flow's decode step seconds, dense's at the flow's block size)."""
         from sparsetune.perf.speed import decode_step_seconds
 
         llm = self._speed_engine()
@@ -144,9 +191,7 @@ class EngineEvaluator:
         if bs not in self._dense_step:
             llm.apply(llm.setup.dense())
             self._dense_step[bs] = decode_step_seconds(llm, batch, context)
-        dense_s = self._dense_step[bs]
-        return round(dense_s / flow_s, 4), {"kind": "measured", "device": str(llm.device), "flow_step_ms": round(1e3 * flow_s, 4),
-                                             "dense_step_ms": round(1e3 * dense_s, 4), **info}
+        return llm, flow_s, self._dense_step[bs]
 
     def _reuse_speedup(self, flow: str, params: dict[str, str], accuracy: Accuracy | None) -> tuple[float, dict[str, Any]]:
         model, random, _batch, context = self.cfg.speed_shape()
@@ -221,9 +266,11 @@ class EngineEvaluator:
             result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_chunk=chunk)
         except Hopeless:  # the cascade stopped it after a chunk: the figures up to there
             result = so_far[-1]
-        except BaseException:
+        except BaseException as e:
             _drain(llm)
-            raise
+            if not self._turns_after(e, "_speed_llm"):
+                raise
+            return self.accuracy(flow, params, samples=samples, seed=seed, out=out, on_chunk=on_chunk)
         acc = accuracy_of(result.dump())
         acc.extra["setup"] = ecfg.setup.to_dict()  # the point as one value: what eval, export and serve read back
         return acc

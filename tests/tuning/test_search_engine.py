@@ -154,3 +154,67 @@ def test_workers_2_runs_the_study_in_two_processes(tmp_path):
     log = tmp_path / "w" / "workers" / "w1.log"
     assert "finished (its log: " + str(log) in proc.stderr and "trial block_topk#" in log.read_text()
     assert out["defaults"][0]["confirmed_accuracy"] is not None
+
+
+@pytest.mark.slow  # >= 10 s on 2 CPU cores
+def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory(tmp_path, monkeypatch):
+    """An 8K accuracy context beside a 16 x 32K speed shape does not fit on one H200 (BENCHMARKS.md,
+    #43): the step that ran out of memory runs again with the other engine dropped (its KV pool given
+    back), and from then on each engine is built when its step comes."""
+    import gc
+    import weakref
+
+    import torch
+
+    import sparsetune.evaluation.runner as runner
+
+    cfg = SearchConfig(study="m", out=str(tmp_path), flows=("quest",), trials=3, device="cpu", speed="measured",
+                       speed_batch=2, speed_context=128, **SMALL)
+    ev = EngineEvaluator(cfg)
+    params = {"block_size": "16", "budget_ratio": "0.5"}
+    first = ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "a")  # both engines held, as before
+    ev.speedup("quest", params)
+    assert ev._llm is not None and ev._speed_llm is not None and not ev.take_turns
+    speed_pool = weakref.ref(ev._speed_llm.engine.kv.k)
+    evaluate_once, calls = runner.evaluate, []
+
+    def short_of_memory(*a, **kw):  # the prefill's activations no longer fit beside the speed engine
+        calls.append(ev._speed_llm is not None)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 548.00 MiB (synthetic)")
+        return evaluate_once(*a, **kw)
+
+    monkeypatch.setattr(runner, "evaluate", short_of_memory)
+    again = ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "b")
+    assert calls == [True, False] and ev.take_turns and ev._speed_llm is None
+    gc.collect()
+    assert speed_pool() is None  # its memory went back
+    assert (again.relative, again.fidelity) == (first.relative, first.fidelity)  # the step ran again, whole
+    acc_pool = weakref.ref(ev._llm.engine.kv.k)
+    speedup, info = ev.speedup("quest", params)
+    assert ev._llm is None and ev._speed_llm is not None and acc_pool() is None and info["kind"] == "measured"
+    ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "c")
+    assert ev._speed_llm is None and ev._llm is not None
+    # a failure that is not about memory is not taken for one
+    ev2 = EngineEvaluator(cfg)
+    ev2.speedup("quest", params)
+    monkeypatch.setattr(runner, "evaluate", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        ev2.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "d")
+    assert not ev2.take_turns and ev2._speed_llm is not None
+    # the speed engine's pool not fitting beside the accuracy engine: the same, the other way round
+    import sparsetune.perf.speed as speed
+    from sparsetune.errors import OutOfMemory
+
+    step_once, steps = speed.decode_step_seconds, []
+
+    def pool_too_large(*a, **kw):
+        steps.append(ev2._llm is not None)
+        if len(steps) == 1:
+            raise OutOfMemory("the KV pool needs 91.9 GiB but free GPU memory is 86.4 GiB (synthetic)")
+        return step_once(*a, **kw)
+
+    monkeypatch.setattr(speed, "decode_step_seconds", pool_too_large)
+    assert ev2._llm is not None and ev2._speed_llm is not None
+    _, info = ev2.speedup("quest", params)
+    assert steps[:2] == [True, False] and ev2.take_turns and ev2._llm is None and info["kind"] == "measured"

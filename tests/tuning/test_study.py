@@ -356,3 +356,41 @@ def test_save_defaults_makes_each_flows_fastest_confirmed_point_the_models_defau
         assert entry["source"]["trial"] == best["trial"] and entry["source"]["confirmed_accuracy"] >= 0.9
         assert tuned_defaults("smollm2-135m", False, key, {})[0] == best["params"]
     assert any(d["saved"] for d in saved.values())
+
+
+class _FailsToConfirm(SyntheticEvaluator):
+    """The first point confirmed runs out of memory (the search's 8K lease on an H200, #43)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.failed: list[dict] = []
+
+    def accuracy(self, flow, params, *, samples, seed, out, on_chunk=None):
+        if seed != self.cfg.seed and not self.failed:
+            self.failed.append(dict(params))
+            raise RuntimeError("CUDA out of memory. Tried to allocate 548.00 MiB\n(more lines)")
+        return super().accuracy(flow, params, samples=samples, seed=seed, out=out, on_chunk=on_chunk)
+
+
+def test_a_point_whose_confirmation_fails_is_recorded_and_the_others_are_confirmed(tmp_path):
+    from sparsetune.tuning.confirm import confirm
+
+    cfg = _cfg(tmp_path, trials=8)
+    ev = _FailsToConfirm(cfg)
+    events = []
+    result = run_search(cfg, ev, on_event=lambda kind, data: events.append((kind, data)))
+    records = trial_records(open_flows(cfg, create=False))
+    errored = [r for r in records if (r.get("confirm") or {}).get("error")]
+    assert len(errored) == 1 and errored[0]["params"] == ev.failed[0]
+    assert errored[0]["confirm"] == {"holds": False, "error": "RuntimeError: CUDA out of memory. Tried to allocate 548.00 MiB"}
+    assert [d["reason"] for k, d in events if k == "confirm_failed"] == [errored[0]["confirm"]["error"]]
+    assert result["complete"] and result["confirmed_frontier"]  # the others were confirmed
+    name = f"{errored[0]['flow']}#{errored[0]['number']}"
+    assert [r["trial"] for r in result["confirm_failed"]] == [name]
+    assert name not in {r["trial"] for r in result["confirmed_frontier"]}
+    assert f"- {name}: RuntimeError: CUDA out of memory" in (cfg.run_dir / "frontier.md").read_text()
+    # a resumed search tries it again
+    flows = open_flows(cfg, create=False)
+    confirm(cfg, flows, ev)
+    again = next(r for r in trial_records(flows) if (r["flow"], r["number"]) == (errored[0]["flow"], errored[0]["number"]))
+    assert again["confirm"].get("error") is None and again["confirm"]["relative_accuracy"] is not None

@@ -1,0 +1,115 @@
+"""Offline throughput in Vortex's long-generation setting (issue #43): prompts of `--prompt` tokens,
+`--gen` generated tokens each (`ignore_eos`), as many sequences as the KV pool holds, one
+`LLM.generate` over all of them; throughput = generated tokens / the generate's wall time (Vortex's
+measure: completion tokens over the offline run's end-to-end latency).
+
+    python benchmarks/bench_throughput.py --model qwen3-1.7b --flow dense --json-out t.json
+    python benchmarks/bench_throughput.py --model qwen3-1.7b --flow block_topk --param budget=2048
+
+One flow a run (a dense run of 16K steps takes minutes: one device call each). The batch is the
+flow's own: its fields take pool blocks, so it may hold fewer sequences than dense; `--batch`
+fixes it (e.g. dense's, to compare step for step). Random weights (decode speed does not depend on
+the values). The byte floor beside it: the weights read once a step and each step's K/V, fields
+and weights by `perf.cost` at the mean context, at the measured copy bandwidth (`--bandwidth`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+
+def pool_batch(model: str, flow: str | None, params: dict[str, str], seq_tokens: int) -> tuple[int, int]:
+    """(sequences the default pool holds at `seq_tokens` each, its blocks a sequence)."""
+    from sparsetune.llm import LLM
+
+    llm = LLM(model=model, random_weights=True, flow=flow, params=params, defaults="published",
+              max_num_seqs=1, cuda_graph_batch_sizes=(1,))
+    per_seq = -(-seq_tokens // llm.engine.kv.block_size)
+    batch = llm.engine.kv.num_blocks // per_seq
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return batch, per_seq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-1.7b")
+    ap.add_argument("--flow", default="dense", help="dense or a decode flow")
+    ap.add_argument("--param", action="append", default=[], help="flow param key=value (repeatable)")
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--gen", type=int, default=16384)
+    ap.add_argument("--batch", type=int, help="sequences (default: as many as the pool holds)")
+    ap.add_argument("--bandwidth", type=float, default=4.2e12, help="copy bandwidth for the byte floor, B/s")
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+
+    from sparsetune.engine.sequence import SamplingParams
+    from sparsetune.llm import LLM
+
+    flow = None if a.flow == "dense" else a.flow
+    params = dict(p.split("=", 1) for p in a.param)
+    seq_tokens = a.prompt + a.gen
+    held, per_seq = pool_batch(a.model, flow, params, seq_tokens)
+    batch = a.batch or held
+    if batch < 1 or batch > held:
+        raise SystemExit(f"the pool holds {held} sequences of {seq_tokens} tokens; --batch {batch} does not fit")
+    t_build = time.perf_counter()
+    llm = LLM(model=a.model, random_weights=True, flow=flow, params=params, defaults="published",
+              max_num_seqs=batch, num_kv_blocks=batch * per_seq + 1, cuda_graph_batch_sizes=(batch,),
+              max_model_len=seq_tokens + 16)
+    g = torch.Generator().manual_seed(0)
+    vocab = llm.model_config.vocab_size
+    prompts = [torch.randint(0, vocab, (a.prompt,), generator=g).tolist() for _ in range(batch)]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), chat=False)  # warm-up: compiles, graphs
+    build_s = time.perf_counter() - t_build
+    s = llm.engine.stats
+    s.prefill_tokens = s.decode_tokens = 0
+    s.decode_seconds = 0.0
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=a.gen, ignore_eos=True), chat=False)
+    sync()
+    wall = time.perf_counter() - t0
+    generated = sum(len(o.token_ids) for o in outs)
+    row = {
+        "model": a.model, "flow": a.flow, "params": params, "resolved": llm.flow.params() if llm.flow else {},
+        "gpu": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu", "prompt": a.prompt, "gen": a.gen, "batch": batch, "pool_holds": held,
+        "generated_tokens": generated, "wall_seconds": wall, "throughput_tokens_per_second": generated / wall,
+        "decode_seconds": s.decode_seconds, "decode_tokens": s.decode_tokens, "preemptions": s.preemptions,
+        "mean_step_ms": 1e3 * s.decode_seconds / max(1, s.decode_tokens / batch), "build_seconds": build_s,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    row["floor_tokens_per_second"] = floor_throughput(llm, batch, a.prompt, a.gen, a.bandwidth)
+    print(json.dumps(row), flush=True)
+    print(f"{a.model} {a.flow} {params}: batch {batch} (pool holds {held}), {generated} tokens in {wall:.1f} s = "
+          f"{row['throughput_tokens_per_second']:.0f} tok/s (byte floor {row['floor_tokens_per_second']:.0f}); "
+          f"mean step {row['mean_step_ms']:.2f} ms, {s.preemptions} preemptions", flush=True)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(row, f, indent=2)
+
+
+def floor_throughput(llm, batch: int, prompt: int, gen: int, bandwidth: float) -> float:
+    """Generated tokens per second if every decode step read only its bytes
+    (`perf.cost.decode_step_bytes` at each step's context, summed over the run in 16 pieces) at
+    `bandwidth`; prefill not counted."""
+    from sparsetune.perf.cost import decode_step_bytes
+
+    pieces = 16
+    seconds = 0.0
+    for i in range(pieces):
+        ctx = prompt + int((i + 0.5) * gen / pieces)
+        seconds += gen / pieces * decode_step_bytes(llm.model_config, llm.flow, batch, ctx, llm.dtype.itemsize).total / bandwidth
+    return batch * gen / seconds
+
+
+if __name__ == "__main__":
+    main()
