@@ -6,7 +6,10 @@ measure: completion tokens over the offline run's end-to-end latency).
     python benchmarks/bench_throughput.py --model qwen3-1.7b --flow dense --json-out t.json
     python benchmarks/bench_throughput.py --model qwen3-1.7b --flow block_topk --param budget=2048
 
-One flow a run (a dense run of 16K steps takes minutes: one device call each). The batch is the
+One flow a run (a dense run of 16K steps takes minutes: one device call each). `--profile C`: instead
+of the run, the same engine's decode step at C tokens (the run's mean context: prompt + gen / 2),
+graph-timed and eager, and one eager step's GPU kernel time by stage (`perf.step_profile`), to
+compare with the run's mean step (its gap to the kernels is host work and launch gaps). The batch is the
 flow's own: its fields take pool blocks, so it may hold fewer sequences than dense; `--batch`
 fixes it (e.g. dense's, to compare step for step). Random weights (decode speed does not depend on
 the values). The byte floor beside it: the weights read once a step and each step's K/V, fields
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=16384)
     ap.add_argument("--batch", type=int, help="sequences (default: as many as the pool holds)")
     ap.add_argument("--bandwidth", type=float, default=4.2e12, help="copy bandwidth for the byte floor, B/s")
+    ap.add_argument("--profile", type=int, metavar="CONTEXT", help="profile a step at CONTEXT tokens instead of the run")
     ap.add_argument("--json-out")
     a = ap.parse_args()
 
@@ -69,6 +73,8 @@ def main() -> None:
     prompts = [torch.randint(0, vocab, (a.prompt,), generator=g).tolist() for _ in range(batch)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), chat=False)  # warm-up: compiles, graphs
     build_s = time.perf_counter() - t_build
+    if a.profile:
+        return profile(a, llm, batch)
     s = llm.engine.stats
     s.prefill_tokens = s.decode_tokens = 0
     s.decode_seconds = 0.0
@@ -95,6 +101,21 @@ def main() -> None:
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(row, f, indent=2)
+
+
+def profile(a, llm, batch: int) -> None:
+    from sparsetune.perf.step_profile import profile_decode
+
+    prof = profile_decode(llm, batch, a.profile, steps=5)
+    row = {"model": a.model, "flow": a.flow, "params": dict(p.split("=", 1) for p in a.param), "batch": batch,
+           "context": a.profile, "gpu": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu",
+           "step_ms": prof.get("step_ms"), "eager_step_ms": prof.get("eager_step_ms"),
+           "kernel_ms": {k: v["ms"] for k, v in prof["categories"].items()}, "date": time.strftime("%Y-%m-%d")}
+    row["kernel_total_ms"] = sum(row["kernel_ms"].values())
+    print(json.dumps(row), flush=True)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({**row, "profile": prof}, f, indent=2, default=str)
 
 
 def floor_throughput(llm, batch: int, prompt: int, gen: int, bandwidth: float) -> float:
