@@ -13,6 +13,8 @@
 #       bash benchmarks/agent_hour.sh wheels, then carry .carry/gb alone for 'model')
 #   2. carry .carry/gb .carry/wheels:
 #                                                  bash benchmarks/agent_hour.sh start HOURS [benchmarks/records/agent-hour.tgz]
+#      (FLOWS=... the built-ins searched beside the proposals, default quest,block_topk,tidal; CONTEXT=2048;
+#       STUDY=agent-hour; #43 item 5: FLOWS=block_topk,quest,block_topk_2l,quest_2l STUDY=agent-2l)
 #   3. any call while it runs:                     tail -c 2500 /tmp/search.log
 #   4. last call:                                  bash benchmarks/agent_hour.sh finish
 #      (waits up to 8 minutes for the search to end, else stops it with SIGINT: the search stops
@@ -57,8 +59,8 @@ start)
     if [ -n "$state" ]; then tar -xzf "$state" -C /tmp/runs || exit 1; fi
     export PYTHONPATH="$PWD:$PP" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    setsid nohup python3 -m sparsetune.cli.main search --flow quest,block_topk,tidal --agent evolve \
-        --context 2048 --hours "$hours" --samples 4 --confirm-samples 10 --min-accuracy 0.95 \
+    setsid nohup python3 -m sparsetune.cli.main search --flow "${FLOWS:-quest,block_topk,tidal}" --agent evolve \
+        --context "${CONTEXT:-2048}" --hours "$hours" --samples 4 --confirm-samples 10 --min-accuracy 0.95 \
         --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 --study "$STUDY" --out /tmp/runs \
         > /tmp/search.log 2>&1 < /dev/null &
     sleep 5; running && echo "search started: $STUDY, $hours h" || { tail -c 3000 /tmp/search.log; exit 1; }

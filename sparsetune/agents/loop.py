@@ -317,7 +317,46 @@ def candidates_summary(candidates: list[Candidate], records: list[dict[str, Any]
     return {"proposed": len(candidates), "accepted": len(accepted),
             "share_valid": round(len(accepted) / len(candidates), 4) if candidates else None,
             "verdicts": by_stage, "cost_usd": round(sum(c.cost_usd for c in candidates), 6),
-            "diversity": diversity(accepted), "candidates": rows}
+            "diversity": diversity(accepted), "candidates": rows,
+            "versus_builtins": versus_builtins(records, {c.name for c in candidates}, min_accuracy)}
+
+
+def versus_builtins(records: list[dict[str, Any]], proposed: set[str], min_accuracy: float | None) -> dict[str, Any] | None:
+    """Whether any proposal beats the best tuned built-in on fresh prompts: the fastest point of a
+    built-in flow that held `min_accuracy` on its confirmation prompts, and every proposed flow's
+    point that held it too and is faster. None without a bar (nothing to hold the speed at)."""
+    if min_accuracy is None:
+        return None
+
+    def held(r: dict[str, Any]) -> bool:
+        conf = r.get("confirm") or {}
+        return bool(conf.get("holds")) and (conf.get("relative_accuracy") or 0.0) >= min_accuracy and bool(r.get("speed"))
+
+    def fig(r: dict[str, Any]) -> dict[str, Any]:
+        return {"trial": trial_name(r), "flow": r["flow"], "params": r["params"],
+                "confirmed_accuracy": r["confirm"]["relative_accuracy"], "speedup": r["speed"]["speedup"]}
+
+    points = [r for r in records if held(r)]
+    builtin = max((r for r in points if r["flow"] not in proposed), default=None,
+                  key=lambda r: (r["speed"]["speedup"], r["confirm"]["relative_accuracy"]))
+    floor = 0.0 if builtin is None else builtin["speed"]["speedup"]
+    beaten_by = sorted((fig(r) for r in points if r["flow"] in proposed and r["speed"]["speedup"] > floor),
+                       key=lambda f: -f["speedup"])
+    v = {"min_accuracy": min_accuracy, "best_builtin": builtin and fig(builtin), "beaten_by": beaten_by}
+    return {**v, "line": _versus_line(v)}
+
+
+def _versus_line(v: dict[str, Any]) -> str:
+    """`versus_builtins` in one sentence (the CLI prints it)."""
+    bar = f"{100 * v['min_accuracy']:.0f}% of dense on fresh prompts"
+    best = v["best_builtin"]
+    what = "no built-in point held it" if best is None else (
+        f"the best tuned built-in, {best['trial']}: {100 * best['confirmed_accuracy']:.0f}% at {best['speedup']:.2f}×")
+    if not v["beaten_by"]:
+        return f"no proposal beats the built-ins at {bar} ({what})"
+    top = v["beaten_by"][0]
+    return (f"{len(v['beaten_by'])} proposed point(s) beat the built-ins at {bar}: the fastest, {top['trial']}, "
+            f"{100 * top['confirmed_accuracy']:.0f}% at {top['speedup']:.2f}× ({what})")
 
 
 def show_candidates(run_dir: Path, records: list[dict[str, Any]], confirmed: list[dict[str, Any]],

@@ -314,3 +314,5 @@ def _candidates(console, c: dict[str, Any]) -> None:
                       f"(min {d['min_distance']:.2f}, max {d['max_distance']:.2f}; cache fields, ops, call patterns)")
     if c["cost_usd"]:
         console.print(f"proposer cost: ${c['cost_usd']:.4f}")
+    if c.get("versus_builtins"):
+        console.print(c["versus_builtins"]["line"], markup=False)

@@ -85,6 +85,7 @@ def test_agent_search_records_every_verdict_and_searches_what_passed(tmp_path, m
     assert cands["stopped"].startswith("--agent-budget-usd")
     assert all(r["system"][0]["cache_control"] == {"type": "ephemeral"} for r in script.requests)
     assert 0 < cands["diversity"]["mean_distance"] <= 1
+    assert cands["versus_builtins"] is None  # no --min-accuracy: no bar to hold the speed at
 
     records = [json.loads(line) for line in (tmp_path / "ag" / "trials.jsonl").read_text().splitlines()]
     by_flow = {}
@@ -121,3 +122,31 @@ def test_agent_search_records_every_verdict_and_searches_what_passed(tmp_path, m
     records = [json.loads(line) for line in (tmp_path / "ag" / "trials.jsonl").read_text().splitlines()]
     assert len(records) >= 10 and {"c_constant", "c_keys", "c_good"} <= {r["flow"] for r in records}
     assert got == {r["name"]: (r["verdict"], r["reason"]) for r in again["candidates"]["candidates"]}
+
+
+def _rec(flow, number, speedup, confirmed=None, holds=True):
+    return {"flow": flow, "number": number, "params": {"budget_ratio": "0.1"}, "speed": {"speedup": speedup},
+            "confirm": None if confirmed is None else {"relative_accuracy": confirmed, "holds": holds}}
+
+
+def test_a_proposal_beats_the_built_ins_only_where_it_held_the_bar_on_fresh_prompts_and_ran_faster():
+    """Item 5 of #43: the report says whether any proposal beats the best tuned built-in on fresh
+    prompts: the built-ins' fastest point that held the bar, against proposed points that held it too."""
+    from sparsetune.agents.loop import versus_builtins
+
+    records = [_rec("block_topk", 0, 2.4, 0.60), _rec("block_topk", 3, 1.9, 0.97),  # the best built-in at 0.95
+               _rec("quest", 2, 2.2, 0.96, holds=False),  # did not hold: not the best
+               _rec("block_topk_2l", 1, 1.7, 0.99),
+               _rec("evo_a", 0, 2.3, 0.96), _rec("evo_a", 1, 2.8, 0.90),  # faster and held / below the bar
+               _rec("evo_b", 0, 1.8, 0.99),  # held, slower
+               _rec("evo_c", 0, 3.0), _rec("evo_d", 0, 2.6, 0.98, holds=False)]  # never confirmed / did not hold
+    v = versus_builtins(records, {"evo_a", "evo_b", "evo_c", "evo_d"}, 0.95)
+    assert v["best_builtin"]["trial"] == "block_topk#3" and v["best_builtin"]["speedup"] == 1.9
+    assert [f["trial"] for f in v["beaten_by"]] == ["evo_a#0"]
+    assert v["line"].startswith("1 proposed point(s) beat the built-ins at 95% of dense on fresh prompts: the fastest, evo_a#0")
+    slower = versus_builtins([r for r in records if r["flow"] != "evo_a"], {"evo_b", "evo_c", "evo_d"}, 0.95)
+    assert slower["beaten_by"] == [] and slower["line"] == (
+        "no proposal beats the built-ins at 95% of dense on fresh prompts (the best tuned built-in, block_topk#3: 97% at 1.90×)")
+    alone = versus_builtins([_rec("evo_b", 0, 1.8, 0.99)], {"evo_b"}, 0.95)  # no built-in held the bar
+    assert alone["best_builtin"] is None and [f["trial"] for f in alone["beaten_by"]] == ["evo_b#0"]
+    assert versus_builtins(records, {"evo_a"}, None) is None
