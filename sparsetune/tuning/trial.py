@@ -111,6 +111,7 @@ class EngineEvaluator:
             if self.cfg.kind == "reuse":  # one request: its prompt, the stored segments (90% as many tokens, each
                 batch, context = 1, 3 * context  # in blocks of its own), and the room a pool needs to keep them
             self._speed_llm = speed_engine(model, random, batch, context, self.cfg.device, self.cfg.seed)
+            self._reuse_prompt = None  # its segments are stored on the engine they were stored on only
         return self._speed_llm
 
     def _drop(self, name: str) -> None:

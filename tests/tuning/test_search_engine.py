@@ -136,6 +136,11 @@ def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_
     assert 2 / 30 < info["compute_fraction"] < 2 / 30 + 0.2
     assert abs(info["prompt_tokens"] - 512) < 0.15 * 512  # --speed-context in the model's own tokens
     assert info["segment_hits"] == 9  # every segment of the timed prompt came from the cache (stage 1)
+    ev.take_turns = True  # engines taking turns (they did not fit together): a new speed engine stores them again
+    ev.llm
+    assert ev._speed_llm is None
+    _, again = ev.speedup("cacheblend", {"ratio": "0.1", "check_layer": "2"})
+    assert again["segment_hits"] == 9 and again["compute_fraction"] == info["compute_fraction"]
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores
