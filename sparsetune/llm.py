@@ -336,7 +336,8 @@ class LLM:
                 slots = eng.kv.slots(table, torch.arange(len(token_ids), device=self.device))
                 with torch.inference_mode():
                     for layer in range(self.model_config.num_hidden_layers):
-                        eng.kv.store(layer, kv[0][layer].transpose(0, 1), kv[1][layer].transpose(0, 1), slots)
+                        k, v = (x[layer].to(self.device, non_blocking=True).transpose(0, 1) for x in kv)  # on the host too
+                        eng.kv.store(layer, k, v, slots)
             eng.rebuild_fields(table, len(token_ids))
         except BaseException:
             eng.abort(seq)

@@ -323,8 +323,10 @@ def candidates_summary(candidates: list[Candidate], records: list[dict[str, Any]
 
 def versus_builtins(records: list[dict[str, Any]], proposed: set[str], min_accuracy: float | None) -> dict[str, Any] | None:
     """Whether any proposal beats the best tuned built-in on fresh prompts: the fastest point of a
-    built-in flow that held `min_accuracy` on its confirmation prompts, and every proposed flow's
-    point that held it too and is faster. None without a bar (nothing to hold the speed at)."""
+    flow the search was given (`--flow`: the built-ins, or a user's own file) that held
+    `min_accuracy` on its confirmation prompts, and every proposed flow's point that held it too
+    and is faster; with how many of the given flows' points could not be confirmed (their
+    evaluation failed), which the verdict cannot count. None without a bar."""
     if min_accuracy is None:
         return None
 
@@ -342,7 +344,9 @@ def versus_builtins(records: list[dict[str, Any]], proposed: set[str], min_accur
     floor = 0.0 if builtin is None else builtin["speed"]["speedup"]
     beaten_by = sorted((fig(r) for r in points if r["flow"] in proposed and r["speed"]["speedup"] > floor),
                        key=lambda f: -f["speedup"])
-    v = {"min_accuracy": min_accuracy, "best_builtin": builtin and fig(builtin), "beaten_by": beaten_by}
+    failed = sum(1 for r in records if r["flow"] not in proposed and (r.get("confirm") or {}).get("error"))
+    v = {"min_accuracy": min_accuracy, "best_builtin": builtin and fig(builtin), "beaten_by": beaten_by,
+         "builtin_confirm_failed": failed}
     return {**v, "line": _versus_line(v)}
 
 
@@ -352,6 +356,8 @@ def _versus_line(v: dict[str, Any]) -> str:
     best = v["best_builtin"]
     what = "no built-in point held it" if best is None else (
         f"the best tuned built-in, {best['trial']}: {100 * best['confirmed_accuracy']:.0f}% at {best['speedup']:.2f}×")
+    if v["builtin_confirm_failed"]:
+        what += f"; {v['builtin_confirm_failed']} of their points could not be confirmed"
     if not v["beaten_by"]:
         return f"no proposal beats the built-ins at {bar} ({what})"
     top = v["beaten_by"][0]

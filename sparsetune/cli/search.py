@@ -87,7 +87,7 @@ class _Live:
                       f"  [{self.before + self.done}{'/' + str(self.trials) if self.trials else ''} trials, {self._clock()}]")
         elif kind == "failed":
             self.done += 1
-            err.print(f"  [red]failed:[/] {data['reason']}")
+            err.print(f"  [red]failed:[/] {escape(data['reason'])}")
         elif kind == "waiting":
             err.print(f"[dim]--trials is spent; waiting for {', '.join(data['trials'])} (other workers'; one whose "
                       f"worker stopped is expired after {data['lease_s']:.0f} s without a heartbeat and run here)[/]")
@@ -101,7 +101,7 @@ class _Live:
         elif kind == "confirm":
             err.print(f"confirming {data['flow']}#{data['number']} on fresh prompts ({data['index'] + 1}/{data['total']})")
         elif kind == "confirm_failed":
-            err.print(f"  [red]could not confirm {data['flow']}#{data['number']}:[/] {data['reason']}")
+            err.print(f"  [red]could not confirm {data['flow']}#{data['number']}:[/] {escape(data['reason'])}")
         elif kind == "candidate":
             err.print(f"[bold]candidate {data['id']}[/] {data['name']} ({data['proposer']}): {data['rationale']}")
         elif kind == "verdict":

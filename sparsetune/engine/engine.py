@@ -179,8 +179,10 @@ class Engine:
             try:
                 self._build_pool(num_blocks)
             except BaseException:
-                raise SparsetuneError(f"the KV pool in blocks of {block_size} did not fit ({e}) and the old "
-                                      "one could not be rebuilt; start a new engine") from None
+                short = isinstance(e, (OutOfMemory, torch.OutOfMemoryError))
+                raise (OutOfMemory if short else SparsetuneError)(
+                    f"the KV pool in blocks of {block_size} did not fit ({e}) and the old one could not be rebuilt; "
+                    "start a new engine") from None
             raise
 
     def set_prefix_caching(self, on: bool) -> None:

@@ -29,6 +29,9 @@ class PromptKV:
     v: torch.Tensor
     logits: torch.Tensor
 
+    def to_host(self) -> "PromptKV":
+        return PromptKV(self.k.cpu(), self.v.cpu(), self.logits.cpu())
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.logits))
@@ -45,11 +48,20 @@ class DenseReference:
         self.samples: dict[tuple[str, int], dict[str, Any]] = {}  # (task, index) -> the dense pass's slice
         self.prompts: dict[tuple[int, ...], PromptKV] = {}
         self.held = 0
+        self.host = False  # prompt KV in host memory (`to_host`)
 
     def bind(self, key: Any) -> None:
         """Use this reference for the prompt set `key` (everything is dropped when it changes)."""
         if key != self.key:
             self.key, self.samples, self.prompts, self.held = key, {}, {}, 0
+
+    def to_host(self) -> None:
+        """Keep the prompt KV in host memory from now on, what is held too (a GPU too short for it
+        beside the engines: a search's engines taking turns); a prompt's KV goes to the device as
+        it is written into a request's blocks."""
+        if not self.host:
+            self.host = True
+            self.prompts = {ids: kv.to_host() for ids, kv in self.prompts.items()}
 
     def prompt(self, ids: list[int]) -> PromptKV | None:
         return self.prompts.get(tuple(ids))
@@ -59,5 +71,5 @@ class DenseReference:
 
     def keep_prompt(self, ids: list[int], kv: PromptKV) -> None:
         if self.wants(ids):
-            self.prompts[tuple(ids)] = kv
+            self.prompts[tuple(ids)] = kv.to_host() if self.host else kv
             self.held += kv.nbytes

@@ -13,9 +13,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from sparsetune.errors import SparsetuneError
+from sparsetune.sandbox import IsolationRefused
 from sparsetune.tuning.config import SearchConfig, flow_key, masked_url
 from sparsetune.tuning.frontier import search_frontier, trial_name, wilson_interval
-from sparsetune.tuning.policy import Budget
+from sparsetune.tuning.policy import FAILURES_IN_A_ROW, Budget
 from sparsetune.tuning.protocols import EventFn, Evaluator
 from sparsetune.tuning.studies import Studies, trial_records
 
@@ -30,12 +32,13 @@ def confirm(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, on_event: E
     confirmed in the next round, until every frontier point has held (or, after the first round,
     `deadline` has passed). A point whose evaluation fails (out of memory, say) does not hold in
     this run: its reason is recorded (`error`), the others are confirmed, and a resumed search
-    tries it again."""
+    tries it again; `FAILURES_IN_A_ROW` failures one after another stop the confirmation (a
+    `SparsetuneError`: something other than the points is wrong)."""
     emit = on_event or (lambda kind, data: None)
     for rec in trial_records(flows):  # a resumed search tries again what an earlier run failed to evaluate
         if (rec.get("confirm") or {}).get("error"):
             flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", None)
-    rounds = 0
+    rounds, failures = 0, 0
     while todo := to_confirm(trial_records(flows), cfg.min_accuracy):
         if rounds and deadline is not None and time.time() >= deadline:
             break
@@ -45,11 +48,18 @@ def confirm(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, on_event: E
             try:
                 acc = evaluator.accuracy(flows.args[rec["flow"]], rec["params"], samples=cfg.confirm_samples,
                                          seed=cfg.seed + CONFIRM_SEED_OFFSET, out=cfg.run_dir / "confirm")
-            except Exception as e:  # as a trial's failure: recorded with its reason, and the search goes on
+            except IsolationRefused:  # the host, not the point
+                raise
+            except Exception as e:  # noqa: BLE001 - as a trial's failure: recorded with its reason, and the search goes on
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 emit("confirm_failed", {"flow": rec["flow"], "number": rec["number"], "reason": reason})
                 flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", {"holds": False, "error": reason})
+                failures += 1
+                if failures >= FAILURES_IN_A_ROW:  # the engine, not the points: stop, keep the study
+                    raise SparsetuneError(f"{failures} confirmations in a row failed (last: {reason}); the study is "
+                                          "kept: fix the cause and rerun with --resume to confirm again") from None
                 continue
+            failures = 0
             conf = confirmation(acc.to_dict(), rec["accuracy"], cfg.min_accuracy)
             flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", conf)  # a finished trial is read-only
 

@@ -31,6 +31,7 @@ from sparsetune.tuning.studies import Studies
 from sparsetune.tuning.workers import running_trials
 
 WARM_TRIALS = 4
+FAILURES_IN_A_ROW = 5  # trials (or confirmations) failing one after another: something other than the points is wrong
 
 
 class Budget:

@@ -30,7 +30,7 @@ from sparsetune.sandbox import IsolationRefused
 from sparsetune.tuning.cascade import run_trial, tell
 from sparsetune.tuning.config import MASK, SearchConfig, masked_url, resume_command
 from sparsetune.tuning.confirm import confirm, confirm_reserve, save_defaults
-from sparsetune.tuning.policy import Budget, pick_flow
+from sparsetune.tuning.policy import FAILURES_IN_A_ROW, Budget, pick_flow
 from sparsetune.tuning.protocols import AgentHooks, EventFn, Evaluator, TrialEvaluator, TrialFn
 from sparsetune.tuning.space import suggest
 from sparsetune.tuning.storage import open_storage, stored_config, trial_count
@@ -38,7 +38,6 @@ from sparsetune.tuning.studies import Studies, fixed_params, open_flows, trial_r
 from sparsetune.tuning.workers import (LEASE_S, WAIT_S, Heartbeat, ask, expire_stale, finish_workers, retry,
                                        running_trials, spawn_workers)
 
-FAILURES_IN_A_ROW = 5  # then the search stops: something other than the points is wrong
 
 
 def work(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, budget: Budget, *, on_event: EventFn | None = None,

@@ -26,12 +26,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning.config import SearchConfig
 from sparsetune.tuning.protocols import ChunkFn, Hopeless
 
+T = TypeVar("T")
 REUSE_SPEED_REPEATS = 5  # timed requests of full recompute and of the flow, alternately
 
 
@@ -127,18 +128,24 @@ class EngineEvaluator:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _turns_after(self, error: BaseException, other: str) -> bool:
-        """Whether a step that failed with `error` runs again with the engines taking turns: it ran
-        out of memory while the `other` engine was held too, and they were not taking turns yet."""
+    def _retrying(self, step: Callable[[], T], other: str) -> T:
+        """`step()`, run once more where it ran out of memory while the `other` engine (`_llm` or
+        `_speed_llm`) was held too: from then on the engines take turns (module docstring)."""
         import torch
 
         from sparsetune.errors import OutOfMemory
 
-        if self.take_turns or getattr(self, other) is None or not isinstance(error, (torch.OutOfMemoryError, OutOfMemory)):
-            return False
+        try:
+            return step()
+        except (torch.OutOfMemoryError, OutOfMemory):
+            if self.take_turns or getattr(self, other) is None:
+                raise
+        # Out of the except block: the failed step's frames, and the tensors they held, are gone
         self.take_turns = True
+        for reference in self.references.values():
+            reference.to_host()
         self._drop(other)
-        return True
+        return step()
 
     # ---- objectives ------------------------------------------------------------------------------
 
@@ -150,7 +157,7 @@ class EngineEvaluator:
         """Speedup over dense (decode) or full recompute (reuse) and how it was taken; a reuse
         flow's modeled speed reads `accuracy` (`speed_after_accuracy`)."""
         if self.cfg.kind == "reuse":
-            return self._reuse_speedup(flow, params, accuracy)
+            return self._retrying(lambda: self._reuse_speedup(flow, params, accuracy), "_llm")
         from sparsetune.models.resolve import model_config
         from sparsetune.perf.cost import Costs, field_memory_share, kv_share, modeled_speedup
         from sparsetune.setup import lookup_flow_class
@@ -167,12 +174,7 @@ class EngineEvaluator:
             value = modeled_speedup(mcfg, built, batch, context, costs)
             return round(value, 4), {"kind": "modeled", "what": costs.describe(), "costs": costs.gpu,
                                      "field_memory_share": round(field_memory_share(mcfg, built), 4), **info}
-        try:
-            llm, flow_s, dense_s = self._step_seconds(flow, params, batch, context)
-        except BaseException as e:
-            if not self._turns_after(e, "_llm"):
-                raise
-            llm, flow_s, dense_s = self._step_seconds(flow, params, batch, context)
+        llm, flow_s, dense_s = self._retrying(lambda: self._step_seconds(flow, params, batch, context), "_llm")
         return round(dense_s / flow_s, 4), {"kind": "measured", "device": str(llm.device), "flow_step_ms": round(1e3 * flow_s, 4),
                                              "dense_step_ms": round(1e3 * dense_s, 4), **info}
 
@@ -246,12 +248,19 @@ class EngineEvaluator:
         """`evaluate` of the flow on the prompt set (`samples` per task, `seed`), relative to dense;
         `on_chunk(partial results)` after each chunk but the last, as the evaluation hands them over
         (raising `Hopeless` stops it: the partial figures come back, `complete` False)."""
+        return self._retrying(lambda: self._accuracy(flow, params, samples=samples, seed=seed, out=out, on_chunk=on_chunk),
+                              "_speed_llm")
+
+    def _accuracy(self, flow: str | None, params: dict[str, str], *, samples: int, seed: int, out: Path,
+                  on_chunk: ChunkFn | None) -> Accuracy:
         from sparsetune.evaluation.reference import DenseReference
         from sparsetune.evaluation.results import EvalResult
         from sparsetune.evaluation.runner import evaluate
 
         ecfg = self.eval_config(flow, params, samples=samples, seed=seed)
         reference = self.references.setdefault((samples, seed), DenseReference())
+        if self.take_turns:
+            reference.to_host()
         so_far: list[EvalResult] = []  # the partial results the evaluation handed over last
 
         def chunk(partial: EvalResult) -> None:
@@ -267,11 +276,9 @@ class EngineEvaluator:
             result = evaluate(ecfg, out=out, llm=llm, reference=reference, on_chunk=chunk)
         except Hopeless:  # the cascade stopped it after a chunk: the figures up to there
             result = so_far[-1]
-        except BaseException as e:
+        except BaseException:
             _drain(llm)
-            if not self._turns_after(e, "_speed_llm"):
-                raise
-            return self.accuracy(flow, params, samples=samples, seed=seed, out=out, on_chunk=on_chunk)
+            raise
         acc = accuracy_of(result.dump())
         acc.extra["setup"] = ecfg.setup.to_dict()  # the point as one value: what eval, export and serve read back
         return acc

@@ -150,3 +150,6 @@ def test_a_proposal_beats_the_built_ins_only_where_it_held_the_bar_on_fresh_prom
     alone = versus_builtins([_rec("evo_b", 0, 1.8, 0.99)], {"evo_b"}, 0.95)  # no built-in held the bar
     assert alone["best_builtin"] is None and [f["trial"] for f in alone["beaten_by"]] == ["evo_b#0"]
     assert versus_builtins(records, {"evo_a"}, None) is None
+    crashed = {**_rec("quest", 5, 2.9), "confirm": {"holds": False, "error": "OutOfMemoryError: CUDA out of memory"}}
+    assert versus_builtins(records + [crashed], {"evo_a"}, 0.95)["line"].endswith(
+        "(the best tuned built-in, block_topk#3: 97% at 1.90×; 1 of their points could not be confirmed)")

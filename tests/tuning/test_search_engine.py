@@ -192,6 +192,7 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
     monkeypatch.setattr(runner, "evaluate", short_of_memory)
     again = ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "b")
     assert calls == [True, False] and ev.take_turns and ev._speed_llm is None
+    assert all(r.host for r in ev.references.values())  # the stored prompt KV leaves the GPU to the engines
     gc.collect()
     assert speed_pool() is None  # its memory went back
     assert (again.relative, again.fidelity) == (first.relative, first.fidelity)  # the step ran again, whole
@@ -223,3 +224,21 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
     assert ev2._llm is not None and ev2._speed_llm is not None
     _, info = ev2.speedup("quest", params)
     assert steps[:2] == [True, False] and ev2.take_turns and ev2._llm is None and info["kind"] == "measured"
+    # the accuracy engine's own pool not fitting beside the speed engine (raised while it is built)
+    import sparsetune.llm as llm_module
+
+    ev3 = EngineEvaluator(cfg)
+    ev3.speedup("quest", params)
+    real, built = llm_module.LLM, []
+
+    def short_pool(*a, **kw):
+        built.append(ev3._speed_llm is not None)
+        if len(built) == 1:
+            raise OutOfMemory("the KV pool needs 27.5 GiB but free GPU memory is 20.1 GiB (synthetic)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llm_module, "LLM", short_pool)
+    monkeypatch.setattr(runner, "evaluate", evaluate_once)
+    got = ev3.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "e")
+    assert built == [True, False] and ev3.take_turns and ev3._speed_llm is None
+    assert (got.relative, got.fidelity) == (first.relative, first.fidelity)

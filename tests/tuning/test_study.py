@@ -394,3 +394,21 @@ def test_a_point_whose_confirmation_fails_is_recorded_and_the_others_are_confirm
     confirm(cfg, flows, ev)
     again = next(r for r in trial_records(flows) if (r["flow"], r["number"]) == (errored[0]["flow"], errored[0]["number"]))
     assert again["confirm"].get("error") is None and again["confirm"]["relative_accuracy"] is not None
+
+
+class _NeverConfirms(SyntheticEvaluator):
+    def accuracy(self, flow, params, *, samples, seed, out, on_chunk=None):
+        if seed != self.cfg.seed:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().accuracy(flow, params, samples=samples, seed=seed, out=out, on_chunk=on_chunk)
+
+
+def test_confirmations_failing_one_after_another_stop_the_search_and_keep_the_study(tmp_path):
+    from sparsetune.tuning.policy import FAILURES_IN_A_ROW
+
+    cfg = _cfg(tmp_path, trials=12, min_accuracy=0.5)
+    with pytest.raises(SparsetuneError, match=f"{FAILURES_IN_A_ROW} confirmations in a row failed .*illegal memory access.*--resume"):
+        run_search(cfg, _NeverConfirms(cfg))
+    records = trial_records(open_flows(cfg, create=False))
+    assert len([r for r in records if (r.get("confirm") or {}).get("error")]) == FAILURES_IN_A_ROW
+    assert len(records) == 12 and (cfg.run_dir / "frontier.md").is_file()  # the trials and the run folder are kept
