@@ -161,6 +161,19 @@ def test_workers_2_runs_the_study_in_two_processes(tmp_path):
     assert out["defaults"][0]["confirmed_accuracy"] is not None
 
 
+def _fails_once(fn, error, seen: list, held):
+    """`fn`, except that its first call raises `error()` (a new one: a kept exception's traceback
+    would keep the failed step's engine alive); each call records `held()` (whether the other
+    engine was held then) in `seen`."""
+    def wrapper(*a, **kw):
+        seen.append(held())
+        if len(seen) == 1:
+            raise error()
+        return fn(*a, **kw)
+
+    return wrapper
+
+
 @pytest.mark.slow  # >= 10 s on 2 CPU cores
 def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory(tmp_path, monkeypatch):
     """An 8K accuracy context beside a 16 x 32K speed shape does not fit on one H200 (BENCHMARKS.md,
@@ -172,6 +185,9 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
     import torch
 
     import sparsetune.evaluation.runner as runner
+    import sparsetune.llm as llm_module
+    import sparsetune.perf.speed as speed
+    from sparsetune.errors import OutOfMemory
 
     cfg = SearchConfig(study="m", out=str(tmp_path), flows=("quest",), trials=3, device="cpu", speed="measured",
                        speed_batch=2, speed_context=128, **SMALL)
@@ -182,14 +198,9 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
     assert ev._llm is not None and ev._speed_llm is not None and not ev.take_turns
     speed_pool = weakref.ref(ev._speed_llm.engine.kv.k)
     evaluate_once, calls = runner.evaluate, []
-
-    def short_of_memory(*a, **kw):  # the prefill's activations no longer fit beside the speed engine
-        calls.append(ev._speed_llm is not None)
-        if len(calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 548.00 MiB (synthetic)")
-        return evaluate_once(*a, **kw)
-
-    monkeypatch.setattr(runner, "evaluate", short_of_memory)
+    # the prefill's activations no longer fit beside the speed engine
+    monkeypatch.setattr(runner, "evaluate", _fails_once(evaluate_once, lambda: torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 548.00 MiB (synthetic)"), calls, lambda: ev._speed_llm is not None))
     again = ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "b")
     assert calls == [True, False] and ev.take_turns and ev._speed_llm is None
     assert all(r.host for r in ev.references.values())  # the stored prompt KV leaves the GPU to the engines
@@ -209,35 +220,18 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
         ev2.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "d")
     assert not ev2.take_turns and ev2._speed_llm is not None
     # the speed engine's pool not fitting beside the accuracy engine: the same, the other way round
-    import sparsetune.perf.speed as speed
-    from sparsetune.errors import OutOfMemory
-
-    step_once, steps = speed.decode_step_seconds, []
-
-    def pool_too_large(*a, **kw):
-        steps.append(ev2._llm is not None)
-        if len(steps) == 1:
-            raise OutOfMemory("the KV pool needs 91.9 GiB but free GPU memory is 86.4 GiB (synthetic)")
-        return step_once(*a, **kw)
-
-    monkeypatch.setattr(speed, "decode_step_seconds", pool_too_large)
+    steps = []
+    monkeypatch.setattr(speed, "decode_step_seconds", _fails_once(speed.decode_step_seconds, lambda: OutOfMemory(
+        "the KV pool needs 91.9 GiB but free GPU memory is 86.4 GiB (synthetic)"), steps, lambda: ev2._llm is not None))
     assert ev2._llm is not None and ev2._speed_llm is not None
     _, info = ev2.speedup("quest", params)
     assert steps[:2] == [True, False] and ev2.take_turns and ev2._llm is None and info["kind"] == "measured"
     # the accuracy engine's own pool not fitting beside the speed engine (raised while it is built)
-    import sparsetune.llm as llm_module
-
     ev3 = EngineEvaluator(cfg)
     ev3.speedup("quest", params)
-    real, built = llm_module.LLM, []
-
-    def short_pool(*a, **kw):
-        built.append(ev3._speed_llm is not None)
-        if len(built) == 1:
-            raise OutOfMemory("the KV pool needs 27.5 GiB but free GPU memory is 20.1 GiB (synthetic)")
-        return real(*a, **kw)
-
-    monkeypatch.setattr(llm_module, "LLM", short_pool)
+    built = []
+    monkeypatch.setattr(llm_module, "LLM", _fails_once(llm_module.LLM, lambda: OutOfMemory(
+        "the KV pool needs 27.5 GiB but free GPU memory is 20.1 GiB (synthetic)"), built, lambda: ev3._speed_llm is not None))
     monkeypatch.setattr(runner, "evaluate", evaluate_once)
     got = ev3.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "e")
     assert built == [True, False] and ev3.take_turns and ev3._speed_llm is None
