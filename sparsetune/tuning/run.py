@@ -160,10 +160,15 @@ def run_search(cfg: SearchConfig, evaluator: TrialEvaluator | None = None, on_ev
                        run=agent and agent.run_trial, between=agent and agent.step)
         finish_workers(procs, emit)
         procs = []
-        confirm(cfg, flows, used, on_event, deadline=budget.deadline)
+        try:
+            confirm(cfg, flows, used, on_event, deadline=budget.deadline)
+        except BaseException as e:  # the files say the confirmation did not finish
+            stopped = "interrupted" if isinstance(e, KeyboardInterrupt) else "confirmation failed"
+            raise
     finally:
         finish_workers(procs, emit, timeout=0)  # interrupted: the workers stop too
-        result = write_outputs(cfg, trial_records(flows), complete=stopped != "interrupted", stopped=stopped)
+        result = write_outputs(cfg, trial_records(flows), complete=stopped not in ("interrupted", "confirmation failed"),
+                               stopped=stopped)
         if agent is not None:
             agent.close(result)
     if cfg.save_defaults:

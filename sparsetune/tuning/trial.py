@@ -208,20 +208,25 @@ class EngineEvaluator:
         from sparsetune.perf.speed import reuse_prompt, reuse_ttft_seconds, store_segments
 
         llm = self._speed_engine()
-        if self._reuse_prompt is None:
-            self._reuse_prompt = reuse_prompt(context, seed=self.cfg.seed, tokenizer=llm.tokenizer)
-            store_segments(llm, self._reuse_prompt)
-        # Side by side: each warmed up, then full recompute and the flow alternately, medians of each
         runs: dict[str, list[float]] = {"full_recompute": [], flow: []}
-        setups = (("full_recompute", None), (flow, params))
-        for name, p in setups:
-            llm.use_reuse(name, p)
-            reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)  # its warm-up
-        for _ in range(REUSE_SPEED_REPEATS):
+        try:
+            if self._reuse_prompt is None:  # set once its segments are stored
+                prompt = reuse_prompt(context, seed=self.cfg.seed, tokenizer=llm.tokenizer)
+                store_segments(llm, prompt)
+                self._reuse_prompt = prompt
+            # Side by side: each warmed up, then full recompute and the flow alternately, medians of each
+            setups = (("full_recompute", None), (flow, params))
             for name, p in setups:
                 llm.use_reuse(name, p)
-                ttft, stats = reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)
-                runs[name].append(ttft)
+                reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)  # its warm-up
+            for _ in range(REUSE_SPEED_REPEATS):
+                for name, p in setups:
+                    llm.use_reuse(name, p)
+                    ttft, stats = reuse_ttft_seconds(llm, self._reuse_prompt, repeats=1, warmup=0)
+                    runs[name].append(ttft)
+        except BaseException:
+            _drain(llm)
+            raise
         full, ttft = statistics.median(runs["full_recompute"]), statistics.median(runs[flow])
         return round(full / ttft, 4), {
             "kind": "measured", "what": "full recompute TTFT / the flow's (medians, measured alternately)",

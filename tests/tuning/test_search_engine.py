@@ -116,7 +116,7 @@ def test_a_reuse_search_measures_what_sparsetune_eval_measures(tmp_path):
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores
-def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_path):
+def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_path, monkeypatch):
     """--speed measured for reuse flows (what a GPU does; here on CPU): the segments stored once,
     then full recompute and the flow timed alternately on the same prompt, the speedup the ratio of
     the medians, and the flow's recompute plan the one its stats report."""
@@ -141,6 +141,17 @@ def test_measured_reuse_speed_times_full_recompute_and_the_flow_alternately(tmp_
     assert ev._speed_llm is None
     _, again = ev.speedup("cacheblend", {"ratio": "0.1", "check_layer": "2"})
     assert again["segment_hits"] == 9 and again["compute_fraction"] == info["compute_fraction"]
+    # storing the segments runs out of memory beside the accuracy engine: stored again, on the engine kept
+    import sparsetune.perf.speed as speed
+    from sparsetune.errors import OutOfMemory
+
+    ev2, stores = EngineEvaluator(cfg), []
+    ev2.llm
+    monkeypatch.setattr(speed, "store_segments", _fails_once(speed.store_segments, lambda: OutOfMemory(
+        "the KV pool needs 2.1 GiB but free GPU memory is 1.9 GiB (synthetic)"), stores, lambda: ev2._llm is not None))
+    _, third = ev2.speedup("cacheblend", {"ratio": "0.1", "check_layer": "2"})
+    assert stores == [True, False] and ev2.take_turns and third["segment_hits"] == 9
+    assert not ev2._speed_llm.engine.scheduler.has_work()
 
 
 @pytest.mark.slow  # >= 10 s on 2 CPU cores

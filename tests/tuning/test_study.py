@@ -411,4 +411,4 @@ def test_confirmations_failing_one_after_another_stop_the_search_and_keep_the_st
         run_search(cfg, _NeverConfirms(cfg))
     records = trial_records(open_flows(cfg, create=False))
     assert len([r for r in records if (r.get("confirm") or {}).get("error")]) == FAILURES_IN_A_ROW
-    assert len(records) == 12 and (cfg.run_dir / "frontier.md").is_file()  # the trials and the run folder are kept
+    assert len(records) == 12 and "stopped: confirmation failed." in (cfg.run_dir / "frontier.md").read_text()  # kept
