@@ -47,3 +47,16 @@ def resolve_dtype(name: str | None, device: torch.device, gpu_default: str = "bf
         return torch.float32 if device.type == "cpu" else getattr(torch, gpu_default)
     check_dtype_name(name)
     return getattr(torch, _DTYPE_NAMES[name])
+
+
+def release_memory() -> None:
+    """Give the device back the memory of what was just let go: reference cycles collected first
+    (captured graphs and compiled stages can sit in them with a KV pool), then torch's cached
+    blocks, so the memory free on the device says what there is."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -15,7 +15,6 @@ the GPU's; a step's tokens then come with the call after the one that launched i
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from contextlib import contextmanager
@@ -24,7 +23,7 @@ from typing import Callable, Iterator, Sequence as Seq
 
 import torch
 
-from sparsetune.device import resolve_device, resolve_dtype
+from sparsetune.device import release_memory, resolve_device, resolve_dtype
 from sparsetune.engine.attention import AttentionBackend, DenseAttention
 from sparsetune.engine.block_manager import BlockManager
 from sparsetune.engine.config import DEFAULT_BLOCK_SIZE, EngineConfig
@@ -169,9 +168,7 @@ class Engine:
         self.runner.graphs.clear()
         del self.kv, self.runner
         self.backends = []
-        gc.collect()  # captured graphs and compiled stages can sit in reference cycles with the pool
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory()
         try:
             self._build_pool(-(-tokens // block_size))
         except BaseException as e:  # out of memory: the engine keeps its old layout and stays usable

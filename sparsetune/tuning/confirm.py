@@ -17,7 +17,7 @@ from sparsetune.errors import SparsetuneError
 from sparsetune.sandbox import IsolationRefused
 from sparsetune.tuning.config import SearchConfig, flow_key, masked_url
 from sparsetune.tuning.frontier import search_frontier, trial_name, wilson_interval
-from sparsetune.tuning.policy import FAILURES_IN_A_ROW, Budget
+from sparsetune.tuning.policy import FAILURES_IN_A_ROW, Budget, failure_reason
 from sparsetune.tuning.protocols import EventFn, Evaluator
 from sparsetune.tuning.studies import Studies, trial_records
 
@@ -51,7 +51,7 @@ def confirm(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, on_event: E
             except IsolationRefused:  # the host, not the point
                 raise
             except Exception as e:  # noqa: BLE001 - as a trial's failure: recorded with its reason, and the search goes on
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                reason = failure_reason(e)
                 emit("confirm_failed", {"flow": rec["flow"], "number": rec["number"], "reason": reason})
                 flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", {"holds": False, "error": reason})
                 failures += 1

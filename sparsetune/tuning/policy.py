@@ -34,6 +34,11 @@ WARM_TRIALS = 4
 FAILURES_IN_A_ROW = 5  # trials (or confirmations) failing one after another: something other than the points is wrong
 
 
+def failure_reason(e: BaseException) -> str:
+    """What a failed trial or confirmation records: the exception's type and its first line."""
+    return f"{type(e).__name__}: {e}".strip().splitlines()[0][:500]
+
+
 class Budget:
     """`--trials` across every study and worker, and `--hours` for this process."""
 

@@ -30,7 +30,7 @@ from sparsetune.sandbox import IsolationRefused
 from sparsetune.tuning.cascade import run_trial, tell
 from sparsetune.tuning.config import MASK, SearchConfig, masked_url, resume_command
 from sparsetune.tuning.confirm import confirm, confirm_reserve, save_defaults
-from sparsetune.tuning.policy import FAILURES_IN_A_ROW, Budget, pick_flow
+from sparsetune.tuning.policy import FAILURES_IN_A_ROW, Budget, failure_reason, pick_flow
 from sparsetune.tuning.protocols import AgentHooks, EventFn, Evaluator, TrialEvaluator, TrialFn
 from sparsetune.tuning.space import suggest
 from sparsetune.tuning.storage import open_storage, stored_config, trial_count
@@ -101,7 +101,7 @@ def work(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, budget: Budget
             raise
         except Exception as e:  # noqa: BLE001 - a failed trial is recorded and the search goes on
             beat.stop()
-            reason = f"{type(e).__name__}: {e}".strip().splitlines()[0][:500]
+            reason = failure_reason(e)
             trial.set_user_attr("failure", reason)
             trial.set_user_attr("record", {"params": params, "stage": "failed", "worker": worker})
             study.tell(trial, state=TrialState.FAIL)

@@ -119,14 +119,10 @@ class EngineEvaluator:
         """Let go of an engine (`_llm` or `_speed_llm`) and give its memory back to the device."""
         if getattr(self, name) is None:
             return
-        import gc
-
-        import torch
+        from sparsetune.device import release_memory
 
         setattr(self, name, None)
-        gc.collect()  # captured graphs and compiled stages can sit in reference cycles with the pool
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()
 
     def _retrying(self, step: Callable[[], T], other: str) -> T:
         """`step()`, run once more where it ran out of memory while the `other` engine (`_llm` or
