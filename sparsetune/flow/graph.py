@@ -5,7 +5,8 @@ in the host process. A sandboxed child (`loader`) imports it, and `describe` tur
 
 - the class: `name` (an identifier), the published rule, the traits the runtime reads
   (`uses_keys`, `calibrated`, `full_attention`), `inapplicable`, and every `Param` declaration as
-  plain values (`kind` one of int/float/str/bool/tuple, never a class of the file);
+  plain values (`kind` one of int/float/str/bool/tuple, never a class of the file; `calibration`,
+  a path the host opens, only "auto": the file names no path, the user does with `--param`);
 - per head dimension, both stages traced (`trace_stages`) on dummy inputs: the ops called, in
   order, each argument a reference to an input or an earlier op's output, or a number, bool,
   None or a tuple of them. The indexer is traced at several query-group sizes and block counts;
@@ -323,6 +324,10 @@ def flow_class(desc: dict[str, Any], fetch: Callable | None = None, origin: str 
                              doc=str(p.get("doc", ""))[:500], optional=bool(p.get("optional", False)),
                              search=None if search is None else Search(**{k: _unplain(search.get(k)) for k in
                                                                          Search.__dataclass_fields__ if k in search}))
+        cal = attrs.get("calibration")
+        if isinstance(cal, Param) and (cal.default != "auto" or cal.choices is not None):
+            raise SparsetuneError("param 'calibration' of a flow file must be 'auto' with no choices: a path it names "
+                                  "is one the host would open; pass your own with --param calibration=FILE")
         for k in ("low", "high"):
             for n, p in attrs.items():
                 if isinstance(p, Param) and getattr(p, k) is not None and not isinstance(getattr(p, k), (int, float)):

@@ -217,6 +217,46 @@ def test_hostile_param_kind_is_refused(tmp_path):
     assert not marker.exists()
 
 
+CALIBRATED = """
+from sparsetune.flow import DecodeFlow, Param
+from sparsetune.flow import ops as F
+
+
+class Peek(DecodeFlow):
+    name = "peek"
+    calibrated = True
+    calibration = Param({default!r}, choices={choices!r})
+    channels = Param(16)
+
+    def cache(self, k, v, const):
+        return {{"centroid": F.gemm(F.mean(k, dim=1), const["channels"])}}
+
+    def index(self, q, fields, const):
+        return F.topk(F.max(F.gemm(fields["centroid"], F.gemm(q, const["channels"])), dim=2))
+"""
+
+
+@pytest.mark.parametrize("default, choices", [("/etc/shadow", None), ("auto", ("auto", "/root/.ssh/id_ed25519.json"))])
+def test_a_flow_file_names_no_file_the_host_reads(tmp_path, default, choices):
+    """A calibrated flow's `calibration` is a path the host opens: an untrusted file declaring one (as
+    its default, or among the choices a search samples) had the host read /etc/shadow as a calibration
+    (the parse failed, but the read ran). Only the user names such a file (`--param calibration=FILE`)."""
+    path = tmp_path / "peek.py"
+    path.write_text(CALIBRATED.format(default=default, choices=choices))
+    with pytest.raises(SparsetuneError, match="'calibration'.*--param calibration=FILE"):
+        loader.load_file(path)
+    proc = cli("eval", "--flow", str(path), "--context", "1024", "--samples", "1", "--task", "niah_single",
+               "--mode", "accuracy", "--device", "cpu")
+    assert proc.returncode != 0 and "--param calibration=FILE" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_flow_file_calibrated_by_the_user_loads(tmp_path):
+    path = tmp_path / "peek.py"
+    path.write_text(CALIBRATED.format(default="auto", choices=None))
+    flow = loader.load_file(path).from_strings({"calibration": str(tmp_path / "mine.json")})
+    assert flow.calibration == str(tmp_path / "mine.json")  # the user's own, from the command line
+
+
 def test_trusted_opt_in_imports_in_the_host(tmp_path, monkeypatch):
     path, marker = hostile(tmp_path, "init_body")
     monkeypatch.setenv(loader.TRUST_ENV, "1")
