@@ -13,12 +13,12 @@
 #       bash benchmarks/agent_hour.sh wheels, then carry .carry/gb alone for 'model')
 #   2. carry .carry/gb .carry/wheels:
 #                                                  bash benchmarks/agent_hour.sh start HOURS [benchmarks/records/agent-hour.tgz]
-#      (FLOWS=... the built-ins searched beside the proposals, default quest,block_topk,tidal; CONTEXT=2048;
+#      (FLOWS=... the built-ins searched beside the proposals, default quest,block_topk,tidal; CONTEXT=2048; DTYPE=float32;
 #       STUDY=agent-hour; #43 item 5: FLOWS=block_topk,quest,block_topk_2l,quest_2l STUDY=agent-2l)
-#   3. any call while it runs:                     tail -c 2500 /tmp/search.log
+#   3. any call while it runs:                     tail -c 2500 /tmp/search-STUDY.log
 #   4. last call:                                  bash benchmarks/agent_hour.sh finish
 #      (waits up to 8 minutes for the search to end, else stops it with SIGINT: the search stops
-#      between trials and keeps its journal), then writes $OUT/run.tgz: copy it to
+#      between trials and keeps its journal), then writes $OUT/STUDY.tgz: copy it to
 #      benchmarks/records/agent-hour.tgz (tracked, so the next segment, on a new machine or in a new
 #      checkout, resumes from it; it is also the record behind BENCHMARKS.md's figures).
 set -u
@@ -27,7 +27,8 @@ PP=/tmp/pp
 WHEELS="optuna==5.0.0 alembic==1.20.1 SQLAlchemy==2.1.9 colorlog==6.12.0 Mako==1.4.3 MarkupSafe==3.0.4
   tqdm==4.70.1 PyYAML==6.0.4 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
   typing-inspection==0.4.5 gguf==0.19.0 typing_extensions==4.16.0"
-running() { pgrep -f "[s]parsetune.cli.main search" > /dev/null; }
+LOG=/tmp/search-$STUDY.log  # one log and one process per study: two studies can share a machine (CUDA_VISIBLE_DEVICES)
+running() { pgrep -f "[s]parsetune.cli.main search .*--study $STUDY --out" > /dev/null; }
 
 case "${1:-}" in
 prep)
@@ -61,15 +62,15 @@ start)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     setsid nohup python3 -m sparsetune.cli.main search --flow "${FLOWS:-quest,block_topk,tidal}" --agent evolve \
         --context "${CONTEXT:-2048}" --hours "$hours" --samples 4 --confirm-samples 10 --min-accuracy 0.95 \
-        --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 --study "$STUDY" --out /tmp/runs \
-        > /tmp/search.log 2>&1 < /dev/null &
-    sleep 5; running && echo "search started: $STUDY, $hours h" || { tail -c 3000 /tmp/search.log; exit 1; }
+        --dtype "${DTYPE:-float32}" --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 --study "$STUDY" --out /tmp/runs \
+        > $LOG 2>&1 < /dev/null &
+    sleep 5; running && echo "search started: $STUDY, $hours h" || { tail -c 3000 $LOG; exit 1; }
     ;;
 finish)
     for _ in $(seq 1 48); do running || break; sleep 10; done
-    if running; then pkill -INT -f "[s]parsetune.cli.main search"; sleep 20; fi
-    tail -c 4500 /tmp/search.log
-    tar -czf "${OUT:-/tmp}/run.tgz" -C /tmp/runs "$STUDY" && cp /tmp/search.log "${OUT:-/tmp}/search.log"
+    if running; then pkill -INT -f "[s]parsetune.cli.main search .*--study $STUDY --out"; sleep 20; fi
+    tail -c 4500 $LOG
+    tar -czf "${OUT:-/tmp}/$STUDY.tgz" -C /tmp/runs "$STUDY" && cp $LOG "${OUT:-/tmp}/$STUDY.log"
     ls -la "${OUT:-/tmp}"
     ;;
 *)

@@ -18,7 +18,8 @@ FLOWS=${FLOWS:-double_sparse_2l,block_topk_2l,quest_2l,block_topk,quest}
 PICK=${PICK:-max speedup where accuracy >= 0.95}
 export PYTHONPATH="$PWD:/tmp/pp" PYTHONUNBUFFERED=1
 ST="python3 -m sparsetune.cli.main"
-running() { pgrep -f "[s]parsetune.cli.main search" > /dev/null; }
+LOG=/tmp/search-$STUDY.log  # one log and one process per study: two studies can share a machine (CUDA_VISIBLE_DEVICES)
+running() { pgrep -f "[s]parsetune.cli.main search .*--study $STUDY --out" > /dev/null; }
 
 case "${1:-}" in
 start)
@@ -29,16 +30,16 @@ start)
     mkdir -p /tmp/runs
     setsid nohup $ST search --flow "$FLOWS" --context "$ctx" --hours "$hours" --samples 4 --confirm-samples 10 \
         --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 \
-        --study "$STUDY" --out /tmp/runs > /tmp/search.log 2>&1 < /dev/null &
-    sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 /tmp/search.log; exit 1; }
+        --study "$STUDY" --out /tmp/runs > $LOG 2>&1 < /dev/null &
+    sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 $LOG; exit 1; }
     for _ in $(seq 1 40); do running || break; sleep 10; done
-    tail -c 1500 /tmp/search.log
+    tail -c 1500 $LOG
     ;;
 finish)
     for _ in $(seq 1 54); do running || break; sleep 10; done
-    if running; then tail -c 1500 /tmp/search.log; echo "still searching: call finish again"; exit 0; fi
+    if running; then tail -c 1500 $LOG; echo "still searching: call finish again"; exit 0; fi
     if [ $SECONDS -gt 330 ]; then echo "the search has ended: call finish again for the held-out evals"; exit 0; fi
-    tail -c 4000 /tmp/search.log; cp /tmp/search.log "$OUT/search.log"
+    tail -c 4000 $LOG; cp $LOG "$OUT/search.log"
     tar -czf "$OUT/run.tgz" -C /tmp/runs "$STUDY" || exit 1
     $ST export "/tmp/runs/$STUDY" --pick "$PICK" --out /tmp/bundle --force --json > "$OUT/bundle.json" || exit 1
     read -r flow params < <(python3 -c "import json; m = json.load(open('/tmp/bundle/bundle.json'))
