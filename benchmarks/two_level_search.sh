@@ -7,7 +7,9 @@
 # There (device tool, repo root), one machine, calls back to back (it is given back when idle):
 #   1. carry .carry/ga:               bash benchmarks/agent_hour.sh place
 #      carry .carry/wheels:           bash benchmarks/agent_hour.sh wheels   (the tree, the wheels and a half pass 64 MiB)
-#   2. carry .carry/gb:               bash benchmarks/agent_hour.sh model && bash benchmarks/two_level_search.sh start CONTEXT HOURS
+#   2. carry .carry/gb:               bash benchmarks/agent_hour.sh model && bash benchmarks/two_level_search.sh start CONTEXT HOURS [STATE]
+#      (STATE: a run.tgz of an earlier segment, the study continued from it; WORKERS=2 on a two-GPU machine,
+#       one engine pair a GPU; CUDA_VISIBLE_DEVICES to leave a GPU to other work)
 #   3. (as many as it takes)          bash benchmarks/two_level_search.sh finish
 #      waits up to 9 minutes for the search; once it has ended: $OUT/run.tgz (the run folder: copy it to
 #      benchmarks/records/), the picked bundle's manifest, the held-out evals at 2,048 and 8,000 tokens.
@@ -23,14 +25,15 @@ running() { pgrep -f "[s]parsetune.cli.main search .*--study $STUDY --out" > /de
 
 case "${1:-}" in
 start)
-    ctx=${2:?CONTEXT}; hours=${3:?HOURS}
+    ctx=${2:?CONTEXT}; hours=${3:?HOURS}; state=${4:-}
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     $ST flows calibrate --model smollm2-135m > /dev/null || exit 1
     $ST flows calibrate --model qwen3-8b --random-weights --tokens 1024 > /dev/null || exit 1
     mkdir -p /tmp/runs
+    if [ -n "$state" ]; then tar -xzf "$state" -C /tmp/runs || exit 1; fi
     setsid nohup $ST search --flow "$FLOWS" --context "$ctx" --hours "$hours" --samples 4 --confirm-samples 10 \
         --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 \
-        --study "$STUDY" --out /tmp/runs > $LOG 2>&1 < /dev/null &
+        --workers "${WORKERS:-1}" --study "$STUDY" --out /tmp/runs > $LOG 2>&1 < /dev/null &
     sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 $LOG; exit 1; }
     for _ in $(seq 1 40); do running || break; sleep 10; done
     tail -c 1500 $LOG

@@ -102,6 +102,9 @@ class _Live:
             err.print(f"confirming {data['flow']}#{data['number']} on fresh prompts ({data['index'] + 1}/{data['total']})")
         elif kind == "confirm_failed":
             err.print(f"  [red]could not confirm {data['flow']}#{data['number']}:[/] {escape(data['reason'])}")
+        elif kind == "turns":
+            err.print(f"[yellow]the accuracy and speed engines do not fit on the device together ({escape(data['reason'])}):"
+                      " from now on they take turns (each built when its step comes)[/]")
         elif kind == "candidate":
             err.print(f"[bold]candidate {data['id']}[/] {data['name']} ({data['proposer']}): {data['rationale']}")
         elif kind == "verdict":

@@ -153,7 +153,7 @@ def run_search(cfg: SearchConfig, evaluator: TrialEvaluator | None = None, on_ev
     if agent is not None:
         agent.attach(flows, budget, emit)
     procs = spawn_workers(cfg, workers)
-    used: Evaluator = agent.evaluator if agent is not None else evaluator or EngineEvaluator(cfg)
+    used: Evaluator = agent.evaluator if agent is not None else evaluator or EngineEvaluator(cfg, on_event=emit)
     stopped = "interrupted"
     try:
         stopped = work(cfg, flows, used, budget, on_event=emit, reserve_s=lambda: confirm_reserve(cfg, flows, budget),
@@ -193,9 +193,9 @@ def run_worker(study: str, storage: str, out: str | None = None, evaluator: Tria
                               f"--storage {shown}")
     cfg = stored.model_copy(update={"storage": storage, **({"out": out} if out else {})})
     flows = open_flows(cfg, create=False)
-    evaluator = evaluator or EngineEvaluator(cfg)
     budget = Budget(cfg, time.time())
     emit = _writer(cfg, flows, on_event)
+    evaluator = evaluator or EngineEvaluator(cfg, on_event=emit)
     emit("begin", {"study": study, "run_dir": str(cfg.run_dir), "done": trial_count(flows.studies, running=False),
                    "resume": shlex.join(["sparsetune", "search", "worker", "--study", study, "--storage", shown]
                                         + (["--out", out] if out else []))})

@@ -30,7 +30,8 @@ from typing import Any, Callable, TypeVar
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning.config import SearchConfig
-from sparsetune.tuning.protocols import ChunkFn, Hopeless
+from sparsetune.tuning.policy import failure_reason
+from sparsetune.tuning.protocols import ChunkFn, EventFn, Hopeless
 
 T = TypeVar("T")
 REUSE_SPEED_REPEATS = 5  # timed requests of full recompute and of the flow, alternately
@@ -72,10 +73,11 @@ def accuracy_of(result: dict[str, Any]) -> Accuracy:
 class EngineEvaluator:
     """Accuracy and speed of flows on engines kept for the whole search (one per worker)."""
 
-    def __init__(self, cfg: SearchConfig) -> None:
+    def __init__(self, cfg: SearchConfig, on_event: EventFn | None = None) -> None:
         from sparsetune.evaluation.reference import DenseReference
 
         self.cfg = cfg
+        self.on_event = on_event  # ("turns", {"reason"}) once the engines start taking turns
         self._llm = None
         self._speed_llm = None
         self.take_turns = False  # the engines did not fit together: one at a time (module docstring)
@@ -133,11 +135,14 @@ class EngineEvaluator:
 
         try:
             return step()
-        except (torch.OutOfMemoryError, OutOfMemory):
+        except (torch.OutOfMemoryError, OutOfMemory) as e:
             if self.take_turns or getattr(self, other) is None:
                 raise
+            reason = failure_reason(e)
         # Out of the except block: the failed step's frames, and the tensors they held, are gone
         self.take_turns = True
+        if self.on_event is not None:
+            self.on_event("turns", {"reason": reason})
         for reference in self.references.values():
             reference.to_host()
         self._drop(other)

@@ -202,7 +202,8 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
 
     cfg = SearchConfig(study="m", out=str(tmp_path), flows=("quest",), trials=3, device="cpu", speed="measured",
                        speed_batch=2, speed_context=128, **SMALL)
-    ev = EngineEvaluator(cfg)
+    events = []
+    ev = EngineEvaluator(cfg, on_event=lambda kind, data: events.append((kind, data)))
     params = {"block_size": "16", "budget_ratio": "0.5"}
     first = ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "a")  # both engines held, as before
     ev.speedup("quest", params)
@@ -214,6 +215,7 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
         "CUDA out of memory. Tried to allocate 548.00 MiB (synthetic)"), calls, lambda: ev._speed_llm is not None))
     again = ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "b")
     assert calls == [True, False] and ev.take_turns and ev._speed_llm is None
+    assert events == [("turns", {"reason": "OutOfMemoryError: CUDA out of memory. Tried to allocate 548.00 MiB (synthetic)"})]
     assert all(r.host for r in ev.references.values())  # the stored prompt KV leaves the GPU to the engines
     gc.collect()
     assert speed_pool() is None  # its memory went back
@@ -222,7 +224,7 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
     speedup, info = ev.speedup("quest", params)
     assert ev._llm is None and ev._speed_llm is not None and acc_pool() is None and info["kind"] == "measured"
     ev.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "c")
-    assert ev._speed_llm is None and ev._llm is not None
+    assert ev._speed_llm is None and ev._llm is not None and len(events) == 1  # said once
     # a failure that is not about memory is not taken for one
     ev2 = EngineEvaluator(cfg)
     ev2.speedup("quest", params)
