@@ -17,7 +17,7 @@ label cache is not quantized (the paper's `label_bits`); the always-kept sink an
 blocks come from the runtime, and the 1/√r score scale is dropped (top-k does not need it).
 """
 
-from sparsetune.flow import DecodeFlow, Param
+from sparsetune.flow import DecodeFlow, Param, Search
 from sparsetune.flow import ops as F
 
 
@@ -27,7 +27,8 @@ class DoubleSparse(DecodeFlow):
     calibrated = True
     calibration = Param("auto", doc="channel calibration file; auto: the default one of the model "
                         "(`sparsetune flows calibrate --model M`)")
-    channels = Param(16, choices=(4, 8, 16, 32, 64), doc="label channels r per key (at most head_dim)")
+    channels = Param(16, choices=(4, 8, 16, 32, 64, 128), doc="label channels r per key (at most head_dim)",
+                     search=Search(choices=(4, 8, 16, 32, 64)))
     dense_layers = Param((0, 1), kind=tuple, doc="layers that keep full attention (DoubleSparse: the first two)")
 
     def cache(self, k, v, const):

@@ -21,7 +21,7 @@ class DoubleSparse2L(TwoLevelFlow):
     calibrated = True
     calibration = Param("auto", doc="channel calibration file; auto: the default one of the model "
                         "(`sparsetune flows calibrate --model M`)")
-    channels = Param(32, choices=(8, 16, 32, 64), doc="label channels r of every centroid (at most head_dim)",
+    channels = Param(32, choices=(8, 16, 32, 64, 128), doc="label channels r of every centroid (at most head_dim)",
                      search=Search(choices=(16, 32, 64)))
 
     def cache_page(self, k, v, const):

@@ -211,6 +211,16 @@ class DecodeFlow(Flow):
     def index(self, q: FT, fields: dict[str, FT]) -> Selection:
         raise NotImplementedError
 
+    def on_head_dim(self, params: dict[str, str], head_dim: int, other: int) -> dict[str, str]:
+        """`params` (this flow's, as strings) for a model whose heads have `other` channels instead of
+        `head_dim`: the same point. A calibrated flow's label channels keep their share of the head
+        (DoubleSparse's r = head_dim / group factor: 32 of 64 channels is 64 of 128), so a speed taken
+        on another architecture is the speed of the point whose accuracy was measured; every other
+        param (a share of the context, tokens, layer indices) reads the same on any head."""
+        if not self.calibrated or head_dim == other:
+            return dict(params)
+        return {**params, "channels": str(min(other, max(1, round(self.channels * other / head_dim))))}
+
     def const_dims(self, head_dim: int) -> dict[str, tuple[int, int]]:
         """The inner shape of each constant the stages get (a calibrated flow: "channels")."""
         return {"channels": (self.channels, head_dim)} if self.calibrated else {}

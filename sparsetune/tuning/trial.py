@@ -12,9 +12,12 @@ model (random weights when it is another architecture) at the speed batch and co
   the failed step runs again with the other engine dropped, and from then on each engine is built
   when its step comes and the other dropped (a long accuracy context beside a 16 x 32K speed shape
   does not fit on one H200).
-- speed: measured decode speedup over dense (median step times, side by side on one engine), or
-  modeled: dense step time over the flow's, each modeled from what the step does with per-operation
-  costs measured on a GPU (`perf.cost`; the speed info names the GPU and the fields' memory share).
+- speed: of the same point on the speed model (`DecodeFlow.on_head_dim`: a calibrated flow's
+  label channels keep their share of the head there; the speed info has the params it ran with
+  where they differ). Measured: decode speedup over dense (median step times, side by side on one
+  engine). Modeled: dense step time over the flow's, each modeled from what the step does with
+  per-operation costs measured on a GPU (`perf.cost`; the speed info names the GPU and the
+  fields' memory share).
   Reuse flows: measured, time to first token of full recompute over the flow's on a prompt whose
   90% is reused segments (`perf.speed.reuse_ttft_seconds`, the speed model at the speed context);
   modeled, a full prefill's token-layers over the flow's, as its evaluation counted them (so a
@@ -164,18 +167,23 @@ class EngineEvaluator:
         from sparsetune.setup import lookup_flow_class
 
         model, random, batch, context = self.cfg.speed_shape()
-        built = lookup_flow_class(flow).from_strings(params)  # the point as the trial ran it (published defaults)
+        cls = lookup_flow_class(flow)
+        built = cls.from_strings(params)  # the point as the trial ran it (published defaults)
+        acc_cfg, speed_cfg = model_config(self.cfg.model, True)[1], model_config(model, random)[1]
         # the budget on the search's model and context (report.budget_shares): recorded here, where the flow runs
-        share = round(kv_share(model_config(self.cfg.model, True)[1], built, self.cfg.context), 4)
+        share = round(kv_share(acc_cfg, built, self.cfg.context), 4)
         info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context,
                                 "kv_share": share}
+        on_speed = built.on_head_dim(params, acc_cfg.head_dim, speed_cfg.head_dim)  # the same point there
+        if on_speed != params:
+            info["params"] = on_speed
         if self.cfg.speed_kind() == "modeled":
-            _name, mcfg = model_config(model, random)
             costs = Costs.load()
-            value = modeled_speedup(mcfg, built, batch, context, costs)
+            there = cls.from_strings(on_speed)
+            value = modeled_speedup(speed_cfg, there, batch, context, costs)
             return round(value, 4), {"kind": "modeled", "what": costs.describe(), "costs": costs.gpu,
-                                     "field_memory_share": round(field_memory_share(mcfg, built), 4), **info}
-        llm, flow_s, dense_s = self._retrying(lambda: self._step_seconds(flow, params, batch, context), "_llm")
+                                     "field_memory_share": round(field_memory_share(speed_cfg, there), 4), **info}
+        llm, flow_s, dense_s = self._retrying(lambda: self._step_seconds(flow, on_speed, batch, context), "_llm")
         return round(dense_s / flow_s, 4), {"kind": "measured", "device": str(llm.device), "flow_step_ms": round(1e3 * flow_s, 4),
                                              "dense_step_ms": round(1e3 * dense_s, 4), **info}
 

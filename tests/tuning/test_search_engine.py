@@ -249,3 +249,32 @@ def test_engines_that_do_not_fit_together_take_turns_after_running_out_of_memory
     got = ev3.accuracy("quest", params, samples=2, seed=0, out=tmp_path / "e")
     assert built == [True, False] and ev3.take_turns and ev3._speed_llm is None
     assert (got.relative, got.fidelity) == (first.relative, first.fidelity)
+
+
+def test_a_speed_on_another_architecture_is_the_same_points_channel_share(tmp_path):
+    """DoubleSparse's label channels are a share of the head (r = head_dim / group factor): a point
+    whose accuracy ran at 32 of the embedded model's 64 channels is timed on Qwen3-8B at 64 of 128,
+    not at a quarter of its head; flows with no such param are timed as they ran."""
+    from sparsetune.loader import build_flow
+    from sparsetune.models.registry import REGISTRY
+    from sparsetune.perf.cost import field_memory_share, modeled_speedup
+
+    cfg = SearchConfig(study="h", out=str(tmp_path), flows=("double_sparse_2l", "quest"), device="cpu", speed="modeled",
+                       speed_model="qwen3-8b", speed_batch=16, speed_context=32768, **SMALL)
+    ev, qwen = EngineEvaluator(cfg), REGISTRY["qwen3-8b"].config
+    params = {"channels": "32", "budget_ratio": "0.1", "coarse": "2"}
+    speedup, info = ev.speedup("double_sparse_2l", params)
+    there = build_flow("double_sparse_2l", {**params, "channels": "64"})
+    assert info["params"] == {**params, "channels": "64"}
+    assert speedup == round(modeled_speedup(qwen, there, 16, 32768), 4)
+    assert info["field_memory_share"] == round(field_memory_share(qwen, there), 4)
+    assert speedup != round(modeled_speedup(qwen, build_flow("double_sparse_2l", params), 16, 32768), 4)
+    assert ev._llm is None and ev._speed_llm is None  # modeled: no engine
+    _, quest = ev.speedup("quest", {"budget_ratio": "0.1"})
+    assert "params" not in quest
+    # the rule itself: the share kept both ways, at least one channel, at most the head
+    flow = build_flow("double_sparse", {"channels": "16"})
+    assert flow.on_head_dim({"channels": "16"}, 128, 64) == {"channels": "8"}
+    assert flow.on_head_dim({"channels": "16"}, 64, 64) == {"channels": "16"}
+    assert build_flow("double_sparse", {"channels": "4"}).on_head_dim({}, 128, 16) == {"channels": "1"}
+    assert build_flow("double_sparse", {"channels": "64"}).on_head_dim({}, 64, 96) == {"channels": "96"}
