@@ -249,6 +249,11 @@ def test_the_confirmation_reserve_counts_what_is_left_to_confirm_not_the_engines
     study.set_user_attr("confirm:0", None)
     assert len(to_confirm(trial_records(flows), cfg.min_accuracy)) == 1
     assert confirm_reserve(cfg, flows, budget) == pytest.approx(3 * 3.0 * 10 / 4)
+    # the budget's reason to stop says how much of the time left is the confirmation's
+    budget.deadline = time.time() + 20.3
+    assert budget.reason_to_stop(flows, 22.5) == ("--hours 1 spent (no trial fits in the 20 s left, 22 s of them "
+                                                  "kept to confirm the frontier and the defaults)")
+    assert budget.reason_to_stop(flows, 0.0) is None  # a 4 s trial fits in 20 s
 
 
 def test_optuna_storage_is_one_study_per_flow(tmp_path):
