@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Vortex's setting (issue #43) for several flows side by side in one lease: `bench_throughput.py` runs
+# one after another in the background (a dense run of 16K steps takes minutes; a call lasts 10 at
+# most), so they outlive the call that starts them while the machine stays held (calls back to
+# back). Random weights: no model files to place.
+#   bash benchmarks/throughput_set.sh start MODEL RUN...   RUN: dense | FLOW[:k=v,k=v] | FLOW[:k=v]@profile=C
+#   bash benchmarks/throughput_set.sh collect [SECONDS]     waits up to SECONDS (default 540) for the set,
+#                                                           then copies what is done to $OUT
+# e.g. CUDA_VISIBLE_DEVICES=1 bash benchmarks/throughput_set.sh start qwen3-1.7b dense block_topk:budget=2048 \
+#        quest:budget=2048 quest:budget=2048@profile=12288
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+DIR=/tmp/tp; LOG=$DIR/set.log
+export PYTHONPATH="$PWD:/tmp/pp" PYTHONUNBUFFERED=1
+running() { pgrep -f "[t]hroughput_set.sh run" > /dev/null; }
+
+case "${1:-}" in
+start)
+    model=${2:?MODEL}; shift 2
+    mkdir -p $DIR
+    setsid nohup bash "$0" run "$model" "$@" > $LOG 2>&1 < /dev/null &
+    sleep 2; running && echo "throughput set started: $model $*" || { cat $LOG; exit 1; }
+    ;;
+run)  # (the background part)
+    model=$2; shift 2
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    for spec in "$@"; do
+        run=${spec%@*}; extra=(); [ "$run" != "$spec" ] && extra=(--profile "${spec#*@profile=}")
+        flow=${run%%:*}; params=(); [ "$flow" != "$run" ] && IFS=, read -ra kv <<< "${run#*:}" && for p in "${kv[@]}"; do params+=(--param "$p"); done
+        name=$(echo "${model}_$spec" | tr ':,=@/' '_____')
+        echo "== $spec ($(date +%T))"
+        python3 benchmarks/bench_throughput.py --model "$model" --flow "$flow" "${params[@]}" "${extra[@]}" \
+            --json-out "$DIR/$name.json" 2>&1 | grep -v "^\s*$" | tail -n 3
+    done
+    echo "== done ($(date +%T))"
+    ;;
+collect)
+    for _ in $(seq 1 $(( ${2:-540} / 10 ))); do running || break; sleep 10; done
+    cat $LOG; cp $DIR/*.json $LOG "$OUT"/ 2>/dev/null
+    running && echo "still running: call collect again"
+    ;;
+*) sed -n 2,10p "$0"; exit 2 ;;
+esac
