@@ -33,7 +33,7 @@ def cli(monkeypatch, capsys, tmp_path):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(config, "check_prompts", lambda cfg: None)
-    monkeypatch.setattr(trial, "EngineEvaluator", lambda cfg: cli.evaluator(cfg))
+    monkeypatch.setattr(trial, "EngineEvaluator", lambda cfg, **_: cli.evaluator(cfg))
 
     def cli(*args: str, evaluator=SyntheticEvaluator):
         cli.evaluator = evaluator
