@@ -51,8 +51,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, help="sequences (default: as many as the pool holds)")
     ap.add_argument("--bandwidth", type=float, default=4.2e12, help="copy bandwidth for the byte floor, B/s")
     ap.add_argument("--profile", type=int, metavar="CONTEXT", help="profile a step at CONTEXT tokens instead of the run")
+    ap.add_argument("--sparse-programs-per-sm", type=int, metavar="N",
+                    help="an experiment: the sparse decode kernel's split rule aims for N programs per SM (the "
+                         "library's `paged_decode._SPARSE_PROGRAMS_PER_SM`), recorded in the row")
     ap.add_argument("--json-out")
     a = ap.parse_args()
+    if a.sparse_programs_per_sm:
+        from sparsetune.kernels import paged_decode
+
+        paged_decode._SPARSE_PROGRAMS_PER_SM = a.sparse_programs_per_sm
 
     from sparsetune.engine.sequence import SamplingParams
     from sparsetune.llm import LLM
@@ -91,7 +98,7 @@ def main() -> None:
         "generated_tokens": generated, "wall_seconds": wall, "throughput_tokens_per_second": generated / wall,
         "decode_seconds": s.decode_seconds, "decode_tokens": s.decode_tokens, "preemptions": s.preemptions,
         "mean_step_ms": 1e3 * s.decode_seconds / max(1, s.decode_tokens / batch), "build_seconds": build_s,
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"), "sparse_programs_per_sm": sparse_programs_per_sm(),
     }
     row["floor_tokens_per_second"] = floor_throughput(llm, batch, a.prompt, a.gen, a.bandwidth)
     print(json.dumps(row), flush=True)
@@ -110,12 +117,19 @@ def profile(a, llm, batch: int) -> None:
     row = {"model": a.model, "flow": a.flow, "params": dict(p.split("=", 1) for p in a.param), "batch": batch,
            "context": a.profile, "gpu": torch.cuda.get_device_name() if llm.device.type == "cuda" else "cpu",
            "step_ms": prof.get("step_ms"), "eager_step_ms": prof.get("eager_step_ms"),
-           "kernel_ms": {k: v["ms"] for k, v in prof["categories"].items()}, "date": time.strftime("%Y-%m-%d")}
+           "kernel_ms": {k: v["ms"] for k, v in prof["categories"].items()}, "date": time.strftime("%Y-%m-%d"),
+           "sparse_programs_per_sm": sparse_programs_per_sm()}
     row["kernel_total_ms"] = sum(row["kernel_ms"].values())
     print(json.dumps(row), flush=True)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({**row, "profile": prof}, f, indent=2, default=str)
+
+
+def sparse_programs_per_sm() -> int:
+    from sparsetune.kernels import paged_decode
+
+    return paged_decode._SPARSE_PROGRAMS_PER_SM
 
 
 def floor_throughput(llm, batch: int, prompt: int, gen: int, bandwidth: float) -> float:

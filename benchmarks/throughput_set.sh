@@ -3,7 +3,8 @@
 # one after another in the background (a dense run of 16K steps takes minutes; a call lasts 10 at
 # most), so they outlive the call that starts them while the machine stays held (calls back to
 # back). Random weights: no model files to place.
-#   bash benchmarks/throughput_set.sh start MODEL RUN...   RUN: dense | FLOW[:k=v,k=v] | FLOW[:k=v]@profile=C
+#   bash benchmarks/throughput_set.sh start MODEL RUN...   RUN: dense | FLOW[:k=v,k=v], then any @OPTION=VALUE
+#                                                           (bench_throughput.py's --OPTION VALUE: @profile=12288)
 #   bash benchmarks/throughput_set.sh collect [SECONDS]     waits up to SECONDS (default 540) for the set,
 #                                                           then copies what is done to $OUT
 # e.g. CUDA_VISIBLE_DEVICES=1 bash benchmarks/throughput_set.sh start qwen3-1.7b dense block_topk:budget=2048 \
@@ -25,7 +26,8 @@ run)  # (the background part)
     model=$2; shift 2
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     for spec in "$@"; do
-        run=${spec%@*}; extra=(); [ "$run" != "$spec" ] && extra=(--profile "${spec#*@profile=}")
+        run=${spec%%@*}; extra=()
+        if [ "$run" != "$spec" ]; then IFS=@ read -ra opts <<< "${spec#*@}"; for o in "${opts[@]}"; do extra+=("--${o%%=*}" "${o#*=}"); done; fi
         flow=${run%%:*}; params=(); [ "$flow" != "$run" ] && IFS=, read -ra kv <<< "${run#*:}" && for p in "${kv[@]}"; do params+=(--param "$p"); done
         name=$(echo "${model}_$spec" | tr ':,=@/' '_____')
         echo "== $spec ($(date +%T))"
