@@ -99,6 +99,34 @@ def _rule_scores(name, keys, qg, channels=None):
     return (qg @ keys.mean(1).T).amax(0)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_double_sparse_centroid_selects_by_the_label_centroid_rule(block_size):
+    """Each block's mean key on the KV head's calibrated channels, scored by the group's queries on
+    the same channels (max over the group): the blocks a plain torch ranking picks."""
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = paged_case(block_size, lens, seed=60 + block_size)
+    flow = build_flow("double_sparse_centroid", {"budget": str(6 * block_size), "block_size": str(block_size),
+                                                 "sink_blocks": "1", "local_blocks": "2", "channels": "8"})
+    calib = synthetic_calibration(1, HKV, HEAD_DIM)
+    attn = FlowAttention(flow, HEAD_DIM**-0.5, calibration=calib)
+    prefill_cache(attn, kv, bt, lens)
+    got = selected_sets(attn, kv, bt, meta, q)
+    for b, n in enumerate(lens):
+        nblocks, nfull = -(-n // block_size), n // block_size
+        for h in range(HKV):
+            keys = block_keys(kv, bt, b, h, nfull)
+            s = _rule_scores("mean_on_channels", keys, q[b, h * GROUP : (h + 1) * GROUP], calib[0][h][:8])
+            want = reference_selection(torch.cat([s, torch.zeros(nblocks - nfull, dtype=s.dtype)]), nblocks, 6, 1, 2)
+            assert got[b][h] == want, (b, h)
+            assert len(want) < nblocks
+    # not block top-k's rule: on all channels other blocks win somewhere
+    plain = build_flow("block_topk", {"budget": str(6 * block_size), "block_size": str(block_size),
+                                      "sink_blocks": "1", "local_blocks": "2"})
+    other = FlowAttention(plain, HEAD_DIM**-0.5)
+    prefill_cache(other, kv, bt, lens)
+    assert selected_sets(other, kv, bt, meta, q) != got
+
+
 # (flow, its rule over blocks, its rule over units): quest and block_topk run their own rule at both
 # levels; quest_2l's page stages are Quest's bound and its units are scored by the mean key;
 # double_sparse_2l's pages by their best sub-block centroid and its units by their mean key, both on
@@ -173,6 +201,7 @@ def test_streaming_keeps_sinks_and_window_only():
 @pytest.mark.parametrize("name,extra", [("quest", {}), ("block_topk", {}), ("streaming", {"local_blocks": "4096"}),
                                         ("block_topk", {"block_size": "1"}), ("h2o", {}), ("tidal", {}),
                                         ("double_sparse", {}), ("double_sparse", {"block_size": "1", "channels": "8"}),
+                                        ("double_sparse_centroid", {"block_size": "4"}),
                                         ("quest", {"select_block": "2"}), ("block_topk", {"select_block": "4"}),
                                         ("quest", {"select_block": "2", "coarse": "2"})])
 def test_full_budget_equals_dense(name, extra):
@@ -294,7 +323,7 @@ def test_engine_small_budget_really_selects(smollm):
     assert llm.engine.backends[0].name == "dense"
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse"])
+@pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse", "double_sparse_centroid"])
 def test_compiled_executor_equals_reference(name):
     """torch.compile'd stages (Inductor; C++ on CPU, Triton on GPU) select exactly what the reference does."""
 

@@ -144,7 +144,7 @@ def _attn(flow, executor="reference", use_triton=None):
 
 
 CASES = [("block_topk", 4, {}), ("quest", 16, {}), ("quest", 1, {"budget_ratio": "0.3"}),
-         ("double_sparse", 4, {"channels": "8"}), ("wide", 4, {}),
+         ("double_sparse", 4, {"channels": "8"}), ("double_sparse_centroid", 4, {"channels": "8"}), ("wide", 4, {}),
          ("quest", 2, {}), ("block_topk", 8, {}), ("quest", 64, {}),  # every selection block a search draws
          # selection units inside the blocks (#43): the layout splits each block into its units
          ("quest", 16, {"select_block": "2"}), ("block_topk", 16, {"select_block": "4"}),
