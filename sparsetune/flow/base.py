@@ -215,11 +215,14 @@ class DecodeFlow(Flow):
         """`params` (this flow's, as strings) for a model whose heads have `other` channels instead of
         `head_dim`: the same point. A calibrated flow's label channels keep their share of the head
         (DoubleSparse's r = head_dim / group factor: 32 of 64 channels is 64 of 128), so a speed taken
-        on another architecture is the speed of the point whose accuracy was measured; every other
-        param (a share of the context, tokens, layer indices) reads the same on any head."""
+        on another architecture is the speed of the point whose accuracy was measured (the nearest
+        value the param accepts); every other param (a share of the context, tokens, layer indices)
+        reads the same on any head."""
         if not self.calibrated or head_dim == other:
             return dict(params)
-        return {**params, "channels": str(min(other, max(1, round(self.channels * other / head_dim))))}
+        want = min(other, max(1, round(self.channels * other / head_dim)))
+        allowed = [c for c in (self.param_specs()["channels"].choices or (want,)) if c <= other]
+        return {**params, "channels": str(min(allowed, key=lambda c: (abs(c - want), -c)) if allowed else want)}
 
     def const_dims(self, head_dim: int) -> dict[str, tuple[int, int]]:
         """The inner shape of each constant the stages get (a calibrated flow: "channels")."""

@@ -272,9 +272,11 @@ def test_a_speed_on_another_architecture_is_the_same_points_channel_share(tmp_pa
     assert ev._llm is None and ev._speed_llm is None  # modeled: no engine
     _, quest = ev.speedup("quest", {"budget_ratio": "0.1"})
     assert "params" not in quest
-    # the rule itself: the share kept both ways, at least one channel, at most the head
+    # the rule itself: the share kept both ways, the nearest value the param accepts (on a tie the larger, the
+    # slower), at most the head
     flow = build_flow("double_sparse", {"channels": "16"})
     assert flow.on_head_dim({"channels": "16"}, 128, 64) == {"channels": "8"}
     assert flow.on_head_dim({"channels": "16"}, 64, 64) == {"channels": "16"}
-    assert build_flow("double_sparse", {"channels": "4"}).on_head_dim({}, 128, 16) == {"channels": "1"}
-    assert build_flow("double_sparse", {"channels": "64"}).on_head_dim({}, 64, 96) == {"channels": "96"}
+    assert build_flow("double_sparse", {"channels": "4"}).on_head_dim({}, 128, 16) == {"channels": "4"}  # 1: not a choice
+    assert build_flow("double_sparse", {"channels": "64"}).on_head_dim({}, 64, 80) == {"channels": "64"}  # 80: not a choice
+    assert build_flow("double_sparse", {"channels": "16"}).on_head_dim({}, 64, 96) == {"channels": "32"}  # 24: a tie, the larger
