@@ -63,14 +63,14 @@ start)
     setsid nohup python3 -m sparsetune.cli.main search --flow "${FLOWS:-quest,block_topk,tidal}" --agent evolve \
         --context "${CONTEXT:-2048}" --hours "$hours" --samples 4 --confirm-samples 10 --min-accuracy 0.95 \
         --dtype "${DTYPE:-float32}" --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 --study "$STUDY" --out /tmp/runs \
-        > $LOG 2>&1 < /dev/null &
-    sleep 5; running && echo "search started: $STUDY, $hours h" || { tail -c 3000 $LOG; exit 1; }
+        > "$LOG" 2>&1 < /dev/null &
+    sleep 5; running && echo "search started: $STUDY, $hours h" || { tail -c 3000 "$LOG"; exit 1; }
     ;;
 finish)
     for _ in $(seq 1 48); do running || break; sleep 10; done
     if running; then pkill -INT -f "[s]parsetune.cli.main search .*--study $STUDY --out"; sleep 20; fi
-    tail -c 4500 $LOG
-    tar -czf "${OUT:-/tmp}/$STUDY.tgz" -C /tmp/runs "$STUDY" && cp $LOG "${OUT:-/tmp}/$STUDY.log"
+    tail -c 4500 "$LOG"
+    tar -czf "${OUT:-/tmp}/$STUDY.tgz" -C /tmp/runs "$STUDY" && cp "$LOG" "${OUT:-/tmp}/$STUDY.log"
     ls -la "${OUT:-/tmp}"
     ;;
 *)

@@ -18,9 +18,14 @@ running() { pgrep -f "[t]hroughput_set.sh run" > /dev/null; }
 case "${1:-}" in
 start)
     model=${2:?MODEL}; shift 2
-    mkdir -p $DIR
-    setsid nohup bash "$0" run "$model" "$@" > $LOG 2>&1 < /dev/null &
-    sleep 2; running && echo "throughput set started: $model $*" || { cat $LOG; exit 1; }
+    running && { echo "a throughput set is still running (one at a time: its log is $LOG); collect it first"; exit 1; }
+    for spec in "$@"; do
+        case "$spec" in *@*) for o in $(echo "${spec#*@}" | tr @ ' '); do
+            [[ "$o" == *=* ]] || { echo "$spec: write @OPTION=VALUE (bench_throughput.py's --OPTION VALUE)"; exit 2; }; done ;; esac
+    done
+    mkdir -p "$DIR"
+    setsid nohup bash "$0" run "$model" "$@" > "$LOG" 2>&1 < /dev/null &
+    sleep 2; running && echo "throughput set started: $model $*" || { cat "$LOG"; exit 1; }
     ;;
 run)  # (the background part)
     model=$2; shift 2
@@ -38,8 +43,8 @@ run)  # (the background part)
     ;;
 collect)
     for _ in $(seq 1 $(( ${2:-540} / 10 ))); do running || break; sleep 10; done
-    cat $LOG; cp $DIR/*.json $LOG "$OUT"/ 2>/dev/null
-    running && echo "still running: call collect again"
+    cat "$LOG"; cp "$DIR"/*.json "$LOG" "$OUT"/ 2>/dev/null
+    if running; then echo "still running: call collect again"; fi
     ;;
 *) sed -n 2,10p "$0"; exit 2 ;;
 esac

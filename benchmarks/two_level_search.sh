@@ -35,16 +35,16 @@ start)
     if [ -n "$state" ]; then tar -xzf "$state" -C /tmp/runs || exit 1; fi
     setsid nohup $ST search --flow "$FLOWS" --context "$ctx" --hours "$hours" --samples 4 --confirm-samples 10 \
         --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 \
-        --workers "${WORKERS:-1}" --study "$STUDY" --out /tmp/runs > $LOG 2>&1 < /dev/null &
-    sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 $LOG; exit 1; }
+        --workers "${WORKERS:-1}" --study "$STUDY" --out /tmp/runs > "$LOG" 2>&1 < /dev/null &
+    sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 "$LOG"; exit 1; }
     for _ in $(seq 1 40); do running || break; sleep 10; done
-    tail -c 1500 $LOG
+    tail -c 1500 "$LOG"
     ;;
 finish)
     for _ in $(seq 1 54); do running || break; sleep 10; done
-    if running; then tail -c 1500 $LOG; echo "still searching: call finish again"; exit 0; fi
+    if running; then tail -c 1500 "$LOG"; echo "still searching: call finish again"; exit 0; fi
     if [ $SECONDS -gt 330 ]; then echo "the search has ended: call finish again for the held-out evals"; exit 0; fi
-    tail -c 4000 $LOG; cp $LOG "$OUT/search.log"
+    tail -c 4000 "$LOG"; cp "$LOG" "$OUT/search.log"
     tar -czf "$OUT/run.tgz" -C /tmp/runs "$STUDY" || exit 1
     $ST export "/tmp/runs/$STUDY" --pick "$PICK" --out /tmp/bundle --force --json > "$OUT/bundle.json" || exit 1
     read -r flow params < <(python3 -c "import json; m = json.load(open('/tmp/bundle/bundle.json'))

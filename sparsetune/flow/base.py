@@ -211,19 +211,6 @@ class DecodeFlow(Flow):
     def index(self, q: FT, fields: dict[str, FT]) -> Selection:
         raise NotImplementedError
 
-    def on_head_dim(self, params: dict[str, str], head_dim: int, other: int) -> dict[str, str]:
-        """`params` (this flow's, as strings) for a model whose heads have `other` channels instead of
-        `head_dim`: the same point. A calibrated flow's label channels keep their share of the head
-        (DoubleSparse's r = head_dim / group factor: 32 of 64 channels is 64 of 128), so a speed taken
-        on another architecture is the speed of the point whose accuracy was measured (the nearest
-        value the param accepts); every other param (a share of the context, tokens, layer indices)
-        reads the same on any head."""
-        if not self.calibrated or head_dim == other:
-            return dict(params)
-        want = min(other, max(1, round(self.channels * other / head_dim)))
-        allowed = [c for c in (self.param_specs()["channels"].choices or (want,)) if c <= other]
-        return {**params, "channels": str(min(allowed, key=lambda c: (abs(c - want), -c)) if allowed else want)}
-
     def const_dims(self, head_dim: int) -> dict[str, tuple[int, int]]:
         """The inner shape of each constant the stages get (a calibrated flow: "channels")."""
         return {"channels": (self.channels, head_dim)} if self.calibrated else {}
@@ -274,3 +261,23 @@ class TwoLevelFlow(DecodeFlow):
                          doc="tokens per unit scored inside the kept pages (off: the page)", search=Search(choices=(2, 4)))
     coarse = Param(2.0, low=1.0, high=64.0, kind=float, optional=True,
                    doc="pages kept, as a multiple of the budget (off: one level)", search=Search(low=1.25, high=8.0, log=True))
+
+
+def on_head_dim(flow: DecodeFlow, params: dict[str, str], head_dim: int, other: int) -> dict[str, str]:
+    """`params` (the flow's, as strings) for a model whose heads have `other` channels instead of
+    `head_dim`: the same point. A calibrated flow's label channels keep their share of the head
+    (DoubleSparse's r = head_dim / group factor: 32 of 64 channels is 64 of 128), so a speed taken
+    on another architecture is the speed of the point whose accuracy was measured (the nearest
+    value the param accepts; on a tie the larger, the slower); every other param (a share of the
+    context, tokens, layer indices) reads the same on any head. A function, not a method: a flow
+    file (an agent's candidate) cannot choose the point its speed is taken at."""
+    if not flow.calibrated or head_dim == other:
+        return dict(params)
+    spec = type(flow).param_specs()["channels"]
+    want = min(other, max(1, round(flow.channels * other / head_dim)))
+    if spec.choices:
+        allowed = [c for c in spec.choices if c <= other] or [min(spec.choices)]
+        got = min(allowed, key=lambda c: (abs(c - want), -c))
+    else:
+        got = int(max(spec.low if spec.low is not None else 1, min(want, spec.high if spec.high is not None else want)))
+    return {**params, "channels": str(got)}

@@ -30,8 +30,8 @@ KINDS = ("decode", "reuse")
 REUSE_SAMPLES, REUSE_CONFIRM_SAMPLES = 4, 8
 SPEEDS = ("auto", "measured", "modeled")
 # What the figures depend on: a resumed study must agree on these.
-FINGERPRINT = ("kind", "model", "flows", "tasks", "context", "samples", "batch", "seed", "params", "speed", "speed_model",
-               "speed_batch", "speed_context", "min_accuracy")
+FINGERPRINT = ("kind", "model", "flows", "tasks", "context", "samples", "batch", "seed", "params", "dtype", "speed",
+               "speed_model", "speed_batch", "speed_context", "min_accuracy")
 STORAGE_SCHEMES = ("postgresql", "sqlite")  # the databases a storage URL may name (`postgresql+psycopg://` too)
 STORAGES = ("a journal file path (the default: runs/<study>/study.journal), postgresql://user:password@host/db "
             "(workers on several hosts; pip install -e '.[postgres]') or sqlite:///path.db")

@@ -12,7 +12,7 @@ model (random weights when it is another architecture) at the speed batch and co
   the failed step runs again with the other engine dropped, and from then on each engine is built
   when its step comes and the other dropped (a long accuracy context beside a 16 x 32K speed shape
   does not fit on one H200).
-- speed: of the same point on the speed model (`DecodeFlow.on_head_dim`: a calibrated flow's
+- speed: of the same point on the speed model (`flow.base.on_head_dim`: a calibrated flow's
   label channels keep their share of the head there; the speed info has the params it ran with
   where they differ). Measured: decode speedup over dense (median step times, side by side on one
   engine). Modeled: dense step time over the flow's, each modeled from what the step does with
@@ -162,6 +162,7 @@ class EngineEvaluator:
         flow's modeled speed reads `accuracy` (`speed_after_accuracy`)."""
         if self.cfg.kind == "reuse":
             return self._retrying(lambda: self._reuse_speedup(flow, params, accuracy), "_llm")
+        from sparsetune.flow.base import on_head_dim
         from sparsetune.models.resolve import model_config
         from sparsetune.perf.cost import Costs, field_memory_share, kv_share, modeled_speedup
         from sparsetune.setup import lookup_flow_class
@@ -174,7 +175,7 @@ class EngineEvaluator:
         share = round(kv_share(acc_cfg, built, self.cfg.context), 4)
         info: dict[str, Any] = {"model": model, "random_weights": random, "batch": batch, "context": context,
                                 "kv_share": share}
-        on_speed = built.on_head_dim(params, acc_cfg.head_dim, speed_cfg.head_dim)  # the same point there
+        on_speed = on_head_dim(built, params, acc_cfg.head_dim, speed_cfg.head_dim)  # the same point there
         if on_speed != params:
             info["params"] = on_speed
         if self.cfg.speed_kind() == "modeled":

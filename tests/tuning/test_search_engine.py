@@ -274,9 +274,19 @@ def test_a_speed_on_another_architecture_is_the_same_points_channel_share(tmp_pa
     assert "params" not in quest
     # the rule itself: the share kept both ways, the nearest value the param accepts (on a tie the larger, the
     # slower), at most the head
+    from sparsetune.flow.base import on_head_dim
+
     flow = build_flow("double_sparse", {"channels": "16"})
-    assert flow.on_head_dim({"channels": "16"}, 128, 64) == {"channels": "8"}
-    assert flow.on_head_dim({"channels": "16"}, 64, 64) == {"channels": "16"}
-    assert build_flow("double_sparse", {"channels": "4"}).on_head_dim({}, 128, 16) == {"channels": "4"}  # 1: not a choice
-    assert build_flow("double_sparse", {"channels": "64"}).on_head_dim({}, 64, 80) == {"channels": "64"}  # 80: not a choice
-    assert build_flow("double_sparse", {"channels": "16"}).on_head_dim({}, 64, 96) == {"channels": "32"}  # 24: a tie, the larger
+    assert on_head_dim(flow, {"channels": "16"}, 128, 64) == {"channels": "8"}
+    assert on_head_dim(flow, {"channels": "16"}, 64, 64) == {"channels": "16"}
+    assert on_head_dim(build_flow("double_sparse", {"channels": "4"}), {}, 128, 16) == {"channels": "4"}  # 1: not a choice
+    assert on_head_dim(build_flow("double_sparse", {"channels": "64"}), {}, 64, 80) == {"channels": "64"}  # 80: not one
+    assert on_head_dim(build_flow("double_sparse", {"channels": "16"}), {}, 64, 96) == {"channels": "32"}  # 24: a tie
+    from sparsetune.flow import Param
+
+    class Ranged(type(flow)):  # a channel count by range, not choices: kept inside it
+        channels = Param(16, low=4, high=64, doc="label channels")
+
+    assert on_head_dim(Ranged(channels=64), {}, 64, 128) == {"channels": "64"}
+    assert on_head_dim(Ranged(channels=4), {}, 128, 64) == {"channels": "4"}
+    assert on_head_dim(Ranged(channels=24), {}, 64, 128) == {"channels": "48"}
