@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from common import bench_us, measure_copy_bandwidth  # noqa: E402
+from common import bench_us, measure_copy_bandwidth, rotating, sparse_decode_inputs  # noqa: E402
 
 from sparsetune.kernels import paged_decode  # noqa: E402
 from sparsetune.kernels.paged_decode import sparse_paged_decode_attention, sparse_paged_decode_attention_ref  # noqa: E402
@@ -55,16 +55,6 @@ def _empty_kernel(x_ptr):
     pass
 
 
-def rotating(calls):
-    """A callable that runs the next of `calls` each time (so a captured graph cycles through them)."""
-    state = {"i": 0}
-
-    def fn():
-        calls[state["i"] % len(calls)]()
-        state["i"] += 1
-    return fn
-
-
 def read_floor(rotate: int) -> list[dict]:
     rows = []
     block = 4096  # bf16 elements a load: 8 KB
@@ -87,18 +77,8 @@ def read_floor(rotate: int) -> list[dict]:
 
 
 def decode_point(batch: int, rotate: int, gen: torch.Generator) -> dict:
-    max_blocks = CTX // BLOCK_SIZE
-    num_blocks = batch * max_blocks + 64
-    shape = (num_blocks, HKV, BLOCK_SIZE, HEAD_DIM)
-    k = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
-    v = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
-    bt = torch.randperm(num_blocks, device="cuda", generator=gen)[: batch * max_blocks].view(batch, max_blocks)
-    bt = bt.to(torch.int32).contiguous()
-    lens = torch.full((batch,), CTX, dtype=torch.int32, device="cuda")
-    q = torch.empty((batch, HQ, HEAD_DIM), dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
-    sels = [torch.rand((batch, HKV, max_blocks), device="cuda", generator=gen).argsort(-1)[..., :K_SEL]
-            .to(torch.int32).contiguous() for _ in range(rotate)]
-    counts = torch.full((batch, HKV), K_SEL, dtype=torch.int32, device="cuda")
+    q, k, v, bt, lens, sels, counts = sparse_decode_inputs(batch, HQ, HKV, HEAD_DIM, BLOCK_SIZE, K_SEL, BLOCK_SIZE, CTX,
+                                                           rotate, gen, spare_blocks=64)
     scale = HEAD_DIM**-0.5
     kv_bytes = batch * HKV * K_SEL * BLOCK_SIZE * HEAD_DIM * 2 * 2
     out = torch.empty_like(q)

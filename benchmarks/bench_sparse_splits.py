@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import bench_us, measure_copy_bandwidth  # noqa: E402
+from common import bench_us, measure_copy_bandwidth, rotating, sparse_decode_inputs  # noqa: E402
 
 from sparsetune.kernels.limits import num_sms  # noqa: E402
 from sparsetune.kernels.paged_decode import (choose_num_splits, sparse_paged_decode_attention,  # noqa: E402
@@ -43,18 +43,8 @@ SPLITS = [1, 2, 3, 4, 6, 8, 12, 16]
 
 def shape_point(name: str, shape: tuple, rotate: int, gen: torch.Generator, copy_tb_s: float) -> dict:
     batch, hq, hkv, d, page, k_sel, unit, ctx = shape
-    max_blocks = ctx // page
-    num_blocks = batch * max_blocks + 8
-    k = torch.empty((num_blocks, hkv, page, d), dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
-    v = torch.empty_like(k).normal_(generator=gen)
-    bt = torch.randperm(num_blocks, device="cuda", generator=gen)[: batch * max_blocks].view(batch, max_blocks)
-    bt = bt.to(torch.int32).contiguous()
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.empty((batch, hq, d), dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
-    units = ctx // unit
-    sels = [torch.rand((batch, hkv, units), device="cuda", generator=gen).argsort(-1)[..., :k_sel]
-            .to(torch.int32).contiguous() for _ in range(rotate)]
-    counts = torch.full((batch, hkv), k_sel, dtype=torch.int32, device="cuda")
+    q, k, v, bt, lens, sels, counts = sparse_decode_inputs(batch, hq, hkv, d, page, k_sel, unit, ctx, rotate, gen,
+                                                           spare_blocks=8)
     scale = d**-0.5
     kv_bytes = batch * hkv * k_sel * unit * d * 2 * 2
     floor_us = kv_bytes / (copy_tb_s * 1e12) * 1e6
@@ -70,15 +60,8 @@ def shape_point(name: str, shape: tuple, rotate: int, gen: torch.Generator, copy
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         if not err < 1e-2:
             raise SystemExit(f"{name} splits {splits}: relative error {err:.2e}")
-        calls = [lambda s=s: sparse_paged_decode_attention(q, k, v, bt, lens, s, counts, scale, unit=unit,
-                                                           num_splits=splits, out=out) for s in sels]
-        state = {"i": 0}
-
-        def fn():
-            calls[state["i"] % len(calls)]()
-            state["i"] += 1
-
-        us = bench_us(fn)
+        us = bench_us(rotating([lambda s=s: sparse_paged_decode_attention(q, k, v, bt, lens, s, counts, scale, unit=unit,
+                                                                          num_splits=splits, out=out) for s in sels]))
         row["us"][splits] = us
         mark = "  <- rule" if splits == pick else ""
         print(f"  {name:44s} splits {splits:2d}: {us:7.1f} us, {floor_us / us:5.1%} of the byte floor "

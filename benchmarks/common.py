@@ -46,3 +46,33 @@ def bench_us(fn: Callable[[], Any], use_graph: bool = True, rep_ms: int = 60) ->
         # The graph and its side stream are gone once do_bench_cudagraph returns;
         # make sure their work is finished too before the caller frees inputs.
         sync("cuda")
+
+
+def rotating(calls: list[Callable[[], Any]]) -> Callable[[], None]:
+    """A callable that runs the next of `calls` each time (so a captured graph cycles through them:
+    inputs rotated over copies, so that no call finds the last one's bytes in L2)."""
+    state = {"i": 0}
+
+    def fn() -> None:
+        calls[state["i"] % len(calls)]()
+        state["i"] += 1
+    return fn
+
+
+def sparse_decode_inputs(batch: int, q_heads: int, kv_heads: int, head_dim: int, page: int, selected: int, unit: int,
+                         context: int, rotate: int, gen: torch.Generator, spare_blocks: int) -> tuple:
+    """Random bf16 inputs of a sparse paged decode call at full `context` per sequence: (q, k, v, block
+    table, seq lens, `rotate` selections of `selected` units of `unit` tokens per (sequence, KV head),
+    counts). The sequences' pages lie scattered over a pool with `spare_blocks` more."""
+    max_blocks = context // page
+    num_blocks = batch * max_blocks + spare_blocks
+    k = torch.empty((num_blocks, kv_heads, page, head_dim), dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
+    v = torch.empty_like(k).normal_(generator=gen)
+    bt = torch.randperm(num_blocks, device="cuda", generator=gen)[: batch * max_blocks].view(batch, max_blocks)
+    bt = bt.to(torch.int32).contiguous()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.empty((batch, q_heads, head_dim), dtype=torch.bfloat16, device="cuda").normal_(generator=gen)
+    sels = [torch.rand((batch, kv_heads, context // unit), device="cuda", generator=gen).argsort(-1)[..., :selected]
+            .to(torch.int32).contiguous() for _ in range(rotate)]
+    counts = torch.full((batch, kv_heads), selected, dtype=torch.int32, device="cuda")
+    return q, k, v, bt, lens, sels, counts
