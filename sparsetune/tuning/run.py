@@ -39,7 +39,6 @@ from sparsetune.tuning.workers import (LEASE_S, WAIT_S, Heartbeat, ask, expire_s
                                        running_trials, spawn_workers)
 
 
-
 def work(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, budget: Budget, *, on_event: EventFn | None = None,
          reserve_s: Callable[[], float] = lambda: 0.0, worker: str | None = None, run: TrialFn | None = None,
          between: Callable[[], None] | None = None) -> str:
