@@ -2,9 +2,9 @@
 the fastest where the batch is large?
 
 Vortex's offline setting on Qwen3-1.7B shapes runs 53 sequences x 8 KV heads = 424 (sequence, KV head)
-rows; the rule's 4 programs per SM, rounded down, give one split (424 programs, a wave and a
-nearly empty second one on 132 SMs), and the profiled step's sparse attention ran at about a third
-of its byte floor (BENCHMARKS.md, "Vortex's setting"). Each shape here is timed at every split
+rows on an H200. The rule's 4 programs per SM, rounded down, gave them one split: 206 us against
+162 at two on an H100 (72% and 92% of the byte floor, BENCHMARKS.md "Vortex's setting on an H100"),
+so rows short of 4 per SM now get at least two. Each shape here is timed at every split
 count in `SPLITS` (a CUDA-graph median of one call, inputs rotated over `--rotate` copies so that L2
 holds none of them), beside the bytes it must read at the measured copy bandwidth; the rule's pick
 is marked.

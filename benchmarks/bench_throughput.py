@@ -12,8 +12,8 @@ graph-timed and eager, and one eager step's GPU kernel time by stage (`perf.step
 compare with the run's mean step (its gap to the kernels is host work and launch gaps). The batch is the
 flow's own: its fields take pool blocks, so it may hold fewer sequences than dense; `--batch`
 fixes it (e.g. dense's, to compare step for step). Random weights (decode speed does not depend on
-the values). The byte floor beside it: the weights read once a step and each step's K/V, fields
-and weights by `perf.cost` at the mean context, at the measured copy bandwidth (`--bandwidth`).
+the values). The byte floor beside it: each step's weights, K/V and fields (`perf.cost`) at
+its context, at the copy bandwidth measured in the run (or `--bandwidth`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--gen", type=int, default=16384)
     ap.add_argument("--batch", type=int, help="sequences (default: as many as the pool holds)")
-    ap.add_argument("--bandwidth", type=float, default=4.2e12, help="copy bandwidth for the byte floor, B/s")
+    ap.add_argument("--bandwidth", type=float, help="copy bandwidth for the byte floor, B/s (default: measured here)")
     ap.add_argument("--profile", type=int, metavar="CONTEXT", help="profile a step at CONTEXT tokens instead of the run")
     ap.add_argument("--sparse-programs-per-sm", type=int, metavar="N",
                     help="an experiment: the sparse decode kernel's split rule aims for N programs per SM (the "
@@ -100,7 +100,8 @@ def main() -> None:
         "mean_step_ms": 1e3 * s.decode_seconds / max(1, s.decode_tokens / batch), "build_seconds": build_s,
         "date": time.strftime("%Y-%m-%d"), "sparse_programs_per_sm": sparse_programs_per_sm(),
     }
-    row["floor_tokens_per_second"] = floor_throughput(llm, batch, a.prompt, a.gen, a.bandwidth)
+    row["bandwidth"] = a.bandwidth or copy_bandwidth()
+    row["floor_tokens_per_second"] = floor_throughput(llm, batch, a.prompt, a.gen, row["bandwidth"])
     print(json.dumps(row), flush=True)
     print(f"{a.model} {a.flow} {params}: batch {batch} (pool holds {held}), {generated} tokens in {wall:.1f} s = "
           f"{row['throughput_tokens_per_second']:.0f} tok/s (byte floor {row['floor_tokens_per_second']:.0f}); "
@@ -130,6 +131,17 @@ def sparse_programs_per_sm() -> int:
     from sparsetune.kernels import paged_decode
 
     return paged_decode._SPARSE_PROGRAMS_PER_SM
+
+
+def copy_bandwidth() -> float:
+    """The device's copy bandwidth, measured (`benchmarks/common.py`): an H100's is ~3.0 TB/s, an H200's ~4.2."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import measure_copy_bandwidth
+
+    return measure_copy_bandwidth()
 
 
 def floor_throughput(llm, batch: int, prompt: int, gen: int, bandwidth: float) -> float:

@@ -80,6 +80,10 @@ _MIN_TOKENS_PER_SPLIT = 512
 # hidden behind other programs. Measured on an H200 (BENCHMARKS.md, #17, `bench_decode_overhead.py`):
 # about 4 programs per SM is fastest at batch 8 and 16 x 2,048 selected tokens (8 splits at batch 8:
 # 24.9 us against 27.8 with the dense rule's 4; 1,024 programs were slower at both batches).
+# Rounded down, that leaves rows between 2 and 4 per SM one split each: a wave of resident programs
+# and a sliver of a second. Measured on an H100 (BENCHMARKS.md, #43, `bench_sparse_splits.py`): 424
+# rows (Vortex's 53 sequences of Qwen3-1.7B) of 2,048 tokens ran 206 us at one split (72% of the
+# byte floor) and 162 us at two (92%), so such rows get two.
 _SPARSE_PROGRAMS_PER_SM = 4
 _SPARSE_MIN_TOKENS_PER_SPLIT = 128
 # Bounds the merge kernel's per-program tile and the partial buffers.
@@ -102,7 +106,8 @@ def choose_num_splits(
     """Number of KV splits per (sequence, kv head); a pure function of shapes.
 
     Aims for about `_TARGET_PROGRAMS_PER_SM * num_sms` stage-1 programs (`sparse`: rows of
-    selected blocks, `_SPARSE_PROGRAMS_PER_SM`, rounded down), but never splits the widest
+    selected blocks, `_SPARSE_PROGRAMS_PER_SM`, rounded down, and at least two splits while the
+    rows alone are fewer than that), but never splits the widest
     possible row (max_blocks * block_size tokens) into pieces shorter than
     `_MIN_TOKENS_PER_SPLIT` (`_SPARSE_MIN_TOKENS_PER_SPLIT`). It must not depend on seq_lens
     (tensor values) so that a captured CUDA graph stays valid for any lengths.
@@ -110,7 +115,7 @@ def choose_num_splits(
     pairs = max(1, batch * num_kv_heads)
     max_tokens = max(1, max_blocks * block_size)
     if sparse:
-        want = _SPARSE_PROGRAMS_PER_SM * num_sms // pairs
+        want = max(_SPARSE_PROGRAMS_PER_SM * num_sms // pairs, 2 if pairs < _SPARSE_PROGRAMS_PER_SM * num_sms else 1)
         cap = max_tokens // _SPARSE_MIN_TOKENS_PER_SPLIT
     else:
         want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, pairs)

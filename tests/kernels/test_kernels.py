@@ -268,10 +268,14 @@ def test_choose_num_splits_properties():
     # Only the block count * block size matters, not how it is divided.
     assert choose(8, 8, 2048, 16) == choose(8, 8, 512, 64)
     # Rows of selected blocks (a 2,048-token budget): about 4 programs per SM, rounded down (the
-    # measured best at batch 8 and 16), none shorter than 128 tokens.
-    assert [choose(b, 8, 128, 16, sparse=True) for b in (1, 4, 8, 16, 32, 64, 128)] == [16, 16, 8, 4, 2, 1, 1]
-    for batch in (4, 8, 16, 32, 64):
+    # measured best at batch 8 and 16), none shorter than 128 tokens; rows short of 4 per SM are
+    # split at least in two (Vortex's 53 x 8 rows: 162 us at two splits against 206 at one).
+    assert [choose(b, 8, 128, 16, sparse=True) for b in (1, 4, 8, 16, 32, 53, 64, 66, 128)] == [16, 16, 8, 4, 2, 2, 2, 1, 1]
+    for batch in (4, 8, 16, 32):
         assert batch * 8 * choose(batch, 8, 128, 16, sparse=True) <= 4 * 132
+    for batch in (4, 8, 16, 32, 53, 64):
+        assert choose(batch, 8, 128, 16, sparse=True) >= 2
+    assert choose(53, 8, 8, 16, sparse=True) == 1  # 128 tokens a row: never shorter pieces
 
 
 # --------------------------------------------------------------------------- #
