@@ -6,7 +6,7 @@
 #   bash benchmarks/throughput_set.sh start MODEL RUN...   RUN: dense | FLOW[:k=v,k=v], then any @OPTION=VALUE
 #                                                           (bench_throughput.py's --OPTION VALUE: @profile=12288)
 #   bash benchmarks/throughput_set.sh collect [SECONDS]     waits up to SECONDS (default 540) for the set,
-#                                                           then copies what is done to $OUT
+#                                                           then archives every set's rows so far to $OUT/throughput.tgz
 # e.g. CUDA_VISIBLE_DEVICES=1 bash benchmarks/throughput_set.sh start qwen3-1.7b dense block_topk:budget=2048 \
 #        quest:budget=2048 quest:budget=2048@profile=12288
 set -u
@@ -42,8 +42,9 @@ run)  # (the background part)
     echo "== done ($(date +%T))"
     ;;
 collect)
+    [ -d "$DIR" ] || { echo "no throughput set has started on this machine: start one first"; exit 1; }
     for _ in $(seq 1 $(( ${2:-540} / 10 ))); do running || break; sleep 10; done
-    cat "$LOG"; cp "$DIR"/*.json "$LOG" "$OUT"/ 2>/dev/null
+    cat "$LOG"; tar -czf "$OUT/throughput.tgz" -C "$DIR" . && cp "$LOG" "$OUT"/  # one archive: a call returns 8 files at most
     if running; then echo "still running: call collect again"; fi
     ;;
 *) sed -n 2,10p "$0"; exit 2 ;;

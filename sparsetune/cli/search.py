@@ -134,6 +134,9 @@ def search(
     samples: int = typer.Option(None, "--samples", help="Samples per task in each trial, the search set (default 1; 4 with --reuse)."),
     confirm_samples: int = typer.Option(None, "--confirm-samples", help="Samples per task, on fresh prompts, to confirm each "
                                         "frontier point (default 2; 8 with --reuse)."),
+    confirm_defaults: bool = typer.Option(True, "--confirm-defaults/--no-confirm-defaults", help="Confirm each flow's "
+                                          "defaults on fresh prompts too, for the report's against-the-defaults lines "
+                                          "(at a long context each takes minutes of --hours)."),
     batch: int = typer.Option(8, "--batch", "-b", help="Requests run together."),
     param: list[str] = opt.param_option(),
     objectives: str = typer.Option("accuracy,speed", "--objectives", help="What is maximized (accuracy,speed)."),
@@ -180,7 +183,7 @@ def search(
         trials = 6
     from sparsetune import api
 
-    options = dict(model=model, tasks=task, context=context, batch=batch,
+    options = dict(model=model, tasks=task, context=context, batch=batch, confirm_defaults=confirm_defaults,
                    **{k: v for k, v in (("samples", samples), ("confirm_samples", confirm_samples)) if v is not None}, params=api.parse_params(param), min_accuracy=min_accuracy, hours=hours, trials=trials,
                    study=study, storage=storage, out=str(out), seed=seed, speed=speed, speed_model=speed_model,
                    speed_batch=speed_batch, speed_context=speed_context, save_defaults=save_defaults,

@@ -88,6 +88,7 @@ class SearchConfig(BaseModel):
     context: int = 1024
     samples: int = 1  # per generated task, for each trial (the search set)
     confirm_samples: int = 2  # per task, on fresh prompts, for each frontier point at the end
+    confirm_defaults: bool = True  # each flow's defaults confirmed too (the report's "against the defaults")
     batch: int = 8
     params: dict[str, str] = {}  # fixed for every flow (--param): not searched
     min_accuracy: float | None = None  # relative to dense; a constraint

@@ -3,7 +3,10 @@
 The search set's figures are the best of many tries on the same prompts, so they flatter. The
 coordinator re-evaluates each frontier point and each flow's defaults on prompts no trial saw
 (another seed, `confirm_samples` per task); a point that does not hold leaves the frontier, which
-can expose points it dominated, confirmed in the next round. `confirm_reserve` is the time the
+can expose points it dominated, confirmed in the next round. The defaults are confirmed for the
+report's "against the defaults" comparison; `--no-confirm-defaults` leaves them out (at a long
+context each is minutes of the budget, and a point far below the bar adds nothing to the
+frontier). `confirm_reserve` is the time the
 budget keeps back for it; `save_defaults` (`--save-defaults`) makes each flow's fastest point
 that held the model's tuned default.
 """
@@ -39,7 +42,7 @@ def confirm(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, on_event: E
         if (rec.get("confirm") or {}).get("error"):
             flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", None)
     rounds, failures = 0, 0
-    while todo := to_confirm(trial_records(flows), cfg.min_accuracy):
+    while todo := to_confirm(trial_records(flows), cfg.min_accuracy, cfg.confirm_defaults):
         if rounds and deadline is not None and time.time() >= deadline:
             break
         rounds += 1
@@ -64,13 +67,13 @@ def confirm(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, on_event: E
             flows.studies[rec["flow"]].set_user_attr(f"confirm:{rec['number']}", conf)  # a finished trial is read-only
 
 
-def to_confirm(records: list[dict[str, Any]], min_accuracy: float | None) -> list[dict[str, Any]]:
+def to_confirm(records: list[dict[str, Any]], min_accuracy: float | None, defaults: bool = True) -> list[dict[str, Any]]:
     """The points not yet confirmed on the search-set frontier of the points that have not failed
-    confirmation, and each flow's defaults."""
+    confirmation, and (`defaults`) each flow's defaults."""
     failed = {trial_name(r) for r in records if r.get("confirm") is not None and not r["confirm"].get("holds")}
     front = {p.name for p in search_frontier([r for r in records if trial_name(r) not in failed], min_accuracy)}
     return [r for r in records if r.get("confirm") is None and r["state"] == "COMPLETE" and r.get("stage") == "full"
-            and (trial_name(r) in front or r["role"] == "defaults")]
+            and (trial_name(r) in front or (defaults and r["role"] == "defaults"))]
 
 
 def confirmation(acc: dict[str, Any], search_acc: dict[str, Any], min_accuracy: float | None) -> dict[str, Any]:
@@ -96,7 +99,7 @@ def confirm_reserve(cfg: SearchConfig, flows: Studies, budget: Budget) -> float:
     prompts and each point still to confirm (`to_confirm`, a resumed study's confirmed points not
     among them) plus one the next trial may add, each about a typical trial. (Not the first trial:
     it also loaded the engines, about a minute on a GPU, which kept short `--hours` runs idle.)"""
-    points = len(to_confirm(trial_records(flows), cfg.min_accuracy)) + 1
+    points = len(to_confirm(trial_records(flows), cfg.min_accuracy, cfg.confirm_defaults)) + 1
     return (1 + points) * budget.typical_s * cfg.confirm_samples / cfg.samples
 
 

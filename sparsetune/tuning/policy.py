@@ -78,7 +78,8 @@ class Budget:
             return f"{self.cfg.trials} trials done"
         left = self.left_s()
         if left is not None and left < self.trial_s + reserve_s:
-            kept = f": confirming the frontier and the defaults needs about {reserve_s:.0f} s" if reserve_s >= 1 else ""
+            what = "the frontier and the defaults" if self.cfg.confirm_defaults else "the frontier"
+            kept = f": confirming {what} needs about {reserve_s:.0f} s" if reserve_s >= 1 else ""
             return f"--hours {self.cfg.hours:g} spent (no trial fits in the {max(0.0, left):.0f} s left{kept})"
         if self.cfg.trials is None and self.cfg.hours is None:
             return "no --trials or --hours"

@@ -102,6 +102,7 @@ def summary(cfg: SearchConfig, records: list[dict[str, Any]], *, complete: bool,
     s = {
         "schema": SCHEMA, "kind": cfg.kind, "study": cfg.study, "run_dir": str(cfg.run_dir), "model": cfg.model, "flows": list(cfg.flows), "context": cfg.context,
         "samples_per_task": cfg.samples, "confirm_samples_per_task": cfg.confirm_samples, "min_accuracy": cfg.min_accuracy,
+        "defaults_confirmed": cfg.confirm_defaults,
         "share_of": SHARE_OF[cfg.kind], "speed": speed_kind, "speed_note": SPEED_NOTES[cfg.kind, speed_kind or "modeled"],
         "speed_shape": None if speed_on is None else {k: speed_on.get(k) for k in ("kind", "model", "random_weights", "batch", "context")},
         "speed_on": _shape_note(speed_on),
@@ -173,6 +174,8 @@ def against_defaults(defaults: list[dict[str, Any]], held: list[dict[str, Any]])
 def against_defaults_lines(s: dict[str, Any]) -> list[str]:
     """One line per flow's defaults: what the search gained over them (frontier.md and the CLI)."""
     what = s.get("share_of", SHARE_OF["decode"])
+    if not s.get("defaults_confirmed", True):
+        return ["not compared: the defaults were not confirmed on fresh prompts (--no-confirm-defaults)"]
     return [f"{a['defaults']}: " + (f"no confirmed point with no more {what} beats them" if a["point"] is None else
             f"{a['point']} beats them with no more {what} ({100 * a['share']:.0f}% against "
             f"{100 * a['defaults_share']:.0f}%): {100 * a['accuracy_gain']:+.0f} points of confirmed accuracy, at "
@@ -209,7 +212,7 @@ def markdown(s: dict[str, Any]) -> str:
         lines += ["", "Could not be confirmed (the evaluation failed; `--resume` tries again):", ""] + [
             f"- {r['trial']}: {r['confirm_error']}" for r in s["confirm_failed"]]
     lines += ["", "## Each flow's defaults", ""] + table(s["defaults"], True)
-    if s["against_defaults"]:
+    if against_defaults_lines(s):
         lines += ["", f"Against the defaults (a confirmed point that held, with no more {s['share_of']}, and beat "
                   "their confirmed accuracy):", ""] + [f"- {line}" for line in against_defaults_lines(s)]
     lines += ["", "## Search-set frontier", ""] + table(s["frontier"], False)

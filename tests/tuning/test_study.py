@@ -21,6 +21,7 @@ from sparsetune.tuning.space import suggest
 from sparsetune.tuning.cascade import run_trial
 from sparsetune.tuning.confirm import CONFIRM_SEED_OFFSET, confirm_reserve, to_confirm
 from sparsetune.tuning.policy import Budget
+from sparsetune.tuning.report import against_defaults_lines
 from sparsetune.tuning.run import run_search
 from sparsetune.tuning.studies import default_trial_params, open_flows, trial_records
 from sparsetune.tuning.workers import LEASE_S, ask, expire_stale
@@ -216,6 +217,35 @@ def test_running_trials_name_their_point_worker_and_heartbeat(tmp_path):
         ("block_topk#0", params, "host:7", 12.5, "defaults")
     flows.studies["block_topk"].tell(t, [0.5, 1.5])
     assert running_trials(flows) == []
+
+
+def test_no_confirm_defaults_confirms_only_the_frontier_and_keeps_no_time_for_the_defaults(tmp_path):
+    cfg = _cfg(tmp_path, confirm_defaults=False, samples=4, confirm_samples=10)
+    ev = SyntheticEvaluator(cfg)
+    result = run_search(cfg, ev)
+    front = {r["trial"] for r in result["frontier"]}
+    confirmed = [c for c in ev.calls if c[3] == cfg.seed + CONFIRM_SEED_OFFSET]
+    assert front and len(confirmed) == len(front)  # the frontier's points, and no defaults
+    records = trial_records(open_flows(cfg, create=False))
+    defaults = [r for r in records if r["role"] == "defaults"]
+    assert len(defaults) == 2 and all(r["confirm"] is None for r in defaults if f"{r['flow']}#{r['number']}" not in front)
+    assert result["against_defaults"] == [] and result["defaults_confirmed"] is False
+    assert against_defaults_lines(result) == ["not compared: the defaults were not confirmed on fresh prompts "
+                                              "(--no-confirm-defaults)"]
+    assert "not compared" in (cfg.run_dir / "frontier.md").read_text()
+    # the budget keeps back time for the frontier alone, and says so
+    for r in defaults:
+        open_flows(cfg, create=False).studies[r["flow"]].set_user_attr(f"confirm:{r['number']}", None)
+    flows = open_flows(cfg, create=False)
+    assert all(r["role"] != "defaults" for r in to_confirm(trial_records(flows), cfg.min_accuracy, False))
+    budget = Budget(cfg.model_copy(update=dict(hours=1.0, trials=None)), time.time())
+    budget.durations = [60.0, 3.0]
+    with_defaults = confirm_reserve(cfg.model_copy(update=dict(confirm_defaults=True)), flows, budget)
+    assert confirm_reserve(cfg, flows, budget) == pytest.approx(with_defaults - 2 * 3.0 * 10 / 4)
+    budget.deadline = time.time() + 5
+    assert "confirming the frontier needs about" in budget.reason_to_stop(flows, 22.5)
+    # not part of what the figures depend on: a resume may turn it on
+    open_flows(cfg.model_copy(update=dict(confirm_defaults=True)), create=True)
 
 
 def test_a_study_run_with_other_settings_is_refused(tmp_path):
