@@ -172,9 +172,10 @@ def against_defaults(defaults: list[dict[str, Any]], held: list[dict[str, Any]])
 
 
 def against_defaults_lines(s: dict[str, Any]) -> list[str]:
-    """One line per flow's defaults: what the search gained over them (frontier.md and the CLI)."""
+    """One line per flow's defaults: what the search gained over them (frontier.md and the CLI); with
+    none confirmed under `--no-confirm-defaults`, one line that says so."""
     what = s.get("share_of", SHARE_OF["decode"])
-    if not s.get("defaults_confirmed", True):
+    if not s.get("against_defaults") and not s.get("defaults_confirmed", True):
         return ["not compared: the defaults were not confirmed on fresh prompts (--no-confirm-defaults)"]
     return [f"{a['defaults']}: " + (f"no confirmed point with no more {what} beats them" if a["point"] is None else
             f"{a['point']} beats them with no more {what} ({100 * a['share']:.0f}% against "
