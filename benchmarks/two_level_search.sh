@@ -18,9 +18,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STUDY=${STUDY:-two-level}
 # At 8K on this model (BENCHMARKS.md) quest and quest_2l keep 43-58% of dense, block_topk_2l 86% at
 # 1.94x, double_sparse_2l 95% at about 1.6x (its channels at the same share of Qwen3-8B's head): the
-# points near 95% and 2.0x are block_topk's and double_sparse_centroid's at 4-token blocks. Each
-# flow's seeds (its defaults, then every block size and channel count) are 30-50 s a trial at 8K.
-FLOWS=${FLOWS:-block_topk,double_sparse_centroid}
+# points near 95% and 2.0x are block_topk's and double_sparse_centroid's at 4-token blocks, with
+# block_topk_2l the two-level flow searched beside them (the target: a search over the built-ins and
+# the two-level flows). Each flow's seeds (its defaults, then every block size, unit size and
+# channel count) are 30-50 s a trial at 8K.
+FLOWS=${FLOWS:-block_topk,double_sparse_centroid,block_topk_2l}
 # The defaults' confirmation (~2.4 min a flow at 8K) only feeds the report's against-the-defaults
 # lines: CONFIRM_DEFAULTS=1 to have it
 [ "${CONFIRM_DEFAULTS:-0}" = 1 ] && CONFIRM=--confirm-defaults || CONFIRM=--no-confirm-defaults
