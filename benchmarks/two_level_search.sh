@@ -8,10 +8,10 @@
 #   1. carry .carry/ga:               bash benchmarks/agent_hour.sh place
 #      carry .carry/wheels:           bash benchmarks/agent_hour.sh wheels   (the tree, the wheels and a half pass 64 MiB)
 #   2. carry .carry/gb:               bash benchmarks/agent_hour.sh model && bash benchmarks/two_level_search.sh start CONTEXT HOURS [STATE]
-#      (STATE: a run.tgz of an earlier segment, the study continued from it; WORKERS=2 on a two-GPU machine,
+#      (STATE: a STUDY.tgz of an earlier segment, the study continued from it; WORKERS=2 on a two-GPU machine,
 #       one engine pair a GPU; CUDA_VISIBLE_DEVICES to leave a GPU to other work)
 #   3. (as many as it takes)          bash benchmarks/two_level_search.sh finish
-#      waits up to 9 minutes for the search; once it has ended: $OUT/run.tgz (the run folder: copy it to
+#      waits up to 9 minutes for the search; once it has ended: $OUT/STUDY.tgz (the run folder: copy it to
 #      benchmarks/records/), the picked bundle's manifest, the held-out evals at 2,048 and 8,000 tokens.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -51,17 +51,18 @@ finish)
     for _ in $(seq 1 54); do running || break; sleep 10; done
     if running; then tail -c 1500 "$LOG"; echo "still searching: call finish again"; exit 0; fi
     if [ $SECONDS -gt 330 ]; then echo "the search has ended: call finish again for the held-out evals"; exit 0; fi
-    tail -c 4000 "$LOG"; cp "$LOG" "$OUT/search.log"
-    tar -czf "$OUT/run.tgz" -C /tmp/runs "$STUDY" || exit 1
-    $ST export "/tmp/runs/$STUDY" --pick "$PICK" --out /tmp/bundle --force --json > "$OUT/bundle.json" || exit 1
-    read -r flow params < <(python3 -c "import json; m = json.load(open('/tmp/bundle/bundle.json'))
-print(m['flow'], ' '.join(f'--param {k}=' + ('/tmp/bundle/' + v if k == 'calibration' else v) for k, v in m['params'].items() if v != ''))")
+    tail -c 4000 "$LOG"; cp "$LOG" "$OUT/$STUDY.log"
+    tar -czf "$OUT/$STUDY.tgz" -C /tmp/runs "$STUDY" || exit 1
+    bundle=/tmp/bundle-$STUDY
+    $ST export "/tmp/runs/$STUDY" --pick "$PICK" --out "$bundle" --force --json > "$OUT/$STUDY-bundle.json" || exit 1
+    read -r flow params < <(python3 -c "import json, sys; b = sys.argv[1]; m = json.load(open(b + '/bundle.json'))
+print(m['flow'], ' '.join(f'--param {k}=' + (b + '/' + v if k == 'calibration' else v) for k, v in m['params'].items() if v != ''))" "$bundle")
     echo "picked: $flow $params"
     for ctx in 2048 8000; do
         $ST eval --flow "$flow" $params --context $ctx --samples 10 --seed 123 --mode accuracy --dtype float32 \
-            --out /tmp/ev --json > "$OUT/heldout_$ctx.json" 2> /tmp/ev.log || { tail -n 5 /tmp/ev.log; exit 1; }
+            --out "/tmp/ev-$STUDY" --json > "$OUT/$STUDY-heldout_$ctx.json" 2> "/tmp/ev-$STUDY.log" || { tail -n 5 "/tmp/ev-$STUDY.log"; exit 1; }
         python3 -c "import json,sys; d = json.load(open(sys.argv[1]))
-print('held out', d['context'], 'tokens:', d['relative_accuracy'], 'of dense', (d['accuracy'], d['dense_accuracy']), d['seconds'], 's')" "$OUT/heldout_$ctx.json"
+print('held out', d['context'], 'tokens:', d['relative_accuracy'], 'of dense', (d['accuracy'], d['dense_accuracy']), d['seconds'], 's')" "$OUT/$STUDY-heldout_$ctx.json"
     done
     ;;
 *) sed -n 2,13p "$0"; exit 2 ;;
