@@ -70,7 +70,7 @@ finish)
     for _ in $(seq 1 48); do running || break; sleep 10; done
     if running; then pkill -INT -f "[s]parsetune.cli.main search .*--study $STUDY --out"; sleep 20; fi
     tail -c 4500 "$LOG"
-    tar -czf "${OUT:-/tmp}/$STUDY.tgz" -C /tmp/runs "$STUDY" && cp "$LOG" "${OUT:-/tmp}/$STUDY.log"
+    tar -czf "${OUT:-/tmp}/$STUDY.tgz" --exclude="$STUDY/sandbox/scratch" -C /tmp/runs "$STUDY" && cp "$LOG" "${OUT:-/tmp}/$STUDY.log"
     ls -la "${OUT:-/tmp}"
     ;;
 *)

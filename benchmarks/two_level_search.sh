@@ -26,6 +26,9 @@ FLOWS=${FLOWS:-block_topk,double_sparse_centroid,block_topk_2l}
 # The defaults' confirmation (~2.4 min a flow at 8K) only feeds the report's against-the-defaults
 # lines: CONFIRM_DEFAULTS=1 to have it
 [ "${CONFIRM_DEFAULTS:-0}" = 1 ] && CONFIRM=--confirm-defaults || CONFIRM=--no-confirm-defaults
+# AGENT=evolve: the agent proposes flows beside them (#43 item 5 in the same lease: its report compares
+# the proposals with the best tuned built-in that held the bar on fresh prompts; WORKERS stays 1)
+EXTRA=(); [ -n "${AGENT:-}" ] && EXTRA=(--agent "$AGENT")
 PICK=${PICK:-max speedup where accuracy >= 0.95}
 export PYTHONPATH="$PWD:/tmp/pp" PYTHONUNBUFFERED=1
 ST="python3 -m sparsetune.cli.main"
@@ -41,7 +44,7 @@ start)
     mkdir -p /tmp/runs
     if [ -n "$state" ]; then tar -xzf "$state" -C /tmp/runs || exit 1; fi
     setsid nohup $ST search --flow "$FLOWS" --context "$ctx" --hours "$hours" --samples 4 --confirm-samples 10 \
-        --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 $CONFIRM \
+        --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 $CONFIRM "${EXTRA[@]}" \
         --workers "${WORKERS:-1}" --study "$STUDY" --out /tmp/runs > "$LOG" 2>&1 < /dev/null &
     sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 "$LOG"; exit 1; }
     for _ in $(seq 1 40); do running || break; sleep 10; done
@@ -52,7 +55,7 @@ finish)
     if running; then tail -c 1500 "$LOG"; echo "still searching: call finish again"; exit 0; fi
     if [ $SECONDS -gt 330 ]; then echo "the search has ended: call finish again for the held-out evals"; exit 0; fi
     tail -c 4000 "$LOG"; cp "$LOG" "$OUT/$STUDY.log"
-    tar -czf "$OUT/$STUDY.tgz" -C /tmp/runs "$STUDY" || exit 1
+    tar -czf "$OUT/$STUDY.tgz" --exclude="$STUDY/sandbox/scratch" -C /tmp/runs "$STUDY" || exit 1  # (an agent's scratch: copied out already)
     bundle=/tmp/bundle-$STUDY
     $ST export "/tmp/runs/$STUDY" --pick "$PICK" --out "$bundle" --force --json > "$OUT/$STUDY-bundle.json" || exit 1
     read -r flow params < <(python3 -c "import json, sys; b = sys.argv[1]; m = json.load(open(b + '/bundle.json'))

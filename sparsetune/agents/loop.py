@@ -133,6 +133,7 @@ class Agent:
     def attach(self, flows: Studies, budget: Budget, emit: EventFn) -> None:
         """The search's studies are open: add the accepted candidates' (a resumed search)."""
         self.flows, self.budget, self.emit = flows, budget, emit
+        self.evaluator.emit = emit  # the sandboxed evaluator's own events (the engines taking turns)
         for cand in self.candidates:
             if _through(cand):
                 self._join(cand)

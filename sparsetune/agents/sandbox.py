@@ -18,6 +18,9 @@ engines, and every trial and accuracy run of any flow, live there. Its scratch f
 (`scratch/out/<n>`) and copied here, after the answer, to the request's `out` (`collect`: folders
 and regular files only, nothing followed), with the paths in the answer and in the copied JSON
 rewritten to their new place. Its config and logs are in `<folder>`, which it cannot write.
+What its evaluator reports along the way (the engines starting to take turns) comes back with the
+answer and is passed on as the search's own event (`relay`: only the kinds in `RELAYED`, each
+field a string of bounded length: the child runs candidates' code).
 """
 
 from __future__ import annotations
@@ -87,6 +90,20 @@ def prepare_models(cfg) -> None:
             pass  # the child says so, with the request that needed it
 
 
+# Events of the child's evaluator passed on to the search (`relay`): kind -> its fields
+RELAYED = {"turns": ("reason",)}
+
+
+def relay(events: Any, emit) -> None:
+    """Pass on the child's evaluator events (`RELAYED` kinds, fields as strings of at most 500
+    characters, scrubbed); anything else in the list is dropped."""
+    for ev in events if isinstance(events, list) else []:
+        kind = ev.get("kind") if isinstance(ev, dict) else None
+        data = ev.get("data") if isinstance(ev, dict) else None
+        if kind in RELAYED and isinstance(data, dict):
+            emit(kind, {k: scrub(str(data.get(k, ""))[:500]) for k in RELAYED[kind]})
+
+
 class SandboxEvaluator:
     """The search's evaluator in a sandboxed child (`python -m sparsetune.agents.sandbox serve`, in the
     jail; module docstring): its engines, and every trial and accuracy run of any flow, live there,
@@ -109,6 +126,7 @@ class SandboxEvaluator:
         self.slowest: float | None = None
         self.starts = 0
         self.requests = 0
+        self.emit = lambda kind, data: None  # the search's events (`Agent.attach`): the child's are relayed
 
     @property
     def _proc(self) -> subprocess.Popen | None:
@@ -164,6 +182,7 @@ class SandboxEvaluator:
             self.close()
             raise SandboxError(f"killed by the harness: {why}" if killed else why)
         self.slowest = max(self.slowest or 0.0, time.monotonic() - t0)
+        relay(ans.pop("events", None), self.emit)  # a failed request's too
         if not ans.get("ok"):
             raise SandboxError(str(ans.get("error", "the sandbox failed")))
         return ans
@@ -201,9 +220,10 @@ class SandboxEvaluator:
             with os.fdopen(read_fd, "rb") as f:
                 for line in f:
                     try:
-                        answers.put(json.loads(line))
+                        ans = json.loads(line)
                     except ValueError:
-                        answers.put({"ok": False, "error": "the sandbox answered garbage"})
+                        ans = None
+                    answers.put(ans if isinstance(ans, dict) else {"ok": False, "error": "the sandbox answered garbage"})
             answers.put(None)  # the child closed its end: gone
 
         def watch() -> None:
@@ -257,7 +277,8 @@ def _serve(config: str) -> int:
     from sparsetune.tuning.trial import EngineEvaluator
 
     cfg = SearchConfig.model_validate_json(Path(config).read_text())
-    evaluator = EngineEvaluator(cfg)
+    events: list[dict[str, Any]] = []  # sent with the next answer (`relay`)
+    evaluator = EngineEvaluator(cfg, on_event=lambda kind, data: events.append({"kind": kind, "data": data}))
     cap_address_space()
     with os.fdopen(int(os.environ["SPARSETUNE_SANDBOX_FD"]), "w") as answers:
         for line in sys.stdin:
@@ -274,6 +295,7 @@ def _serve(config: str) -> int:
                 ans["ok"] = True
             except Exception as e:  # noqa: BLE001 - the request failed; the parent records why
                 ans = {"ok": False, "error": f"{type(e).__name__}: {e}"[:1000]}
+            ans["events"], events[:] = list(events), []
             answers.write(json.dumps(ans, default=str) + "\n")
             answers.flush()
     return 0

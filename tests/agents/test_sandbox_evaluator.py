@@ -50,3 +50,44 @@ def test_a_request_past_its_limit_is_killed_and_the_next_starts_afresh(tmp_path)
     with pytest.raises(SandboxError, match=r"over its memory limit of 200 MB"):
         box.accuracy("block_topk", {}, samples=1, seed=0, out=tmp_path / "a")
     assert box.starts == 2
+
+
+class _Child:
+    """A child that has answered already (its answer queued): what the parent does with an answer."""
+
+    def __init__(self) -> None:
+        import io
+
+        self.stdin = io.BytesIO()
+
+    def poll(self):
+        return None
+
+
+def test_the_childs_events_are_relayed_as_the_searchs_and_nothing_else_of_them(tmp_path, monkeypatch):
+    import queue
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("SPARSETUNE_TEST_TOKEN", "sk-ant-api03-" + "x" * 40)
+    cfg = SearchConfig(study="s", out=str(tmp_path), flows=("block_topk",), trials=1, device="cpu", **SMALL)
+    box = SandboxEvaluator(cfg, tmp_path / "sandbox", Limits(wall_s=60, memory_mb=6000, cpu_only=True))
+    got = []
+    box.emit = lambda kind, data: got.append((kind, data))
+    box._box = SimpleNamespace(proc=_Child())
+    box._answers = queue.Queue()
+    forged = [
+        {"kind": "turns", "data": {"reason": "CUDA out of memory [bold]" + "y" * 900, "extra": "dropped"}},
+        {"kind": "turns", "data": {"reason": "the key is sk-ant-api03-" + "x" * 40}},
+        {"kind": "begin", "data": {"study": "../../etc"}},  # not a kind the child may send
+        {"kind": "turns", "data": "not a dict"}, "not an event", ["nor", "this"],
+    ]
+    box._answers.put({"ok": False, "error": "OutOfMemory: again", "events": forged})
+    with pytest.raises(SandboxError, match="OutOfMemory: again"):  # a failed request's events still come through
+        box.request({"op": "trial", "flow": "block_topk", "params": {}})
+    assert [k for k, _ in got] == ["turns", "turns"]
+    first, second = (d for _, d in got)
+    assert set(first) == {"reason"} and first["reason"].startswith("CUDA out of memory [bold]") and len(first["reason"]) == 500
+    assert "sk-ant" not in second["reason"] and "[redacted]" in second["reason"]
+    box._answers.put({"ok": True, "record": {"x": 1}, "events": "not a list"})  # ignored, the answer kept
+    assert box.request({"op": "trial", "flow": "block_topk", "params": {}}) == {"ok": True, "record": {"x": 1}}
+    assert len(got) == 2
