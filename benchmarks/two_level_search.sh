@@ -11,8 +11,10 @@
 #      (STATE: a STUDY.tgz of an earlier segment, the study continued from it; WORKERS=2 on a two-GPU machine,
 #       one engine pair a GPU; CUDA_VISIBLE_DEVICES to leave a GPU to other work)
 #   3. (as many as it takes)          bash benchmarks/two_level_search.sh finish
-#      waits up to 9 minutes for the search; once it has ended: $OUT/STUDY.tgz (the run folder: copy it to
-#      benchmarks/records/), the picked bundle's manifest, the held-out evals at 2,048 and 8,000 tokens.
+#      waits up to 9 minutes for the search; once it has ended: $OUT/STUDY.tgz (the run folder, an agent's
+#      scratch left out: copy it to benchmarks/records/), STUDY.log, the picked bundle's manifest
+#      (STUDY-bundle.json), the held-out evals at 2,048 and 8,000 tokens (STUDY-heldout_N.json).
+#      A STATE from before 2026-12-06 was searched over other FLOWS: set FLOWS as it was to continue it.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STUDY=${STUDY:-two-level}

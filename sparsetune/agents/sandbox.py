@@ -95,13 +95,18 @@ RELAYED = {"turns": ("reason",)}
 
 
 def relay(events: Any, emit) -> None:
-    """Pass on the child's evaluator events (`RELAYED` kinds, fields as strings of at most 500
-    characters, scrubbed); anything else in the list is dropped."""
+    """Pass on the child's evaluator events: the first of each `RELAYED` kind in an answer, its
+    fields as one line of printable text (control characters, terminal escapes and newlines
+    blanked), scrubbed, at most 500 characters; anything else in the list is dropped."""
+    import re
+
+    seen = set()
     for ev in events if isinstance(events, list) else []:
         kind = ev.get("kind") if isinstance(ev, dict) else None
         data = ev.get("data") if isinstance(ev, dict) else None
-        if kind in RELAYED and isinstance(data, dict):
-            emit(kind, {k: scrub(str(data.get(k, ""))[:500]) for k in RELAYED[kind]})
+        if kind in RELAYED and kind not in seen and isinstance(data, dict):
+            seen.add(kind)
+            emit(kind, {k: re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", scrub(str(data.get(k, ""))))[:500] for k in RELAYED[kind]})
 
 
 class SandboxEvaluator:

@@ -234,6 +234,8 @@ def resume_command(cfg: SearchConfig, workers: int = 1) -> str:
             args += [a for k, v in value.items() for a in ("--param", f"{k}={v}")]
         elif name == "save_defaults":
             args.append(flag)
+        elif name == "confirm_defaults":  # on by default: only its off switch is written
+            args.append("--no-confirm-defaults")
         else:
             args += [flag, masked_url(value) if name == "storage" else str(value)]
     return shlex.join(args + (["--workers", str(workers)] if workers > 1 else []) + ["--resume"])

@@ -172,16 +172,18 @@ def against_defaults(defaults: list[dict[str, Any]], held: list[dict[str, Any]])
 
 
 def against_defaults_lines(s: dict[str, Any]) -> list[str]:
-    """One line per flow's defaults: what the search gained over them (frontier.md and the CLI); with
-    none confirmed under `--no-confirm-defaults`, one line that says so."""
+    """One line per flow's defaults: what the search gained over them (frontier.md and the CLI); under
+    `--no-confirm-defaults`, one line for those left unconfirmed (a defaults point on the frontier is
+    confirmed there)."""
     what = s.get("share_of", SHARE_OF["decode"])
-    if not s.get("against_defaults") and not s.get("defaults_confirmed", True):
-        return ["not compared: the defaults were not confirmed on fresh prompts (--no-confirm-defaults)"]
+    left = [d["trial"] for d in s.get("defaults", []) if d.get("confirmed_accuracy") is None]
+    unconfirmed = [f"{', '.join(left)}: not compared (not confirmed on fresh prompts: --no-confirm-defaults)"] \
+        if left and not s.get("defaults_confirmed", True) else []
     return [f"{a['defaults']}: " + (f"no confirmed point with no more {what} beats them" if a["point"] is None else
             f"{a['point']} beats them with no more {what} ({100 * a['share']:.0f}% against "
             f"{100 * a['defaults_share']:.0f}%): {100 * a['accuracy_gain']:+.0f} points of confirmed accuracy, at "
             f"{a['speed_ratio']:.2f}× their speed ({'faster too: it dominates them' if a['dominates'] else 'slower: it trades speed for the accuracy'})")
-            for a in s.get("against_defaults", [])]
+            for a in s.get("against_defaults", [])] + unconfirmed
 
 
 def markdown(s: dict[str, Any]) -> str:

@@ -140,6 +140,10 @@ def add_flow(cfg: SearchConfig, flows: Studies, flow: str, cls: type, *, storage
             study.set_user_attr("search", cfg.public_dump())
             for params, role in seeds:  # a proposed flow's defaults are where its study starts, not a baseline
                 study.enqueue_trial(params, user_attrs={"role": "start" if foreign and role == "defaults" else role})
+        elif study.user_attrs["search"] != cfg.public_dump():
+            # a resume's own budget and switches (its figures' settings are the stored ones: `open_flows`
+            # checked): what its workers, and `search show`, read from now on
+            study.set_user_attr("search", cfg.public_dump())
     else:
         try:
             study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)

@@ -76,18 +76,23 @@ def test_the_childs_events_are_relayed_as_the_searchs_and_nothing_else_of_them(t
     box._box = SimpleNamespace(proc=_Child())
     box._answers = queue.Queue()
     forged = [
-        {"kind": "turns", "data": {"reason": "CUDA out of memory [bold]" + "y" * 900, "extra": "dropped"}},
-        {"kind": "turns", "data": {"reason": "the key is sk-ant-api03-" + "x" * 40}},
         {"kind": "begin", "data": {"study": "../../etc"}},  # not a kind the child may send
         {"kind": "turns", "data": "not a dict"}, "not an event", ["nor", "this"],
+        {"kind": "turns", "data": {"reason": "CUDA out of memory [bold]\x1b]0;title\x1b\\\x1b[2J\nforged line " + "y" * 900,
+                                   "extra": "dropped"}},
+        *[{"kind": "turns", "data": {"reason": f"flood {i}"}} for i in range(1000)],  # one of a kind an answer
     ]
     box._answers.put({"ok": False, "error": "OutOfMemory: again", "events": forged})
     with pytest.raises(SandboxError, match="OutOfMemory: again"):  # a failed request's events still come through
         box.request({"op": "trial", "flow": "block_topk", "params": {}})
-    assert [k for k, _ in got] == ["turns", "turns"]
-    first, second = (d for _, d in got)
-    assert set(first) == {"reason"} and first["reason"].startswith("CUDA out of memory [bold]") and len(first["reason"]) == 500
-    assert "sk-ant" not in second["reason"] and "[redacted]" in second["reason"]
+    assert [k for k, _ in got] == ["turns"]
+    reason = got[0][1]["reason"]
+    assert set(got[0][1]) == {"reason"} and reason.startswith("CUDA out of memory [bold] ]0;title") and len(reason) == 500
+    assert not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in reason)  # no escape, no newline: one printable line
+    secret = "sk-ant-api03-" + "x" * 40  # scrubbed before it is cut: a secret across the cut leaves no prefix
+    box._answers.put({"ok": True, "record": {"x": 1}, "events": [{"kind": "turns", "data": {"reason": "y" * 480 + secret}}]})
+    assert box.request({"op": "trial", "flow": "block_topk", "params": {}}) == {"ok": True, "record": {"x": 1}}
+    assert "sk-ant" not in got[1][1]["reason"] and got[1][1]["reason"].startswith("y" * 480 + "[redacted]")
     box._answers.put({"ok": True, "record": {"x": 1}, "events": "not a list"})  # ignored, the answer kept
     assert box.request({"op": "trial", "flow": "block_topk", "params": {}}) == {"ok": True, "record": {"x": 1}}
     assert len(got) == 2

@@ -116,12 +116,13 @@ class Interrupting(SyntheticEvaluator):
 
 
 def test_ctrl_c_says_the_study_is_kept_and_the_command_that_resumes_it(cli, tmp_path):
-    code, _out, lines = cli(*_search(tmp_path, "--trials", "4", "--param", "sink_blocks=1"), evaluator=Interrupting)
+    code, _out, lines = cli(*_search(tmp_path, "--trials", "4", "--param", "sink_blocks=1", "--no-confirm-defaults"),
+                            evaluator=Interrupting)
     assert code == 130 and not any("Traceback" in line for line in lines), lines
     said = [line for line in lines if "continue it with: " in line]
     assert len(said) == 1 and "study s is kept" in said[0], lines
     command = shlex.split(said[0].split("continue it with: ", 1)[1])
-    assert command[:2] == ["sparsetune", "search"] and "--resume" in command
+    assert command[:2] == ["sparsetune", "search"] and "--resume" in command and "--no-confirm-defaults" in command
     code, _out, lines = cli(*command[1:])  # exactly that command continues it
     assert code == 0, lines
     summary = json.loads((tmp_path / "s" / "frontier.json").read_text())

@@ -23,6 +23,7 @@ from sparsetune.tuning.confirm import CONFIRM_SEED_OFFSET, confirm_reserve, to_c
 from sparsetune.tuning.policy import Budget
 from sparsetune.tuning.report import against_defaults_lines
 from sparsetune.tuning.run import run_search
+from sparsetune.tuning.storage import open_storage, stored_config
 from sparsetune.tuning.studies import default_trial_params, open_flows, trial_records
 from sparsetune.tuning.workers import LEASE_S, ask, expire_stale
 from helpers import SyntheticEvaluator
@@ -230,8 +231,9 @@ def test_no_confirm_defaults_confirms_only_the_frontier_and_keeps_no_time_for_th
     defaults = [r for r in records if r["role"] == "defaults"]
     assert len(defaults) == 2 and all(r["confirm"] is None for r in defaults if f"{r['flow']}#{r['number']}" not in front)
     assert result["against_defaults"] == [] and result["defaults_confirmed"] is False
-    assert against_defaults_lines(result) == ["not compared: the defaults were not confirmed on fresh prompts "
-                                              "(--no-confirm-defaults)"]
+    left = [r["trial"] for r in result["defaults"] if r["confirmed_accuracy"] is None]
+    assert left and against_defaults_lines(result) == [
+        f"{', '.join(left)}: not compared (not confirmed on fresh prompts: --no-confirm-defaults)"]
     assert "not compared" in (cfg.run_dir / "frontier.md").read_text()
     # the budget keeps back time for the frontier alone, and says so
     for r in defaults:
@@ -244,8 +246,10 @@ def test_no_confirm_defaults_confirms_only_the_frontier_and_keeps_no_time_for_th
     assert confirm_reserve(cfg, flows, budget) == pytest.approx(with_defaults - 2 * 3.0 * 10 / 4)
     budget.deadline = time.time() + 5
     assert "confirming the frontier needs about" in budget.reason_to_stop(flows, 22.5)
-    # not part of what the figures depend on: a resume may turn it on
-    open_flows(cfg.model_copy(update=dict(confirm_defaults=True)), create=True)
+    # not part of what the figures depend on: a resume may turn it on, and its workers read the resume's settings
+    open_flows(cfg.model_copy(update=dict(confirm_defaults=True, trials=14)), create=True)
+    stored = stored_config(open_storage(cfg.storage_url()), cfg.study)
+    assert stored.confirm_defaults is True and stored.trials == 14
 
 
 def test_a_study_run_with_other_settings_is_refused(tmp_path):
