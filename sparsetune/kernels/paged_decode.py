@@ -83,7 +83,8 @@ _MIN_TOKENS_PER_SPLIT = 512
 # Rounded down, that leaves rows between 2 and 4 per SM one split each: a wave of resident programs
 # and a sliver of a second. Measured on an H100 (BENCHMARKS.md, #43, `bench_sparse_splits.py`): 424
 # rows (Vortex's 53 sequences of Qwen3-1.7B) of 2,048 tokens ran 206 us at one split (72% of the
-# byte floor) and 162 us at two (92%), so such rows get two.
+# byte floor) and 162 us at two (92%), 408 rows alike, so such rows get two (measured at 408 and 424
+# rows; at 265-407 and 425-527 by the same wave arithmetic, not measured).
 _SPARSE_PROGRAMS_PER_SM = 4
 _SPARSE_MIN_TOKENS_PER_SPLIT = 128
 # Bounds the merge kernel's per-program tile and the partial buffers.
