@@ -34,6 +34,9 @@ REPO = HERE.parent.parent
 # loader, tokenizer manager and OpenAI routes needs beyond this project's dependencies (research note §6.2; versions its wheel accepts).
 # transformers, tokenizers and huggingface-hub are the ones each SGLang registers its model configs
 # against (0.5.23's own pins); torch and torchvision come with the version's environment (TORCH).
+# kernels: the version both SGLangs pin (kernels<0.15,>=0.14.1). Left to this venv's, the one newer
+# transformers require (0.19.1, from transformers 5.25), SGLang 0.5.16's transformers 5.12.1 fails at
+# import ("Either a revision or a version must be specified", kernels' LayerRepository).
 _CHAIN = """orjson==3.13.0 pybase64==1.5.1 starlette==1.10.0 ipython==9.18.1 traitlets==5.16.1
 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 attrs==26.1.0
 yarl==1.25.1 propcache==0.5.4 pyzmq==27.3.0 httpx==0.28.1 httpcore==1.0.9 dill==0.4.1 msgspec==0.22.0
@@ -44,10 +47,10 @@ TORCH = {"0.5.16": ["torch==2.11.0", "torchvision==0.26.0"], "0.5.23": ["torch==
 PINS = {
     "0.5.16": """sglang==0.5.16 transformers==5.12.1 tokenizers==0.22.2 huggingface_hub==1.33.0 openai==3.57.0
 partial_json_parser==0.2.1.1.post7 xgrammar==0.2.8 sentencepiece==0.2.3 einops==0.8.2
-compressed-tensors==0.20.0""".split() + _CHAIN,
+compressed-tensors==0.20.0 kernels==0.14.1""".split() + _CHAIN,
     "0.5.23": """sglang==0.5.23 transformers==5.19.0 tokenizers==0.23.2 huggingface_hub==1.33.0 sentencepiece==0.2.1
 compressed-tensors==0.18.0 openai==2.8.0 distro==1.9.0 partial_json_parser==0.2.1.1.post7 einops==0.8.2
-xgrammar==0.2.8""".split() + _CHAIN,
+xgrammar==0.2.8 kernels==0.14.1""".split() + _CHAIN,
 }
 
 
