@@ -21,9 +21,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import measure_copy_bandwidth  # noqa: E402
 
 
 def pool_batch(model: str, flow: str | None, params: dict[str, str], seq_tokens: int) -> tuple[int, int]:
@@ -100,7 +106,7 @@ def main() -> None:
         "mean_step_ms": 1e3 * s.decode_seconds / max(1, s.decode_tokens / batch), "build_seconds": build_s,
         "date": time.strftime("%Y-%m-%d"), "sparse_programs_per_sm": sparse_programs_per_sm(),
     }
-    row["bandwidth"] = a.bandwidth or copy_bandwidth()
+    row["bandwidth"] = a.bandwidth or measure_copy_bandwidth()
     row["floor_tokens_per_second"] = floor_throughput(llm, batch, a.prompt, a.gen, row["bandwidth"])
     print(json.dumps(row), flush=True)
     print(f"{a.model} {a.flow} {params}: batch {batch} (pool holds {held}), {generated} tokens in {wall:.1f} s = "
@@ -131,17 +137,6 @@ def sparse_programs_per_sm() -> int:
     from sparsetune.kernels import paged_decode
 
     return paged_decode._SPARSE_PROGRAMS_PER_SM
-
-
-def copy_bandwidth() -> float:
-    """The device's copy bandwidth, measured (`benchmarks/common.py`): an H100's is ~3.0 TB/s, an H200's ~4.2."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import measure_copy_bandwidth
-
-    return measure_copy_bandwidth()
 
 
 def floor_throughput(llm, batch: int, prompt: int, gen: int, bandwidth: float) -> float:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from sparsetune.agents.diversity import diversity
 from sparsetune.agents.harness import CHECK_LIMITS, Candidate, Stage, declared_name, load_candidates, validate
 from sparsetune.agents.proposer import PROPOSERS, Context, NoMoreProposals, Proposer
-from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator, check_isolation, scrub
+from sparsetune.agents.sandbox import Limits, SandboxError, SandboxEvaluator, check_isolation, printable_line, scrub
 from sparsetune.errors import SparsetuneError
 from sparsetune.records import new_file
 from sparsetune.tuning.config import SearchConfig, flow_key
@@ -422,12 +422,6 @@ def promote(candidate_dir: str | Path, out: str | Path | None = None) -> dict[st
             lo, hi = r.get("interval") or (None, None)
             lines.append(f"confirmed frontier: {r['trial']} {r['params']}: {100 * r['confirmed_accuracy']:.1f}% of dense "
                          f"on fresh prompts [{lo}, {hi}], speedup {r['speedup']:.2f}x ({r.get('speed_kind')})")
-    lines = [comment_text(line) for line in lines]
+    lines = [printable_line(line) for line in lines]
     path.write_bytes("".join(f"# {line}\n" for line in lines).encode() + b"\n" + source)
     return {"file": str(path), "candidate": cand.id, "flow": cand.name, "header": lines}
-
-
-def comment_text(text: str) -> str:
-    """Text that stays inside one `#` comment line: every line break Python knows (\\r, \\n, \\f,
-    \\v, \\x1c-\\x1e, \\x85, \\u2028, \\u2029) and other control characters become spaces."""
-    return "".join(" " if (c.isspace() and c != " ") or not c.isprintable() else c for c in " ".join(text.splitlines()))

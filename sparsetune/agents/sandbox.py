@@ -94,19 +94,23 @@ def prepare_models(cfg) -> None:
 RELAYED = {"turns": ("reason",)}
 
 
+def printable_line(text: str) -> str:
+    """Text that stays on one line (a `#` comment's, a console line's): every line break Python knows
+    (\\r, \\n, \\f, \\v, \\x1c-\\x1e, \\x85, \\u2028, \\u2029) and other control characters (a
+    terminal escape's ESC among them) become spaces."""
+    return "".join(" " if (c.isspace() and c != " ") or not c.isprintable() else c for c in " ".join(text.splitlines()))
+
+
 def relay(events: Any, emit) -> None:
     """Pass on the child's evaluator events: the first of each `RELAYED` kind in an answer, its
-    fields as one line of printable text (control characters, terminal escapes and newlines
-    blanked), scrubbed, at most 500 characters; anything else in the list is dropped."""
-    import re
-
+    fields scrubbed, made `printable_line` and cut to 500 characters; anything else in the list is dropped."""
     seen = set()
     for ev in events if isinstance(events, list) else []:
         kind = ev.get("kind") if isinstance(ev, dict) else None
         data = ev.get("data") if isinstance(ev, dict) else None
         if kind in RELAYED and kind not in seen and isinstance(data, dict):
             seen.add(kind)
-            emit(kind, {k: re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", scrub(str(data.get(k, ""))))[:500] for k in RELAYED[kind]})
+            emit(kind, {k: printable_line(scrub(str(data.get(k, ""))))[:500] for k in RELAYED[kind]})
 
 
 class SandboxEvaluator:

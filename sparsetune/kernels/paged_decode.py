@@ -116,7 +116,8 @@ def choose_num_splits(
     pairs = max(1, batch * num_kv_heads)
     max_tokens = max(1, max_blocks * block_size)
     if sparse:
-        want = max(_SPARSE_PROGRAMS_PER_SM * num_sms // pairs, 2 if pairs < _SPARSE_PROGRAMS_PER_SM * num_sms else 1)
+        target = _SPARSE_PROGRAMS_PER_SM * num_sms
+        want = max(target // pairs, 2 if pairs < target else 1)
         cap = max_tokens // _SPARSE_MIN_TOKENS_PER_SPLIT
     else:
         want = triton.cdiv(_TARGET_PROGRAMS_PER_SM * num_sms, pairs)

@@ -215,9 +215,9 @@ def markdown(s: dict[str, Any]) -> str:
         lines += ["", "Could not be confirmed (the evaluation failed; `--resume` tries again):", ""] + [
             f"- {r['trial']}: {r['confirm_error']}" for r in s["confirm_failed"]]
     lines += ["", "## Each flow's defaults", ""] + table(s["defaults"], True)
-    if against_defaults_lines(s):
+    if against := against_defaults_lines(s):
         lines += ["", f"Against the defaults (a confirmed point that held, with no more {s['share_of']}, and beat "
-                  "their confirmed accuracy):", ""] + [f"- {line}" for line in against_defaults_lines(s)]
+                  "their confirmed accuracy):", ""] + [f"- {line}" for line in against]
     lines += ["", "## Search-set frontier", ""] + table(s["frontier"], False)
     t = s["trials"]
     lines += ["", f"{t['finished']} trials finished ({t['stopped_by_cascade']} stopped by the cascade), {t['failed']} failed; "
