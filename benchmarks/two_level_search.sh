@@ -8,6 +8,7 @@
 #   1. carry .carry/ga:               bash benchmarks/agent_hour.sh place
 #      carry .carry/wheels:           bash benchmarks/agent_hour.sh wheels   (the tree, the wheels and a half pass 64 MiB)
 #   2. carry .carry/gb:               bash benchmarks/agent_hour.sh model && bash benchmarks/two_level_search.sh start CONTEXT HOURS [STATE]
+#      (PARAMS="block_size=4 ...": params fixed for every flow, the rest searched)
 #      (STATE: a STUDY.tgz of an earlier segment, the study continued from it; WORKERS=2 on a two-GPU machine,
 #       one engine pair a GPU; CUDA_VISIBLE_DEVICES to leave a GPU to other work)
 #   3. (as many as it takes)          bash benchmarks/two_level_search.sh finish
@@ -31,6 +32,8 @@ FLOWS=${FLOWS:-block_topk,double_sparse_centroid,block_topk_2l}
 # AGENT=evolve: the agent proposes flows beside them (#43 item 5 in the same lease: its report compares
 # the proposals with the best tuned built-in that held the bar on fresh prompts; WORKERS stays 1)
 EXTRA=(); [ -n "${AGENT:-}" ] && EXTRA=(--agent "$AGENT")
+# PARAMS="k=v k=v": params fixed for every flow (`--param`), the rest searched
+for kv in ${PARAMS:-}; do EXTRA+=(--param "$kv"); done
 PICK=${PICK:-max speedup where accuracy >= 0.95}
 export PYTHONPATH="$PWD:/tmp/pp" PYTHONUNBUFFERED=1
 ST="python3 -m sparsetune.cli.main"
