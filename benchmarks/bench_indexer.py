@@ -2,6 +2,7 @@
 """One layer's block selection at decode: Inductor path vs the generated indexer + radix top-k.
 
     python benchmarks/bench_indexer.py [--flows block_topk,quest] [--cases 16x32768,8x32768]
+    python benchmarks/bench_indexer.py --flows quest --cases 28x12288 --group 2 --max-tiles 16,1 --scoring-only
 
 Qwen3-8B attention shapes (32 query / 8 KV heads, head dim 128, bf16, blocks of 16), one
 layer's KV pool filled with random keys, the flow's cache-stage fields computed over every
@@ -11,6 +12,9 @@ under CUDA graph replay:
   - `generated`: the generated indexer kernel + the radix-select top-k kernel;
   - their parts (scoring kernel alone, radix select alone, torch.topk on the same scores);
 and the floor: the cached-field bytes the indexer must read / measured copy bandwidth.
+`--group 2`: Qwen3-1.7B's group (16 query heads); `--max-tiles`: sweep how many tiles a program of a
+tiled kernel (row math of its own, e.g. Quest's split query) may loop over (`indexer.MAX_TILES`; 1:
+a program a tile, as untiled kernels run); `--scoring-only`: the generated scoring kernel alone.
 It also reports how often both paths choose the same blocks (they score in different
 precisions: Inductor in the field dtype, the generated kernel in fp32).
 """
@@ -41,7 +45,9 @@ from sparsetune.kernels.select_topk import select_topk  # noqa: E402
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
-def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: int, sweep: bool = True) -> dict:
+def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: int, sweep: bool = True,
+         group: int = HQ // HKV, scoring_only: bool = False) -> dict:
+    hq = group * HKV
     flow = build_flow(flow_name, {"budget": str(budget), "dense_layers": ""})
     nb = -(-ctx // BS)
     kv = KVCache(1, batch * (nb + extra) + 1, HKV, BS, D, torch.bfloat16, "cuda")
@@ -50,14 +56,14 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     # The engine's tables are wider than the context (room to generate): `extra` more columns.
     bt = torch.randperm(batch * (nb + extra), device="cuda").view(batch, nb + extra).to(torch.int32)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(batch, hq, D, dtype=torch.bfloat16, device="cuda")
     calib = synthetic_calibration(1, HKV, D) if flow.calibrated else None
     attn = FlowAttention(flow, D**-0.5, executor="compiled", calibration=calib)
     const = attn.constants(0, kv)
     attn.run_cache(0, kv, bt[:, :nb].flatten().long(), bt[:, :nb].flatten().long())
     stores = attn.fields[0]
     dims = {n: tuple(t.shape[2:]) for n, t in stores.items()}
-    ker = build_indexer(flow, HQ // HKV, D)
+    ker = build_indexer(flow, group, D)
     k_max = min(nb + extra, flow.budget_blocks(nb + extra))
     rule = attn.rule(q.device)
 
@@ -68,6 +74,12 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
         return ker(q, PagedBlocks(bt, kv.null_block), seq_lens, stores, None, const, HKV, rule)
 
     sc, counts = scores()
+    field_bytes = batch * HKV * nb * sum(2 * r * c for r, c in dims.values())
+    floor_us = 1e6 * field_bytes / bw
+    if scoring_only:
+        return {"flow": flow_name, "batch": batch, "context": ctx, "group": group, "block_s": ker.tile(q, stores)[0],
+                "tiles": ker.tiles(batch * HKV, -(-sc.shape[1] // ker.tile(q, stores)[0]), q.device),
+                "us": {"scoring": bench_us(scores)}, "field_bytes": field_bytes, "floor_us": floor_us}
 
     def generated():
         return select_topk(*scores(), k_max)
@@ -81,14 +93,12 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     }
     if sweep:
         t.update(topk_sweep(sc, counts, k_max))
-    field_bytes = batch * HKV * nb * sum(2 * r * c for r, c in dims.values())
-    floor_us = 1e6 * field_bytes / bw
     a = inductor().view(batch, HKV, k_max)
     b = generated().view(batch, HKV, k_max)
     same = sum(
         len(set(a[i, h].tolist()) & set(b[i, h].tolist())) for i in range(batch) for h in range(HKV)
     ) / (batch * HKV * k_max)
-    return {"flow": flow_name, "batch": batch, "context": ctx, "block_s": ker.tile(q, stores)[0], "us": t,
+    return {"flow": flow_name, "batch": batch, "context": ctx, "group": group, "block_s": ker.tile(q, stores)[0], "us": t,
             "field_bytes": field_bytes, "floor_us": floor_us, "same_blocks": same}
 
 
@@ -157,6 +167,9 @@ def main() -> None:
     ap.add_argument("--no-topk-sweep", action="store_true", help="skip the radix select's warp/pass sweep")
     ap.add_argument("--dot", default="on", choices=("on", "off", "both"),
                     help="the tensor-core form of centroid-times-query products (indexer.DOT_PRODUCTS)")
+    ap.add_argument("--group", type=int, default=HQ // HKV, help="query heads per KV head (8 KV heads; 2: Qwen3-1.7B)")
+    ap.add_argument("--max-tiles", default="", help="sweep indexer.MAX_TILES (tiles a tiled kernel's program loops over), e.g. 16,1")
+    ap.add_argument("--scoring-only", action="store_true", help="time the generated scoring kernel alone")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.topk_block_sizes:
@@ -169,15 +182,24 @@ def main() -> None:
     sweep = [int(x) for x in args.elems.split(",") if x] or [indexer_mod.ELEMS_PER_PROGRAM]
     warps = [int(x) for x in args.warps.split(",") if x] or [indexer_mod.NUM_WARPS]
     dots = {"on": [True], "off": [False], "both": [True, False]}[args.dot]
-    for name, elems, w, dot in [(f, e, w, d) for f in args.flows.split(",") for e in sweep for w in warps for d in dots]:
+    max_tiles = [int(x) for x in args.max_tiles.split(",") if x] or [indexer_mod.MAX_TILES]
+    for name, elems, w, dot, mt in [(f, e, w, d, m) for f in args.flows.split(",") for e in sweep for w in warps
+                                    for d in dots for m in max_tiles]:
         indexer_mod.ELEMS_PER_PROGRAM, indexer_mod.NUM_WARPS, indexer_mod.DOT_PRODUCTS = elems, w, dot
-        print(f"-- ELEMS_PER_PROGRAM {elems}, {w} warps, tensor-core products {'on' if dot else 'off'}", flush=True)
+        indexer_mod.MAX_TILES = mt
+        print(f"-- ELEMS_PER_PROGRAM {elems}, {w} warps, tensor-core products {'on' if dot else 'off'}, "
+              f"MAX_TILES {mt}", flush=True)
         for c in args.cases.split(","):
             b, n = (int(x) for x in c.split("x"))
-            r = case(name, b, n, args.budget, bw, args.table_extra, not args.no_topk_sweep)
-            r["dot_products"] = dot
+            r = case(name, b, n, args.budget, bw, args.table_extra, not args.no_topk_sweep, args.group, args.scoring_only)
+            r["dot_products"], r["max_tiles"] = dot, mt
             rows.append(r)
             t = r["us"]
+            if args.scoring_only:
+                print(f"{name:11s} {b:3d}x{n:<6d} group {args.group} scoring {t['scoring']:6.1f} us | field floor "
+                      f"{r['floor_us']:5.1f} us, at {100 * r['floor_us'] / t['scoring']:4.0f}% | BLOCK_S {r['block_s']}, "
+                      f"tiles {r['tiles']}", flush=True)
+                continue
             print(f"{name:11s} {b:3d}x{n:<6d} inductor {t['inductor']:7.1f} us | generated {t['generated']:6.1f} us "
                   f"(scoring {t['scoring']:5.1f}, radix select {t['radix_select']:5.1f}; torch.topk {t['torch_topk']:5.1f}) "
                   f"| field floor {r['floor_us']:5.1f} us, scoring at {100 * r['floor_us'] / t['scoring']:4.0f}% "

@@ -103,6 +103,7 @@ class Emitter:
     biggest: int = 1  # the largest per-block intermediate over blocks, in elements (sets BLOCK_S)
     biggest_dot: int = 1  # the same where the products emitted by `dot_matvec` run (DOT on)
     dots: bool = False  # some product has a tensor-core form (`dot_matvec`)
+    row_products: bool = False  # the row math has a product (F.gemm, e.g. the query on its channels)
     allow_dot: bool = False  # the kernel has the constexprs DOT and DOT_T (the indexer)
 
     p2 = staticmethod(p2)
@@ -197,6 +198,7 @@ class Emitter:
             if out.s:  # block-constant values (the query's own math) do not grow with BLOCK_S
                 self.grow(p2(out.a) * p2(out.b))
             self.tiles[id(node.out)] = out
+            self.row_products |= not out.s and op.name == "gemm"  # F.gemm: the op set's one product
             self.body.append(f"{out.name} = {code}")
             (self.per_block if out.s else self.row_math).extend(self.body[start:])  # a row value reads row values only
 

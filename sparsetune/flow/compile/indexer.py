@@ -1,6 +1,10 @@
 """The generated indexer: one program owns `BLOCK_S` blocks of one (request, KV head) row, or
-`TILES` x `BLOCK_S` of them, a tile at a time, where the flow has math over the query and constants
-alone (a calibrated flow's query on its channels), which a program then computes once.
+`TILES` x `BLOCK_S` of them, a tile at a time, where the flow has costly math over the query and
+constants alone (a calibrated flow's query on its channels: a product, and constants to load), which
+a program then computes once. Elementwise math of the query alone (Quest's positive and negative
+parts) costs a program a few register operations: such a kernel stays a program a tile, which
+keeps more of them in flight (Quest's scoring, H100: 45% of its byte floor tiled, 87-91% untiled;
+BENCHMARKS.md, #43).
 
 With `candidates` (the second level of a two-level flow) a row scores the units of its chosen
 blocks instead of every unit of its sequence: given the first level's blocks `pages[r, :kept[r]]`
@@ -38,7 +42,7 @@ from sparsetune.flow.shapes import dummy_inputs, field_dims
 
 ELEMS_PER_PROGRAM = 16384  # the largest intermediate of one program, in fp32 elements (4 warps)
 NUM_WARPS = 4
-# A tiled kernel (row math of its own, e.g. a calibrated flow's projected query) keeps this many programs
+# A tiled kernel (costly row math of its own, e.g. a calibrated flow's projected query) keeps this many programs
 # an SM, each scoring up to MAX_TILES x BLOCK_S entries (`IndexerKernel.tiles`).
 PROGRAMS_PER_SM = 4
 MAX_TILES = 16
@@ -62,7 +66,7 @@ class IndexerKernel:
     block_s_dot: int = 0  # BLOCK_S of the tensor-core form of its products (`Emitter.dot_matvec`); 0: none
     # A candidates kernel: units per chosen block, whose units it scores (`pages`); 0: every unit of the sequence.
     candidate_units: int = 0
-    # Row math of its own (query or constants only): a program scores `tiles` x BLOCK_S entries.
+    # Costly row math of its own (a product, or constants): a program scores `tiles` x BLOCK_S entries.
     tiled: bool = False
 
     @cached_property
@@ -175,10 +179,11 @@ def build_indexer(flow: DecodeFlow, group: int, head_dim: int, layout: KVLayout 
     consts_used, const_params, const_loads = em.const_loads(x.const)
     sig += const_params
     row_loads += const_loads
-    # With math of its own over the query and constants (a calibrated flow's projected query), a
-    # program computes it once and scores TILES x BLOCK_S entries in a loop (`IndexerKernel.tiles`),
-    # instead of once per BLOCK_S of them; else a program scores one BLOCK_S.
-    tiled = bool(em.row_math)
+    # With costly math of its own over the query and constants (a product, or constants to load: a
+    # calibrated flow's projected query), a program computes it once and scores TILES x BLOCK_S
+    # entries in a loop (`IndexerKernel.tiles`), instead of once per BLOCK_S of them; else (none, or
+    # elementwise math of the query alone) a program scores one BLOCK_S.
+    tiled = bool(em.row_math) and (em.row_products or bool(consts_used))
     first = "(tl.program_id(1) * TILES + t) * BLOCK_S" if tiled else "tl.program_id(1) * BLOCK_S"
     # Entry `col` of the row holds the score of logical unit j: the same unit, or unit col % U of
     # chosen block col // U (dead past the row's kept blocks; j 0 stands in).
