@@ -2,7 +2,7 @@
 """One layer's block selection at decode: Inductor path vs the generated indexer + radix top-k.
 
     python benchmarks/bench_indexer.py [--flows block_topk,quest] [--cases 16x32768,8x32768]
-    python benchmarks/bench_indexer.py --flows quest --cases 28x12288 --group 2 --max-tiles 16,1 --scoring-only
+    python benchmarks/bench_indexer.py --flows double_sparse_centroid --cases 28x12288 --group 2 --max-tiles 16,1 --scoring-only
 
 Qwen3-8B attention shapes (32 query / 8 KV heads, head dim 128, bf16, blocks of 16), one
 layer's KV pool filled with random keys, the flow's cache-stage fields computed over every
@@ -13,7 +13,7 @@ under CUDA graph replay:
   - their parts (scoring kernel alone, radix select alone, torch.topk on the same scores);
 and the floor: the cached-field bytes the indexer must read / measured copy bandwidth.
 `--group 2`: Qwen3-1.7B's group (16 query heads); `--max-tiles`: sweep how many tiles a program of a
-tiled kernel (row math of its own, e.g. Quest's split query) may loop over (`indexer.MAX_TILES`; 1:
+tiled kernel (costly row math of its own, e.g. DoubleSparse's projected query) may loop over (`indexer.MAX_TILES`; 1:
 a program a tile, as untiled kernels run); `--scoring-only`: the generated scoring kernel alone.
 It also reports how often both paths choose the same blocks (they score in different
 precisions: Inductor in the field dtype, the generated kernel in fp32).

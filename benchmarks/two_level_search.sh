@@ -33,7 +33,7 @@ FLOWS=${FLOWS:-block_topk,double_sparse_centroid,block_topk_2l}
 # the proposals with the best tuned built-in that held the bar on fresh prompts; WORKERS stays 1)
 EXTRA=(); [ -n "${AGENT:-}" ] && EXTRA=(--agent "$AGENT")
 # PARAMS="k=v k=v": params fixed for every flow (`--param`), the rest searched
-for kv in ${PARAMS:-}; do EXTRA+=(--param "$kv"); done
+read -ra kvs <<< "${PARAMS:-}"; for kv in "${kvs[@]}"; do EXTRA+=(--param "$kv"); done
 PICK=${PICK:-max speedup where accuracy >= 0.95}
 export PYTHONPATH="$PWD:/tmp/pp" PYTHONUNBUFFERED=1
 ST="python3 -m sparsetune.cli.main"

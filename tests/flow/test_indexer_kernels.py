@@ -572,10 +572,12 @@ def test_only_costly_row_math_tiles_the_indexer(name, tiled, tmp_path):
     looping over tiles) pays only where that math is costly: DoubleSparse's query on its channels (a
     product, constants to load). Quest's positive and negative query parts are a few register ops,
     and a program a tile keeps more loads in flight (its scoring ran at 45% of its byte floor tiled,
-    87-91% untiled, H100: BENCHMARKS.md)."""
+    87-91% at one tile a program, H100: BENCHMARKS.md)."""
     flow = _flow(name, 16, tmp_path, **({"channels": "8"} if name == "double_sparse" else {}))
     kernel = build_indexer(flow, GROUP, HEAD_DIM)
     assert kernel.tiled == tiled
     assert ("for t in range(TILES):" in kernel.source) == tiled
-    if name == "quest":  # it has row math of its own, computed once a program
+    if name == "quest":  # it has row math of its own, computed once a program; quest_2l's pages too
         assert "tl.maximum(q_in, 0.0)" in kernel.source.split("j = ")[0]
+        pages = build_indexer(build_flow("quest_2l", {}).page_flow(), GROUP, HEAD_DIM)
+        assert "tl.maximum(q_in, 0.0)" in pages.source and not pages.tiled

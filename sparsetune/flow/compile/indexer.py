@@ -3,8 +3,8 @@
 constants alone (a calibrated flow's query on its channels: a product, and constants to load), which
 a program then computes once. Elementwise math of the query alone (Quest's positive and negative
 parts) costs a program a few register operations: such a kernel stays a program a tile, which
-keeps more of them in flight (Quest's scoring, H100: 45% of its byte floor tiled, 87-91% untiled;
-BENCHMARKS.md, #43).
+keeps more of them in flight (Quest's scoring, H100: 45% of its byte floor tiled, 87-91% at one
+tile a program; BENCHMARKS.md, #43).
 
 With `candidates` (the second level of a two-level flow) a row scores the units of its chosen
 blocks instead of every unit of its sequence: given the first level's blocks `pages[r, :kept[r]]`
