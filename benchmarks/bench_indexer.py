@@ -74,11 +74,12 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
         return ker(q, PagedBlocks(bt, kv.null_block), seq_lens, stores, None, const, HKV, rule)
 
     sc, counts = scores()
+    block_s = ker.tile(q, stores)[0]
     field_bytes = batch * HKV * nb * sum(2 * r * c for r, c in dims.values())
     floor_us = 1e6 * field_bytes / bw
     if scoring_only:
-        return {"flow": flow_name, "batch": batch, "context": ctx, "group": group, "block_s": ker.tile(q, stores)[0],
-                "tiles": ker.tiles(batch * HKV, -(-sc.shape[1] // ker.tile(q, stores)[0]), q.device),
+        return {"flow": flow_name, "batch": batch, "context": ctx, "group": group, "block_s": block_s,
+                "tiles": ker.tiles(batch * HKV, -(-sc.shape[1] // block_s), q.device),
                 "us": {"scoring": bench_us(scores)}, "field_bytes": field_bytes, "floor_us": floor_us}
 
     def generated():
@@ -98,7 +99,7 @@ def case(flow_name: str, batch: int, ctx: int, budget: int, bw: float, extra: in
     same = sum(
         len(set(a[i, h].tolist()) & set(b[i, h].tolist())) for i in range(batch) for h in range(HKV)
     ) / (batch * HKV * k_max)
-    return {"flow": flow_name, "batch": batch, "context": ctx, "group": group, "block_s": ker.tile(q, stores)[0], "us": t,
+    return {"flow": flow_name, "batch": batch, "context": ctx, "group": group, "block_s": block_s, "us": t,
             "field_bytes": field_bytes, "floor_us": floor_us, "same_blocks": same}
 
 
