@@ -22,7 +22,7 @@ from sparsetune.engine.engine import Completion, Engine
 from sparsetune.engine.sequence import SamplingParams, Sequence, Status
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.shapes import field_elems_per_block
+from sparsetune.flow.shapes import field_bytes_per_block
 from sparsetune.models.artifacts import resolve_calibration
 from sparsetune.reuse.base import ReuseFlow
 from sparsetune.reuse.executor import ReuseExecutor, ReuseStats
@@ -43,8 +43,9 @@ class LLM:
             raise TypeError("pass a Setup or options, not both")
         self.setup = setup
         self.flow: DecodeFlow | None = setup.flow.build() if setup.flow is not None else None
-        self.engine = Engine(setup.engine, extra_elems_per_block=field_elems_per_block(self.flow, setup.engine.check()[1]),
-                             capture=False)
+        mcfg = setup.engine.check()[1]
+        self.engine = Engine(setup.engine, capture=False,
+                             extra_bytes_per_block=lambda dtype: field_bytes_per_block(self.flow, mcfg, dtype.itemsize))
         self._flow_backend = None  # the latest FlowAttention (kept across dense passes, to retune)
         self._route: tuple | None | bool = False  # what the installed attention routes (False: nothing yet)
         self._check_sharing(self.flow, setup.engine.prefix_caching, setup.executor)
@@ -130,7 +131,7 @@ class LLM:
         self._check_sharing(new, setup.engine.prefix_caching, setup.executor)
         self.engine.set_prefix_caching(setup.engine.prefix_caching)
         if new is not None and (new.block_size != self.engine.config.block_size
-                                or field_elems_per_block(new, self.model_config) > self.engine.extra_elems_per_block):
+                                or self._field_bytes(new) > self.engine.extra_bytes_per_block):
             try:  # another page size, or fields larger than the pool reserved (units inside its pages)
                 self._relayout(new)
             except BaseException:  # the pool kept its layout (Engine.set_block_size): the flow goes back on
@@ -220,6 +221,10 @@ class LLM:
         self._route = False
         self.engine.set_attention(backend, layers)
 
+    def _field_bytes(self, flow: DecodeFlow) -> int:
+        """Bytes of `flow`'s fields per KV block beside this engine's pool (`field_bytes_per_block`)."""
+        return field_bytes_per_block(flow, self.model_config, self.engine.dtype.itemsize)
+
     def _relayout(self, flow: DecodeFlow) -> None:
         """A flow of another block size: the KV pool is laid out anew in its blocks (same token
         capacity, the weights kept; cached segments are dropped), its fields sized beside it."""
@@ -228,7 +233,7 @@ class LLM:
         self._flow_backend, self._route = None, False
         self.segments = self.reuse_executor = None
         try:
-            self.engine.set_block_size(flow.block_size, field_elems_per_block(flow, self.model_config))
+            self.engine.set_block_size(flow.block_size, self._field_bytes(flow))
         finally:  # a new pool either way (the old layout again when the new one did not fit)
             if self.engine.has_pool:
                 self._attach_segments()

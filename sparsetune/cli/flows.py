@@ -77,14 +77,14 @@ def check(
         return
     rel = report["full_budget_rel_err"]
     err.print(f"[green]ok[/] {report['name']}: fields {report['fields'] or '-'}; "
-              f"{report['field_bytes_per_block']} B cached per selection unit per KV head (bf16); indexer "
+              f"{report['field_bytes_per_block']} B cached per selection unit per KV head (beside a bf16 pool); indexer "
               f"{report['indexer_flops_per_block']} FLOPs per unit per KV head per step; "
               f"full budget vs dense rel. err {rel if rel is not None else '-'}")
     page = report.get("page_level")
     if page:
         err.print(f"first level (whole blocks, {page['units_per_block']} units each; keeps coarse {page['coarse']} x the "
                   f"budget): fields {page['fields'] or '-'}; {page['field_bytes_per_block']} B cached per block per KV "
-                  f"head (bf16); indexer {page['indexer_flops_per_block']} FLOPs per block per KV head per step")
+                  f"head (beside a bf16 pool); indexer {page['indexer_flops_per_block']} FLOPs per block per KV head per step")
     if report["compiled"]:
         err.print("compiled executor (GPU): " + "; ".join(f"{s}: {p}" for s, p in report["compiled"].items()))
 

@@ -82,21 +82,22 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, extra_elems_per_block: int = 0, capture: bool = True) -> None:
-        """`extra_elems_per_block`: elements (of the pool's dtype) per KV block kept beside keys and
-        values (a decode flow's per-block fields), so the pool is sized for both. `capture`: capture decode CUDA graphs
+    def __init__(self, config: EngineConfig, extra_bytes_per_block: Callable[[torch.dtype], int] | None = None,
+                 capture: bool = True) -> None:
+        """`extra_bytes_per_block`: bytes per KV block kept beside keys and values (a decode flow's
+        per-block fields), given the pool's dtype, so the pool is sized for both. `capture`: capture decode CUDA graphs
         now (a caller that installs other attention first captures later, `capture_graphs`)."""
         config.check()
         if config.block_size is None:
             config = replace(config, block_size=DEFAULT_BLOCK_SIZE)
         self.config = cfg = config
-        self.extra_elems_per_block = extra_elems_per_block
         self.device = resolve_device(cfg.device)
         self.resolved: ResolvedModel = resolve_model(cfg.model, cfg.random_weights)
         spec = self.resolved.spec
         self.dtype = resolve_dtype(cfg.dtype, self.device, spec.gpu_dtype if spec else "bfloat16")
         mcfg = self.resolved.config
         self.model_config = mcfg
+        self.extra_bytes_per_block = extra_bytes_per_block(self.dtype) if extra_bytes_per_block else 0
         self.tokenizer = self.resolved.load_tokenizer()
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else mcfg.eos_token_ids
 
@@ -150,20 +151,20 @@ class Engine:
         """False only after `set_block_size` could rebuild neither layout: the engine cannot run."""
         return hasattr(self, "runner")
 
-    def set_block_size(self, block_size: int, extra_elems_per_block: int | None = None) -> None:
+    def set_block_size(self, block_size: int, extra_bytes_per_block: int | None = None) -> None:
         """Lay the KV pool out anew in blocks of `block_size` tokens, holding as many tokens as before
         (the weights stay; what the pool held is dropped): an idle engine only. Attention goes back
         to dense on every layer and captured graphs are dropped (`capture_graphs` takes new ones).
-        `extra_elems_per_block`: the per-block fields kept beside K and V at the new size."""
+        `extra_bytes_per_block`: the per-block fields kept beside K and V at the new size."""
         if self.scheduler.has_work():
             raise RuntimeError("set_block_size needs an idle engine")
         if block_size < 1 or block_size & (block_size - 1):
             raise SparsetuneError(f"--block-size must be a power of two (got {block_size})")
         tokens = self.kv.num_blocks * self.kv.block_size
-        before = (self.config, self.extra_elems_per_block, self.kv.num_blocks)
+        before = (self.config, self.extra_bytes_per_block, self.kv.num_blocks)
         self.config = replace(self.config, block_size=block_size)
-        if extra_elems_per_block is not None:
-            self.extra_elems_per_block = extra_elems_per_block
+        if extra_bytes_per_block is not None:
+            self.extra_bytes_per_block = extra_bytes_per_block
         # Free the old pool, the graphs and the backends (with a flow's field stores) first.
         self.runner.graphs.clear()
         del self.kv, self.runner
@@ -172,7 +173,7 @@ class Engine:
         try:
             self._build_pool(-(-tokens // block_size))
         except BaseException as e:  # out of memory: the engine keeps its old layout and stays usable
-            self.config, self.extra_elems_per_block, num_blocks = before
+            self.config, self.extra_bytes_per_block, num_blocks = before
             try:
                 self._build_pool(num_blocks)
             except BaseException:
@@ -279,10 +280,10 @@ class Engine:
                                   "lower --batch or --context, or set --kv-memory")
 
     def bytes_per_block(self) -> int:
-        """Pool bytes per KV block: keys and values of every layer, plus `extra_elems_per_block`."""
+        """Pool bytes per KV block: keys and values of every layer, plus `extra_bytes_per_block`."""
         cfg, mcfg = self.config, self.model_config
         return KVCache.bytes_per_block(mcfg.num_hidden_layers, mcfg.num_key_value_heads, cfg.block_size, mcfg.head_dim,
-                                       self.dtype) + self.extra_elems_per_block * self.dtype.itemsize
+                                       self.dtype) + self.extra_bytes_per_block
 
     # ---- requests ----------------------------------------------------------------------------------
 

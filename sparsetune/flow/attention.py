@@ -26,7 +26,7 @@ from sparsetune.engine.attention import AttentionMetadata, DenseAttention
 from sparsetune.engine.kv_cache import KVCache
 from sparsetune.engine.ranges import stage
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.base import FP8, DecodeFlow, to_store
 from sparsetune.flow.compile import PagedBlocks
 from sparsetune.flow.stages import EXECUTORS, FlowStages, candidate_units, flow_stages, torch_topk
 from sparsetune.flow.shapes import field_dims
@@ -148,7 +148,7 @@ class FlowAttention(DenseAttention):
             dims = field_dims(self.flow, kv.head_dim)
             rows = (kv.num_blocks + 1) * self.units
             store = self.fields[layer] = {
-                name: torch.zeros(rows, kv.num_kv_heads, *rc, dtype=kv.k.dtype, device=kv.k.device)
+                name: torch.zeros(rows, kv.num_kv_heads, *rc, dtype=self.flow.store_dtype(kv.k.dtype), device=kv.k.device)
                 for name, rc in dims.items()
             }
         return store
@@ -205,8 +205,8 @@ class FlowAttention(DenseAttention):
         return kv.null_block * self.units
 
     def zero_fields(self, layer: int, kv: KVCache, units: torch.Tensor) -> None:
-        for t in self.stores(layer, kv).values():
-            t.index_fill_(0, units, 0)
+        for t in self.stores(layer, kv).values():  # an 8-bit store's zero is the zero byte (no fp8 fill on CPU)
+            (t.view(torch.uint8) if t.dtype == FP8 else t).index_fill_(0, units, 0)
 
     def rebuild_fields(self, layer: int, kv: KVCache, block_table: torch.Tensor, num_tokens: int) -> None:
         """Fields of a sequence whose KV was written outside this backend (a reuse prefill): the cache
@@ -242,7 +242,7 @@ class FlowAttention(DenseAttention):
         fn = self.stages.cache_fn if fixed_shape else self.stages.cache_tensors
         out = fn(kv.k[layer], kv.v[layer], src, self.constants(layer, kv))
         for name, f in out.items():
-            store[name][dst] = f.to(store[name].dtype)
+            store[name][dst] = to_store(f, store[name].dtype)
 
     # ---- indexer + sparse attention -----------------------------------------------------------------
 
@@ -291,7 +291,7 @@ class FlowAttention(DenseAttention):
             b = q.shape[0]
             blocks, counts = blocks.view(b, h, -1), counts.view(b, h)
             for name, value in saved.items():  # state for the next step; padding lands in the null block
-                stores[name][table] = value.to(stores[name].dtype)
+                stores[name][table] = to_store(value, stores[name].dtype)
             self._shared = (blocks, counts)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # kept for inspection, eager only
             self.last_selection[layer] = (blocks, counts)

@@ -83,6 +83,24 @@ class BudgetRule(NamedTuple):
         return (idx < rule[0]) | (idx >= nb - rule[1])
 
 
+# Fields kept in 8 bits (`field_dtype="fp8"`): e4m3, whose largest finite value is 448. A value is
+# clamped to it before the cast (`to_store`, and the generated cache stage), so the torch and Triton
+# paths agree on large ones (a plain cast overflows to NaN in some of them) and a field never holds NaN
+# for a finite key.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def to_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a field store of `dtype` holds it: clamped to e4m3's range first for 8-bit stores."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
+
+
+def from_store(t: torch.Tensor, like: torch.dtype) -> torch.Tensor:
+    """A field store's values for math beside tensors of `like` (an 8-bit store widened; others as they are)."""
+    return t.to(like) if t.dtype == FP8 else t
+
+
 # Params the runtime reads (the budget rule and which layers select): no stage may read them, so a
 # flow that changes only these keeps its compiled stages (`DecodeFlow.kernel_key`).
 RUNTIME_PARAMS = ("budget", "budget_ratio", "sink_blocks", "local_blocks", "dense_layers", "select_layers", "coarse")
@@ -123,6 +141,9 @@ class DecodeFlow(Flow):
                          search=Search(layers="first", low=0, high=4))
     select_layers = Param((), kind=tuple, doc="layers that run the indexer; other sparse layers reuse the "
                           "latest selection (empty: every sparse layer selects)", search=Search(off=True))
+    field_dtype = Param("auto", choices=("auto", "fp8"), doc="how the fields are stored: auto, in the KV pool's dtype; "
+                        "fp8, in 8 bits (e4m3, saturating at +-448): half a 16-bit pool's field bytes, for the indexer "
+                        "to read and the pool to hold", search=Search(off=True))
 
     def __init__(self, **values: Any) -> None:
         super().__init__(**values)
@@ -132,6 +153,14 @@ class DecodeFlow(Flow):
         if self.coarse is not None and self.unit == self.block_size:
             raise SparsetuneError(f"--param coarse={self.coarse} selects blocks, then units inside them: set "
                                   f"select_block below block_size={self.block_size} too")
+
+    def store_dtype(self, pool: torch.dtype) -> torch.dtype:
+        """The dtype of this flow's field stores beside a KV pool of `pool` (`field_dtype`)."""
+        return FP8 if self.field_dtype == "fp8" else pool
+
+    def field_itemsize(self, pool_bytes: int) -> int:
+        """Bytes of one field element beside a pool of `pool_bytes`-byte elements."""
+        return 1 if self.field_dtype == "fp8" else pool_bytes
 
     @property
     def unit(self) -> int:

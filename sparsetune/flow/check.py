@@ -36,7 +36,7 @@ class CheckReport:
     source: str
     params: dict[str, Any]
     fields: dict[str, list[int]] = field(default_factory=dict)
-    field_bytes_per_block: int = 0  # per KV head, at 2 bytes per element
+    field_bytes_per_block: int = 0  # per KV head, beside a bf16 pool (`DecodeFlow.field_itemsize`)
     indexer_flops_per_block: int = 0  # per KV head per decode step
     indexer_flops_fixed: int = 0
     ops: list[str] = field(default_factory=list)
@@ -120,7 +120,7 @@ def check_flow(cls: type[DecodeFlow], raw_params: dict[str, str] | None = None, 
 
 
 def level_cost(flow: DecodeFlow, head_dim: int, group: int) -> dict[str, Any]:
-    """One level's stages on dummy inputs: its fields, their bytes per unit (bf16), the indexer's
+    """One level's stages on dummy inputs: its fields, their bytes per unit (beside a bf16 pool), the indexer's
     FLOPs per unit and fixed (per KV head per step) and the ops it calls."""
     cls = type(flow)
     try:
@@ -138,7 +138,7 @@ def level_cost(flow: DecodeFlow, head_dim: int, group: int) -> dict[str, Any]:
     # The indexer's FLOPs grow linearly with the units S: fit a + b*S from S = 4 and S = 8.
     f4 = sum(r.flops for r in index_small)
     per = max(0, (sum(r.flops for r in index_big) - f4) // 4)
-    return {"fields": dims, "field_bytes_per_block": sum(2 * r * c for r, c in dims.values()),
+    return {"fields": dims, "field_bytes_per_block": sum(flow.field_itemsize(2) * r * c for r, c in dims.values()),
             "indexer_flops_per_block": per, "indexer_flops_fixed": max(0, f4 - 4 * per),
             "ops": [r.op for r in cache_ops + index_small]}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from sparsetune.errors import SparsetuneError
-from sparsetune.flow.base import BudgetRule, DecodeFlow
+from sparsetune.flow.base import BudgetRule, DecodeFlow, from_store
 from sparsetune.flow.compile import CacheKernel, ForcedOnly, IndexerKernel, NotBlockLocal, build_cache, build_indexer
 from sparsetune.flow.ops import FT, Fields
 from sparsetune.flow.shapes import IndexTraits, index_traits
@@ -174,10 +174,7 @@ class FlowStages:
         nb = nblocks.repeat_interleave(h)  # [R]
         valid = idx < nb[:, None]  # [R, width]
 
-        # Indexer math in float32 (float64 stays), as the generated kernels compute; a flow that
-        # reads raw keys stays in the pool's dtype: its key GEMMs are its cost, and bf16 GEMMs
-        # accumulate in fp32 anyway.
-        wide = _wide if k_pool is None else (lambda t: t)
+        wide = _reader(q, k_pool)
         fields = Fields(
             {
                 name: FT(wide(store[table].permute(0, 2, 1, 3, 4).reshape(rows, width, *store.shape[2:])), valid)
@@ -219,7 +216,7 @@ class FlowStages:
         head = (torch.arange(rows, device=q.device) % h)[:, None]
         table = torch.where(valid, unit_table.long()[seq[:, None], logical.clamp(min=0, max=unit_table.shape[1] - 1)],
                             null_unit)  # [R, C] store rows
-        wide = _wide if k_pool is None else (lambda t: t)
+        wide = _reader(q, k_pool)
         fields = Fields({name: FT(wide(store[table, head]), valid) for name, store in stores.items()})
         if k_pool is not None:
             at = torch.arange(table.shape[1], device=q.device)
@@ -264,6 +261,16 @@ def _masked(score: torch.Tensor, rule: torch.Tensor, logical: torch.Tensor, nb: 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """float32 or wider: bf16 products would reorder close blocks."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _reader(q: torch.Tensor, k_pool: torch.Tensor | None):
+    """How the indexer's inputs (the query, fields, constants) are read for its math: in float32 or
+    wider (`_wide`), as the generated kernels compute; for a flow that reads raw keys, in the pool's
+    dtype (its key GEMMs are its cost, and bf16 GEMMs accumulate in fp32 anyway). 8-bit fields are
+    widened to the query's or the keys' dtype first (exact)."""
+    if k_pool is None:
+        return lambda t: _wide(from_store(t, q.dtype))
+    return lambda t: from_store(t, k_pool.dtype)
 
 
 def torch_topk(score: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:

@@ -5,7 +5,7 @@
 embedding only the batch's rows), on a dense layer the K/V of all n tokens, and on a sparse layer
 the K/V of the units the flow attends (`DecodeFlow.attended_blocks`) plus, on the layers that
 select, every unit's cached fields (a two-level flow: every page's, then the kept pages' units').
-Fields are stored in the pool's dtype, as the engine keeps them.
+Fields are stored as the engine keeps them: in the pool's dtype, or in 8 bits (`field_dtype`).
 
 **Time** (`modeled_step_seconds`). Bytes alone rank small units wrongly (2-token blocks read few
 bytes but decode slower than dense on a GPU: #43), so the model counts what the step does, by
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.shapes import field_dims, field_elems_per_block, index_traits
+from sparsetune.flow.shapes import field_bytes_per_block, field_dims, index_traits
 from sparsetune.kernels.limits import TOPK_MAX_WIDTH as MAX_WIDTH
 from sparsetune.models.config import ModelConfig
 
@@ -57,7 +57,7 @@ def weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
 def field_bytes_per_unit(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) -> int:
     """A flow's cached fields of one selection unit on one layer, all KV heads (what the engine stores)."""
     dims = field_dims(flow, cfg.head_dim, flow.const_dims(cfg.head_dim))
-    return cfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * dtype_bytes
+    return cfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * flow.field_itemsize(dtype_bytes)
 
 
 def forced_only(cfg: ModelConfig, flow: DecodeFlow) -> bool:
@@ -231,11 +231,12 @@ def modeled_speedup(cfg: ModelConfig, flow: DecodeFlow | None, batch: int, conte
 
 
 def field_memory_share(cfg: ModelConfig, flow: DecodeFlow | None, dtype_bytes: int = 2) -> float:
-    """The flow's fields per token over the K/V per token (both in the pool's dtype): what the fields
-    add to a sequence's memory, so how many fewer sequences fit (1 / (1 + share) as many)."""
+    """The flow's fields per token over the K/V per token (a pool of `dtype_bytes`-byte elements; the
+    fields in it, or in 8 bits): what the fields add to a sequence's memory, so how many fewer
+    sequences fit (1 / (1 + share) as many)."""
     if flow is None:
         return 0.0
-    per_token_fields = field_elems_per_block(flow, cfg) * dtype_bytes / flow.block_size
+    per_token_fields = field_bytes_per_block(flow, cfg, dtype_bytes) / flow.block_size
     return per_token_fields / cfg.kv_bytes_per_token(dtype_bytes)
 
 

@@ -177,6 +177,43 @@ def test_generated_stages_equal_reference(name, block_size, extra, tmp_path):
     torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name,block_size,extra", [("block_topk", 4, {}), ("quest", 16, {"select_block": "2"}),
+                                                    ("double_sparse_centroid", 4, {"channels": "8"})])
+def test_fp8_fields_are_the_fields_rounded_and_score_alike(name, block_size, extra, tmp_path):
+    """8-bit fields (`field_dtype=fp8`): the reference executor stores its own fields rounded by torch's
+    e4m3 cast after clamping at +-448 (`flow.base.to_store`); the generated cache stage stores the
+    same values (its own rounding in fp32 arithmetic, `cache_stage.fp8_round`: ties to even,
+    subnormals, saturation); the generated indexer reading them scores as the reference does.
+    Keys scaled over six decades, so fields reach past 448 and below e4m3's normal range."""
+    from sparsetune.flow.base import FP8, to_store
+
+    lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
+    kv, bt, meta, q = _case(block_size, lens, seed=block_size + 3)
+    g = torch.Generator().manual_seed(1)
+    kv.k = kv.k * (10.0 ** (torch.rand(kv.k.shape, generator=g, dtype=kv.k.dtype) * 6 - 3)).to(kv.k.device)
+    auto, fp8 = (_flow(name, block_size, tmp_path, **extra, **more) for more in ({}, {"field_dtype": "fp8"}))
+    ref_auto, ref, gen = _attn(auto), _attn(fp8), _attn(fp8, "compiled", use_triton=True)
+    for attn in (ref_auto, ref, gen):
+        prefill_cache(attn, kv, bt, lens)
+    for field, want in ref_auto.fields[0].items():
+        got_ref, got_gen = ref.fields[0][field], gen.fields[0][field]
+        assert got_ref.dtype == got_gen.dtype == FP8
+        assert (want.abs() > 448).any() and ((want.abs() < 2**-6) & (want != 0)).any()  # both ends exercised
+        assert torch.equal(got_ref.float(), to_store(want, FP8).float())
+        assert torch.equal(got_gen.float(), got_ref.float())
+        assert not torch.isnan(got_gen.float()).any()
+    rule = fp8.budget_rule.tensor(q.device)
+    args = (q, ref.unit_table(bt), meta.seq_lens, ref.fields[0], None, HKV, fp8.unit, ref.null_unit(kv),
+            ref.constants(0, kv), rule)
+    want_score, want_counts, _, _ = ref.stages.score_tensors(*args)
+    score, counts = gen.stages.indexer_kernel(GROUP, HEAD_DIM)(q, PagedBlocks(bt, kv.null_block), meta.seq_lens,
+                                                               ref.fields[0], None, ref.constants(0, kv), HKV, rule)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(torch.isinf(score), torch.isinf(want_score))
+    torch.testing.assert_close(score.double(), want_score.double(), rtol=1e-4, atol=1e-4)
+    _assert_selects_alike(ref, gen, q, kv, meta)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,block_size", [("block_topk", 2), ("block_topk", 16), ("quest", 4)])
 def test_generated_indexer_tensor_core_products(name, dtype, block_size, tmp_path, monkeypatch):

@@ -35,6 +35,25 @@ def test_field_bytes_are_what_the_engine_stores(smollm):
         smollm.apply(smollm.setup.with_flow(None))
 
 
+def test_fp8_field_bytes_are_what_the_engine_stores_and_reserves(smollm):
+    """8-bit fields (`field_dtype=fp8`) are stored in one byte an element beside the float32 pool,
+    counted so by the cost model and reserved so by the engine (a quarter of the fields' float32 bytes)."""
+    from sparsetune.flow.shapes import field_bytes_per_block
+
+    try:
+        smollm.apply(smollm.setup.with_flow("quest", {"budget": "64", "field_dtype": "fp8"}))
+        smollm.generate(["The capital of France is"], SamplingParams(max_tokens=2))
+        backend = smollm.engine.backends[5]
+        assert all(t.dtype == torch.float8_e4m3fn for t in backend.fields[5].values())
+        stored = sum(t[0].numel() * t.element_size() for t in backend.fields[5].values())
+        assert field_bytes_per_unit(smollm.flow, smollm.model_config, 4) == stored == 3 * 2 * 64
+        per_block = field_bytes_per_block(smollm.flow, smollm.model_config, 4)
+        assert per_block == 28 * 3 * 2 * 64  # 28 sparse layers (quest keeps 0 and 1 dense), one unit a block
+        assert smollm.engine.extra_bytes_per_block >= per_block  # the pool was sized for at least these
+    finally:
+        smollm.apply(smollm.setup.with_flow(None))
+
+
 def test_dense_and_quest_by_hand():
     dense = decode_step_bytes(CFG, None, batch=2, context=4096, dtype_bytes=4)
     assert (dense.kv, dense.fields) == (2 * 4096 * KV_TOKEN_LAYER * 30, 0)
@@ -44,6 +63,15 @@ def test_dense_and_quest_by_hand():
     assert got.fields == 2 * 256 * (3 * 2 * 64 * 4) * 28  # kmax + kmin of 256 blocks on 28 layers
     assert got.weights == dense.weights
     assert byte_floor_speedup(CFG, quest, 2, 4096, 4) == dense.total / got.total > 1
+
+
+def test_fp8_fields_halve_a_16_bit_pool_s_field_bytes():
+    qwen = REGISTRY["qwen3-8b"].config
+    auto = build_flow("block_topk", {"block_size": "4", "budget_ratio": "0.125"})
+    fp8 = build_flow("block_topk", {"block_size": "4", "budget_ratio": "0.125", "field_dtype": "fp8"})
+    a, b = (decode_step_bytes(qwen, f, batch=16, context=32768, dtype_bytes=2) for f in (auto, fp8))
+    assert (b.weights, b.kv) == (a.weights, a.kv) and a.fields == 2 * b.fields
+    assert a.fields == 16 * (32768 // 4) * 8 * 128 * 2 * 35  # a mean key a unit, 8 KV heads, 35 selecting layers
 
 
 def test_window_flows_and_shared_selection():

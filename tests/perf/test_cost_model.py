@@ -107,6 +107,8 @@ def test_two_token_units_cost_memory_as_the_issue_counts():
     two = build_flow("block_topk_2l", {"dense_layers": ""})  # 2-token units plus a 16-token page's mean key
     assert field_memory_share(qwen, two) == pytest.approx(0.25 + 1 / 32)
     assert field_memory_share(qwen, None) == 0.0
+    fp8 = build_flow("block_topk", {"block_size": "16", "select_block": "2", "dense_layers": "", "field_dtype": "fp8"})
+    assert field_memory_share(qwen, fp8) == pytest.approx(0.125)  # the same mean keys in one byte an element
 
 
 def test_unknown_costs_are_one_clear_error():

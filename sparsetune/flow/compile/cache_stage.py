@@ -9,7 +9,7 @@ from functools import cached_property
 
 import torch
 
-from sparsetune.flow.base import DecodeFlow
+from sparsetune.flow.base import FP8_MAX, DecodeFlow
 from sparsetune.flow.compile.cache import load_kernel, shared
 from sparsetune.flow.compile.emit import Emitter, kernel_source, p2, ptr_params, with_strides
 from sparsetune.flow.compile.layout import KVLayout
@@ -56,6 +56,21 @@ class CacheKernel:
         self.kernel[(n * hkv,)](*args, FROM_POSITIONS=from_positions, num_warps=4)  # type: ignore[index]
 
 
+def fp8_round(val: str, out: str) -> list[str]:
+    """Statements setting `out` to the fp32 tile `val` rounded to e4m3 as `flow.base.to_store` does
+    (clamped to +-448, then to the nearest value, ties to even; subnormals below 2**-6 in steps of
+    2**-9), in exact fp32 arithmetic: the exponent read from the bits, a power-of-two scale built
+    from bits (no division), and the round-to-even of adding and subtracting 1.5 * 2**23. So the
+    store's own cast to 8 bits is exact, on any GPU and under the interpreter (whose cast rounds ties
+    up)."""
+    return [f"{out} = tl.minimum(tl.abs({val}), {FP8_MAX})",
+            f"{out}_e = tl.maximum((({out}.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -6)",  # e4m3's exponent
+            f"{out}_up = ((130 - {out}_e) << 23).to(tl.float32, bitcast=True)",  # 2 ** (3 - e): 3 mantissa bits
+            f"{out}_down = (({out}_e + 124) << 23).to(tl.float32, bitcast=True)",  # 2 ** (e - 3)
+            f"{out} = (({out} * {out}_up + 12582912.0) - 12582912.0) * {out}_down",
+            f"{out} = tl.where({val} < 0, -{out}, {out})"]
+
+
 def build_cache(flow: DecodeFlow, head_dim: int, layout: KVLayout | None = None) -> CacheKernel:
     """The generated cache stage of this flow and head_dim (raises NotBlockLocal), one object per
     generated code. Compiled on first call. `layout`: as `build_indexer`'s."""
@@ -75,12 +90,15 @@ def build_cache(flow: DecodeFlow, head_dim: int, layout: KVLayout | None = None)
     stores: list[str] = []
     names = tuple(out)
     for n in names:
-        val = em.tensor(out[n])
+        val = em.tensor(out[n]).name
+        if flow.field_dtype == "fp8":
+            stores += fp8_round(val, f"q8_{n}")
+            val = f"q8_{n}"
         r, c = out[n].shape[1:]
         ri, ci = f"tl.arange(0, {p2(r)})", f"tl.arange(0, {p2(c)})"
         stores.append(
             f"tl.store(f_{n}_ptr + dst_blk * f_{n}_s0 + h * f_{n}_s1 + {ri}[None, :, None] * f_{n}_s2"
-            f" + {ci}[None, None, :] * f_{n}_s3, {val.name},"
+            f" + {ci}[None, None, :] * f_{n}_s3, {val},"
             f" mask=({ri} < {r})[None, :, None] & ({ci} < {c})[None, None, :])"
         )
     sig += [p for n in names for p in ptr_params(f"f_{n}", 4)] + const_params

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsetune.flow.base import BudgetRule, DecodeFlow
+from sparsetune.flow.base import FP8, BudgetRule, DecodeFlow
 from sparsetune.flow.compile.cache import load_kernel, shared
 from sparsetune.flow.compile.emit import Emitter, ForcedOnly, NotBlockLocal, kernel_source, p2, ptr_params, tile_load, with_strides
 from sparsetune.flow.compile.layout import KVLayout
@@ -120,11 +120,12 @@ class IndexerKernel:
         return (self.block_s if dot_t is None else self.block_s_dot), dot_t
 
     def dot_dtype(self, q: torch.Tensor, fields: list[torch.Tensor]) -> object | None:
-        """The dtype of the tensor-core products, where they run: the query and every field stored in
-        one 16-bit float dtype (so that dtype holds the loaded values exactly) and `DOT_PRODUCTS` on.
-        Under the interpreter (whose 16-bit `tl.dot` is not exact) the same code in exact fp32."""
+        """The dtype of the tensor-core products, where they run: the query in a 16-bit float dtype
+        and every field stored in it or in 8 bits (e4m3, whose values both 16-bit dtypes hold), so
+        that dtype holds the loaded values exactly, and `DOT_PRODUCTS` on. Under the interpreter
+        (whose 16-bit `tl.dot` is not exact) the same code in exact fp32."""
         if not (self.block_s_dot and DOT_PRODUCTS and q.dtype in _DOT_TYPES
-                and all(f.dtype == q.dtype for f in fields)):
+                and all(f.dtype in (q.dtype, FP8) for f in fields)):
             return None
         return tl.float32 if triton.knobs.runtime.interpret else _DOT_TYPES[q.dtype]
 
