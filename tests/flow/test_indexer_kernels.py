@@ -214,25 +214,28 @@ def test_fp8_fields_are_the_fields_rounded_and_score_alike(name, block_size, ext
     _assert_selects_alike(ref, gen, q, kv, meta)
 
 
+@pytest.mark.parametrize("field_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,block_size", [("block_topk", 2), ("block_topk", 16), ("quest", 4)])
-def test_generated_indexer_tensor_core_products(name, dtype, block_size, tmp_path, monkeypatch):
-    """Over 16-bit stores, a field-times-query product (block_topk's centroid; quest's max and min
-    against relu(q) and min(q, 0)) runs as one `tl.dot` a program (`Emitter.dot_matvec`; exact fp32
-    under the interpreter, tensor cores on a GPU): the same scores as the reference's fp32 math and
-    as the kernel's own broadcast form, the same counts (group 3: a padded query row; a table wider
-    than the sequences, its garbage entries never read)."""
+def test_generated_indexer_tensor_core_products(name, dtype, block_size, field_dtype, tmp_path, monkeypatch):
+    """Over 16-bit stores (or 8-bit ones, whose values both 16-bit dtypes hold), a field-times-query
+    product (block_topk's centroid; quest's max and min against relu(q) and min(q, 0)) runs as one
+    `tl.dot` a program (`Emitter.dot_matvec`; exact fp32 under the interpreter, tensor cores on a
+    GPU): the same scores as the reference's fp32 math and as the kernel's own broadcast form, the
+    same counts (group 3: a padded query row; a table wider than the sequences, its garbage entries
+    never read)."""
     lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
     kv, bt, meta, q = _case(block_size, lens, seed=block_size + 7)
     kv.k, kv.v, q = kv.k.to(dtype), kv.v.to(dtype), q.to(dtype)
-    flow = _flow(name, block_size, tmp_path)
+    flow = _flow(name, block_size, tmp_path, field_dtype=field_dtype)
     ref = _attn(flow)
     prefill_cache(ref, kv, bt, lens)
     rule = flow.budget_rule.tensor(q.device)
     args = (q, bt, meta.seq_lens, ref.fields[0], None, HKV, block_size, kv.null_block, ref.constants(0, kv), rule)
     want_score, want_counts, _, _ = ref.stages.score_tensors(*args)
     indexer = _attn(flow, "compiled", use_triton=True).stages.indexer_kernel(GROUP, HEAD_DIM)
-    assert all(f.dtype == dtype for f in ref.fields[0].values()) and indexer.block_s_dot >= 16
+    stored = dtype if field_dtype == "auto" else torch.float8_e4m3fn
+    assert all(f.dtype == stored for f in ref.fields[0].values()) and indexer.block_s_dot >= 16
     assert indexer.dot_dtype(q, list(ref.fields[0].values())) is not None
     call = (q, PagedBlocks(bt, kv.null_block), meta.seq_lens, ref.fields[0], None, ref.constants(0, kv), HKV, rule)
     score, counts = indexer(*call)
