@@ -370,6 +370,9 @@ def test_the_memory_note_says_what_the_fields_take_beside_sglangs_pool(tmp_path)
     assert abs(m["field_memory_share"] - share) < 1e-4
     note = json.loads((tmp_path / "b" / SGLANG_CONFIG).read_text())["memory"]
     assert f"s = {share:.0%}" in note and f"F' {0.116 + 0.684 / (1 + share):.2f}" in note
+    m8 = write_bundle(tmp_path / "f", flow_path("block_topk_2l"), {"block_size": "16", "select_block": "2", "field_dtype": "fp8"},
+                      model="smollm2-135m")
+    assert abs(m8["field_memory_share"] - share / 2) < 1e-4  # 8-bit fields beside a bf16 pool: half the bytes
     assert write_bundle(tmp_path / "d", flow_path("dense"), {}, model="smollm2-135m")["field_memory_share"] == 0.0
     assert "keeps no fields" in json.loads((tmp_path / "d" / SGLANG_CONFIG).read_text())["memory"]
     write_bundle(tmp_path / "n", flow_path("quest"), {})  # no model: the rule, and how to have s computed

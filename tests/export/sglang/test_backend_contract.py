@@ -153,7 +153,9 @@ def test_at_a_budget_covering_the_context_the_backend_equals_torch_native(tmp_pa
 PARTIAL = [("quest", {}), ("block_topk", {}), ("quest_2l", {"select_block": 2, "coarse": 2}),
            ("block_topk", {"select_block": 1, "coarse": 1.5}),
            # calibrated: the channel order comes with the bundle (one level; two levels on the channels)
-           ("double_sparse", {"channels": 8}), ("double_sparse_2l", {"channels": 8, "select_block": 2, "coarse": 2})]
+           ("double_sparse", {"channels": 8}), ("double_sparse_2l", {"channels": 8, "select_block": 2, "coarse": 2}),
+           # fields in 8 bits beside SGLang's pool, one level and two
+           ("block_topk", {"field_dtype": "fp8"}), ("quest_2l", {"select_block": 2, "coarse": 2, "field_dtype": "fp8"})]
 
 
 def calibration(tmp_path, head_dim: int = D):
@@ -177,6 +179,8 @@ def test_at_a_partial_budget_it_selects_and_attends_as_this_engine_does(flow, ex
     for got, want in zip(outs["ours"], outs["engine"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert set(ours.attn.last_selection) == {1, 2}  # layer 0 is dense
+    if extra.get("field_dtype") == "fp8":
+        assert {t.dtype for t in ours.attn.fields[1].values()} == {torch.float8_e4m3fn}
     for layer in (1, 2):
         blocks, counts = ours.attn.last_selection[layer]
         want_blocks, want_counts = engine.last_selection[layer]
