@@ -8,7 +8,8 @@
 #   1. carry .carry/ga:               bash benchmarks/agent_hour.sh place
 #      carry .carry/wheels:           bash benchmarks/agent_hour.sh wheels   (the tree, the wheels and a half pass 64 MiB)
 #   2. carry .carry/gb:               bash benchmarks/agent_hour.sh model && bash benchmarks/two_level_search.sh start CONTEXT HOURS [STATE]
-#      (PARAMS="block_size=4 ...": params fixed for every flow, the rest searched)
+#      (PARAMS="block_size=4 ...": params fixed for every flow, the rest searched; PARAMS="field_dtype=fp8":
+#       every flow's fields in 8 bits, BENCHMARKS.md "Fields in 8 bits")
 #      (STATE: a STUDY.tgz of an earlier segment, the study continued from it; WORKERS=2 on a two-GPU machine,
 #       one engine pair a GPU; CUDA_VISIBLE_DEVICES to leave a GPU to other work)
 #   3. (as many as it takes)          bash benchmarks/two_level_search.sh finish

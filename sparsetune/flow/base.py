@@ -85,8 +85,8 @@ class BudgetRule(NamedTuple):
 
 # Fields kept in 8 bits (`field_dtype="fp8"`): e4m3, whose largest finite value is 448. A value is
 # clamped to it before the cast (`to_store`, and the generated cache stage), so the torch and Triton
-# paths agree on large ones (a plain cast overflows to NaN in some of them) and a field never holds NaN
-# for a finite key.
+# paths agree on large ones (a plain cast does not saturate alike everywhere: the Triton interpreter's
+# gives 256 for 500) and a field never holds NaN for a finite key.
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
