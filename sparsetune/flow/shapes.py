@@ -64,17 +64,22 @@ class IndexTraits(NamedTuple):
     forced_only: bool  # it scores nothing (F.keep_only_forced): the selection is the always-kept blocks
 
 
+def field_bytes_per_unit(flow: DecodeFlow, mcfg, pool_bytes: int) -> int:
+    """A flow's cached fields of one selection unit on one layer, all KV heads, in bytes beside a pool
+    of `pool_bytes`-byte elements (`DecodeFlow.field_itemsize`: 8-bit fields take one): what the
+    engine stores."""
+    dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
+    return mcfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * flow.field_itemsize(pool_bytes)
+
+
 def field_bytes_per_block(flow: DecodeFlow | None, mcfg, pool_bytes: int) -> int:
-    """A flow's fields per KV block (those of each selection unit in it) on its sparse layers, all
-    KV heads, in bytes beside a pool of `pool_bytes`-byte elements (`DecodeFlow.field_itemsize`: 8-bit
-    fields take one): they live beside the pool (a two-level flow keeps its blocks' fields too).
-    What the engine reserves per block, and what the cost model counts as memory."""
+    """A flow's fields per KV block (those of each selection unit in it) on its sparse layers, in
+    bytes (`field_bytes_per_unit`): they live beside the pool (a two-level flow keeps its blocks'
+    fields too). What the engine reserves per block, and what the cost model counts as memory."""
     if flow is None:
         return 0
-    dims = field_dims(flow, mcfg.head_dim, flow.const_dims(mcfg.head_dim))
     layers = sum(1 for i in range(mcfg.num_hidden_layers) if i not in flow.dense_layers)
-    units = flow.block_size // flow.unit
-    own = layers * units * mcfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * flow.field_itemsize(pool_bytes)
+    own = layers * (flow.block_size // flow.unit) * field_bytes_per_unit(flow, mcfg, pool_bytes)
     return own + field_bytes_per_block(flow.page_flow(), mcfg, pool_bytes)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.flow.base import DecodeFlow
-from sparsetune.flow.shapes import field_bytes_per_block, field_dims, index_traits
+from sparsetune.flow.shapes import field_bytes_per_block, field_bytes_per_unit, index_traits
 from sparsetune.kernels.limits import TOPK_MAX_WIDTH as MAX_WIDTH
 from sparsetune.models.config import ModelConfig
 
@@ -52,12 +52,6 @@ def weight_bytes(cfg: ModelConfig, batch: int, dtype_bytes: int) -> int:
     emb = cfg.vocab_size * cfg.hidden_size
     read = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else emb - batch * cfg.hidden_size)
     return read * dtype_bytes
-
-
-def field_bytes_per_unit(flow: DecodeFlow, cfg: ModelConfig, dtype_bytes: int) -> int:
-    """A flow's cached fields of one selection unit on one layer, all KV heads (what the engine stores)."""
-    dims = field_dims(flow, cfg.head_dim, flow.const_dims(cfg.head_dim))
-    return cfg.num_key_value_heads * sum(r * c for r, c in dims.values()) * flow.field_itemsize(dtype_bytes)
 
 
 def forced_only(cfg: ModelConfig, flow: DecodeFlow) -> bool:
