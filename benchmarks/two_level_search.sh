@@ -10,6 +10,7 @@
 #   2. carry .carry/gb:               bash benchmarks/agent_hour.sh model && bash benchmarks/two_level_search.sh start CONTEXT HOURS [STATE]
 #      (PARAMS="block_size=4 ...": params fixed for every flow, the rest searched; PARAMS="field_dtype=fp8":
 #       every flow's fields in 8 bits, BENCHMARKS.md "Fields in 8 bits")
+#      (SPEED_BATCH=8: speed timed at 8 x 32K, which an H100's 80 GB holds; not the targets' 16 x 32K)
 #      (STATE: a STUDY.tgz of an earlier segment, the study continued from it; WORKERS=2 on a two-GPU machine,
 #       one engine pair a GPU; CUDA_VISIBLE_DEVICES to leave a GPU to other work)
 #   3. (as many as it takes)          bash benchmarks/two_level_search.sh finish
@@ -50,7 +51,7 @@ start)
     mkdir -p /tmp/runs
     if [ -n "$state" ]; then tar -xzf "$state" -C /tmp/runs || exit 1; fi
     setsid nohup $ST search --flow "$FLOWS" --context "$ctx" --hours "$hours" --samples 4 --confirm-samples 10 \
-        --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch 16 --speed-context 32768 $CONFIRM "${EXTRA[@]}" \
+        --min-accuracy 0.95 --dtype float32 --speed-model qwen3-8b --speed-batch "${SPEED_BATCH:-16}" --speed-context 32768 $CONFIRM "${EXTRA[@]}" \
         --workers "${WORKERS:-1}" --study "$STUDY" --out /tmp/runs > "$LOG" 2>&1 < /dev/null &
     sleep 20; running && echo "search started: $STUDY at $ctx tokens, $hours h" || { tail -c 3000 "$LOG"; exit 1; }
     for _ in $(seq 1 40); do running || break; sleep 10; done
@@ -74,5 +75,5 @@ print(m['flow'], ' '.join(f'--param {k}=' + (b + '/' + v if k == 'calibration' e
 print('held out', d['context'], 'tokens:', d['relative_accuracy'], 'of dense', (d['accuracy'], d['dense_accuracy']), d['seconds'], 's')" "$OUT/$STUDY-heldout_$ctx.json"
     done
     ;;
-*) sed -n 2,13p "$0"; exit 2 ;;
+*) sed -n 2,20p "$0"; exit 2 ;;
 esac
