@@ -66,14 +66,9 @@ finish)
     bundle=/tmp/bundle-$STUDY
     $ST export "/tmp/runs/$STUDY" --pick "$PICK" --out "$bundle" --force --json > "$OUT/$STUDY-bundle.json" || exit 1
     read -r flow params < <(python3 -c "import json, sys; b = sys.argv[1]; m = json.load(open(b + '/bundle.json'))
-print(m['flow'], ' '.join(f'--param {k}=' + (b + '/' + v if k == 'calibration' else v) for k, v in m['params'].items() if v != ''))" "$bundle")
+print(m['flow'], ' '.join(f'{k}=' + (b + '/' + v if k == 'calibration' else v) for k, v in m['params'].items() if v != ''))" "$bundle")
     echo "picked: $flow $params"
-    for ctx in 2048 8000; do
-        $ST eval --flow "$flow" $params --context $ctx --samples 10 --seed 123 --mode accuracy --dtype float32 \
-            --out "/tmp/ev-$STUDY" --json > "$OUT/$STUDY-heldout_$ctx.json" 2> "/tmp/ev-$STUDY.log" || { tail -n 5 "/tmp/ev-$STUDY.log"; exit 1; }
-        python3 -c "import json,sys; d = json.load(open(sys.argv[1]))
-print('held out', d['context'], 'tokens:', d['relative_accuracy'], 'of dense', (d['accuracy'], d['dense_accuracy']), d['seconds'], 's')" "$OUT/$STUDY-heldout_$ctx.json"
-    done
+    bash benchmarks/acc_evals.sh "$STUDY-heldout_2048:2048:$flow:$params" "$STUDY-heldout_8000:8000:$flow:$params" || exit 1
     ;;
 *) sed -n 2,20p "$0"; exit 2 ;;
 esac
