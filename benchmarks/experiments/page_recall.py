@@ -10,7 +10,7 @@ figures, averaged over steps, layers and KV heads:
   mass: the share of the dense attention mass outside the forced pages that the kept pages hold
         (mean over the group's query heads);
   hit:  how often the token with the most of that mass is kept.
-Scores: mean key (block top-k), Quest's bound, mean key + w |q| radius (benchmarks/experiments/sphere.py),
+Scores: mean key (block top-k), Quest's bound, mean key + w |q| radius (the `sphere` flow, flows/sphere.py),
 and two oracles (a page's best logit; its exact mass). BENCHMARKS.md "Page scores against dense
 attention" has the figures and what the accuracy runs said of them.
 """

@@ -21,7 +21,7 @@ from sparsetune.models.artifacts import synthetic_calibration
 from helpers import HEAD_DIM, HKV, GROUP, paged_case, prefill_cache, selected_sets, reference_selection, block_keys
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk"])
+@pytest.mark.parametrize("name", ["quest", "block_topk", "sphere"])
 @pytest.mark.parametrize("block_size", [2, 4, 16])  # 2: the granularity that keeps >= 95% of dense on the default model
 def test_selection_matches_published_rule(name, block_size):
     lens = [23 * block_size + 5, 9 * block_size, 40 * block_size - 1]
@@ -34,19 +34,19 @@ def test_selection_matches_published_rule(name, block_size):
         nblocks, nfull = -(-n // block_size), n // block_size
         for h in range(HKV):
             keys = block_keys(kv, bt, b, h, nfull)  # only full blocks have cache-stage fields
-            qg = q[b, h * GROUP : (h + 1) * GROUP]  # [G, D]
-            if name == "quest":  # Σ_d max(q_d·max_d, q_d·min_d), max over the group
-                kmax, kmin = keys.amax(1), keys.amin(1)  # [nfull, D]
-                s = torch.maximum(qg[:, None] * kmax[None], qg[:, None] * kmin[None]).sum(-1).amax(0)
-            else:  # max over the group of q·mean(k)
-                s = (qg @ keys.mean(1).T).amax(0)
+            s = _rule_scores(name, keys, q[b, h * GROUP : (h + 1) * GROUP])
             score = torch.cat([s, torch.zeros(nblocks - nfull, dtype=s.dtype)])  # partial block is forced anyway
             want = reference_selection(score, nblocks, 6, 1, 2)
             assert got[b][h] == want, (name, b, h)
             assert len(want) < nblocks  # the budget really cut something
+    if name == "sphere":  # the radius term decides somewhere: not block top-k's selection
+        plain = FlowAttention(build_flow("block_topk", {"budget": str(6 * block_size), "block_size": str(block_size),
+                                                        "sink_blocks": "1", "local_blocks": "2"}), HEAD_DIM**-0.5)
+        prefill_cache(plain, kv, bt, lens)
+        assert selected_sets(plain, kv, bt, meta, q) != got
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk"])
+@pytest.mark.parametrize("name", ["quest", "block_topk", "sphere"])
 @pytest.mark.parametrize("unit", [1, 2, 4])
 def test_units_inside_blocks_select_and_attend_by_the_published_rule(name, unit):
     """`select_block` units inside 16-token blocks: fields per unit, the published rule over units
@@ -68,11 +68,7 @@ def test_units_inside_blocks_select_and_attend_by_the_published_rule(name, unit)
         for h in range(HKV):
             keys = tokens[:, h].reshape(nfull, unit, HEAD_DIM)
             qg = q[b, h * GROUP : (h + 1) * GROUP]
-            if name == "quest":
-                kmax, kmin = keys.amax(1), keys.amin(1)
-                s = torch.maximum(qg[:, None] * kmax[None], qg[:, None] * kmin[None]).sum(-1).amax(0)
-            else:
-                s = (qg @ keys.mean(1).T).amax(0)
+            s = _rule_scores(name, keys, qg)
             score = torch.cat([s, torch.zeros(nunits - nfull, dtype=s.dtype)])
             want = reference_selection(score, nunits, 24, 1, 2)
             assert got[b][h] == want, (name, b, h)
@@ -87,16 +83,20 @@ def test_units_inside_blocks_select_and_attend_by_the_published_rule(name, unit)
 def _rule_scores(name, keys, qg, channels=None):
     """The published rule's score of each group of keys `[n, size, D]` for the group's queries `qg`
     (`channels`: the KV head's calibrated channels, for the rules on them)."""
-    if name == "quest":
+    if name == "quest":  # Σ_d max(q_d·max_d, q_d·min_d), max over the group
         kmax, kmin = keys.amax(1), keys.amin(1)
         return torch.maximum(qg[:, None] * kmax[None], qg[:, None] * kmin[None]).sum(-1).amax(0)
+    if name == "sphere":  # q·c + w |q| max_i |k_i - c|, max over the group (w: the default 0.25)
+        c = keys.mean(1)
+        radius = (keys - c[:, None]).norm(dim=-1).amax(1)  # [n]
+        return (qg @ c.T + 0.25 * qg.norm(dim=-1)[:, None] * radius[None]).amax(0)
     if name == "sub_blocks_on_channels":  # the best of four sub-block centroids, on the channels
         n, size, _ = keys.shape
         cents = keys.reshape(n, 4, size // 4, -1).mean(2)[..., channels]  # [n, 4, r]
         return (cents @ qg[:, channels].T).amax((1, 2))
     if name == "mean_on_channels":
         return (qg[:, channels] @ keys.mean(1)[:, channels].T).amax(0)
-    return (qg @ keys.mean(1).T).amax(0)
+    return (qg @ keys.mean(1).T).amax(0)  # block top-k: max over the group of q·mean(k)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -203,7 +203,8 @@ def test_streaming_keeps_sinks_and_window_only():
                                         ("double_sparse", {}), ("double_sparse", {"block_size": "1", "channels": "8"}),
                                         ("double_sparse_centroid", {"block_size": "4"}),
                                         ("quest", {"select_block": "2"}), ("block_topk", {"select_block": "4"}),
-                                        ("quest", {"select_block": "2", "coarse": "2"})])
+                                        ("quest", {"select_block": "2", "coarse": "2"}), ("sphere", {"block_size": "4"}),
+                                        ("sphere", {"radius_weight": "1.0", "select_block": "2"})])
 def test_full_budget_equals_dense(name, extra):
     report = check_flow(get_flow_class(name, all_problems=True), extra, head_dim=HEAD_DIM, group=GROUP)
     assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order
@@ -323,7 +324,7 @@ def test_engine_small_budget_really_selects(smollm):
     assert llm.engine.backends[0].name == "dense"
 
 
-@pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse", "double_sparse_centroid"])
+@pytest.mark.parametrize("name", ["quest", "block_topk", "double_sparse", "double_sparse_centroid", "sphere"])
 def test_compiled_executor_equals_reference(name):
     """torch.compile'd stages (Inductor; C++ on CPU, Triton on GPU) select exactly what the reference does."""
 

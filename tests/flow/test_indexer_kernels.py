@@ -148,7 +148,8 @@ CASES = [("block_topk", 4, {}), ("quest", 16, {}), ("quest", 1, {"budget_ratio":
          ("quest", 2, {}), ("block_topk", 8, {}), ("quest", 64, {}),  # every selection block a search draws
          # selection units inside the blocks (#43): the layout splits each block into its units
          ("quest", 16, {"select_block": "2"}), ("block_topk", 16, {"select_block": "4"}),
-         ("wide", 16, {"select_block": "4"}), ("double_sparse", 8, {"channels": "8", "select_block": "1"})]
+         ("wide", 16, {"select_block": "4"}), ("double_sparse", 8, {"channels": "8", "select_block": "1"}),
+         ("sphere", 4, {}), ("sphere", 16, {"select_block": "2", "radius_weight": "1.0"})]
 
 
 @pytest.mark.parametrize("name,block_size,extra", CASES)
@@ -258,7 +259,7 @@ def _assert_selects_alike(ref, gen, q, kv, meta, step=0):
             assert set(got[b, h, :n].tolist()) == set(want[b, h, :n].tolist()), (step, b, h)
 
 
-@pytest.mark.parametrize("name", ["block_topk", "quest", "h2o", "tidal", "streaming", "double_sparse"])
+@pytest.mark.parametrize("name", ["block_topk", "quest", "h2o", "tidal", "streaming", "double_sparse", "sphere"])
 def test_generated_executor_selects_like_reference(name, tmp_path):
     """The compiled executor on the Triton path (generated kernels where block-local, else the
     compiled torch indexer; radix-select top-k) picks the reference executor's blocks."""
@@ -272,7 +273,7 @@ def test_generated_executor_selects_like_reference(name, tmp_path):
         prefill_cache(attn, kv, bt, lens)
     for step in range(2):  # h2o: the saved state must evolve the same way
         _assert_selects_alike(ref, gen, q, kv, meta, step)
-    assert ("generated" in gen.paths["index"]) == (name in ("block_topk", "quest", "double_sparse"))
+    assert ("generated" in gen.paths["index"]) == (name in ("block_topk", "quest", "double_sparse", "sphere"))
 
 
 # A two-level flow's second level: (flow, page, unit) scored over candidate lists.

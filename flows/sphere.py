@@ -5,9 +5,8 @@ r = max_i |k_i - c| (one number). For any key of the block q·k <= q·c + |q| r 
 bounding-sphere bound of a block's best key. A block's score is q·c + w |q| r, max over the KV
 head's group: w = 0 is block top-k, w = 1 the bound. Between the two, a block whose keys spread
 (one key unlike the rest, e.g. a needle's digit) is not averaged away by its neighbours.
-An experiment, not a built-in yet: BENCHMARKS.md "Page scores against dense attention" (at 4-token
-blocks, 1/8 of the context: 99.3% of dense at 2K and 99.4% at 8K on held-out prompts, against block
-top-k's 94.8% and 95.0%; differences of a few answers).
+BENCHMARKS.md "Page scores against dense attention": at 4-token blocks, 1/8 of the context, 99.3%
+of dense at 2K and 99.4% at 8K on held-out prompts, against block top-k's 94.8% and 95.0%.
 """
 
 from sparsetune.flow import DecodeFlow, Param, Search
