@@ -63,7 +63,10 @@ def page_scores(how: str, q: torch.Tensor, kp: torch.Tensor, valid: torch.Tensor
     return s.amax(1)
 
 
-def kept(how: str, page: int, w: float, q, k, p, ratio: float) -> tuple[float, float]:
+def pick_tokens(how: str, page: int, w: float, q, k, p, count: int, within=None) -> torch.Tensor:
+    """[Hkv, n] the tokens of the `count` best pages of `page` tokens by score `how` (the first page
+    and the last 2 forced, as the flows' sink and local defaults); `within`: [Hkv, n] tokens a page
+    must lie in to be scored (a two-level flow's second level: its units inside the kept pages)."""
     hkv, n, d = k.shape
     group = q.shape[0] // hkv
     pages = math.ceil(n / page)
@@ -72,14 +75,32 @@ def kept(how: str, page: int, w: float, q, k, p, ratio: float) -> tuple[float, f
     valid = torch.nn.functional.pad(torch.ones(n), (0, pad)).view(pages, page).bool()
     pg = torch.nn.functional.pad(p.view(hkv, group, n), (0, pad)).view(hkv, group, pages, page)
     s = page_scores(how, q.view(hkv, group, d), kp, valid, pg, w)
+    if within is not None:
+        s = s.masked_fill(~torch.nn.functional.pad(within, (0, pad)).view(hkv, pages, page)[:, :, 0], float("-inf"))
     forced = torch.zeros(pages, dtype=torch.bool)
     forced[:1] = True
     forced[max(0, pages - 2):] = True
     s[:, forced] = float("inf")
     pick = torch.zeros_like(s, dtype=torch.bool)
-    pick.scatter_(1, s.topk(min(pages, math.ceil(ratio * n / page)), dim=-1).indices, True)
-    tok = pick[:, :, None].expand(hkv, pages, page).reshape(hkv, -1)[:, :n]
-    free = forced[:, None].expand(pages, page).reshape(-1)[:n]
+    pick.scatter_(1, s.topk(min(pages, count), dim=-1).indices, True)
+    return pick[:, :, None].expand(hkv, pages, page).reshape(hkv, -1)[:, :n]
+
+
+def kept(how: str, page: int, w: float, q, k, p, ratio: float, two_level: tuple[str, int, float] | None = None) -> tuple[float, float]:
+    """(mass, hit) of one page score; `two_level` (the units' score, their size, coarse): pages keep
+    coarse x the budget, then units inside them keep the budget (block_topk_2l's and quest_2l's rule)."""
+    hkv, n, _ = k.shape
+    group = q.shape[0] // hkv
+    if two_level is None:
+        tok = pick_tokens(how, page, w, q, k, p, math.ceil(ratio * n / page))
+    else:
+        unit_how, unit, coarse = two_level
+        pages = pick_tokens(how, page, w, q, k, p, math.ceil(coarse * ratio * n / page))
+        tok = pick_tokens(unit_how, unit, 0.0, q, k, p, math.ceil(ratio * n / unit), within=pages)
+    last = page if two_level is None else two_level[1]  # the selection's own forced units: sink 1, local 2
+    free = torch.zeros(n, dtype=torch.bool)
+    free[:last] = True
+    free[max(0, math.ceil(n / last) - 2) * last:] = True
     mass = p.view(hkv, group, n).masked_fill(free, 0.0)
     share = (mass * tok[:, None]).sum(-1) / mass.sum(-1).clamp(min=1e-12)
     hit = tok.gather(1, mass.argmax(-1)).float()
@@ -94,6 +115,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=777)
     ap.add_argument("--steps", type=int, default=10, help="decode steps recorded a prompt")
+    ap.add_argument("--only", default="", help="score names starting with these (comma-separated), e.g. mean2,2l_")
     args = ap.parse_args()
     AttentionInterface.register("recording", recording_attention)
     model = AutoModelForCausalLM.from_pretrained(hf_dir("smollm2-135m"), dtype=torch.float32,
@@ -102,6 +124,13 @@ def main() -> None:
     scores = [(f"mean{pg}", pg, "mean", 0.0) for pg in (2, 4, 8, 16)] + [(f"quest{pg}", pg, "quest", 0.0) for pg in (4, 16)]
     scores += [(f"sphere{pg}_w{w}", pg, "sphere", w) for pg in (4, 8, 16) for w in (0.25, 0.5)]
     scores += [("oracle_logit4", 4, "oracle_logit", 0.0), ("oracle_mass4", 4, "oracle_mass", 0.0)]
+    scores = [(name, page, how, w, None) for name, page, how, w in scores]
+    # two levels: 16-token pages by the page score, then 2-token units by their mean key (coarse 2, 3)
+    scores += [(f"2l_{how}16{'_w' + str(w) if w else ''}_c{c}", 16, how, w, ("mean", 2, c))
+               for how, w in (("mean", 0.0), ("quest", 0.0), ("sphere", 0.25), ("sphere", 0.5), ("sphere", 1.0),
+                              ("oracle_mass", 0.0)) for c in (2.0, 3.0)]
+    if args.only:
+        scores = [x for x in scores if any(x[0].startswith(o) for o in args.only.split(","))]
     total = {name: [] for name, *_ in scores}
     for task in args.tasks.split(","):
         for sample in build_samples(task, tok, args.context, args.samples, args.seed):
@@ -110,8 +139,8 @@ def main() -> None:
                 model.generate(torch.tensor([prompt_ids(tok, sample)]), max_new_tokens=args.steps, do_sample=False)
             for layer, q, k, p in RECORD:
                 if layer > 0:  # layer 0 is dense in every flow's defaults
-                    for name, page, how, w in scores:
-                        total[name].append(kept(how, page, w, q, k, p, args.ratio))
+                    for name, page, how, w, two in scores:
+                        total[name].append(kept(how, page, w, q, k, p, args.ratio, two))
             print(task, sample.index, "done", flush=True)
     print(f"{'score':<16} {'mass':>7} {'hit':>7}")
     for name, v in total.items():
