@@ -130,10 +130,10 @@ def test_double_sparse_centroid_selects_by_the_label_centroid_rule(block_size):
 # (flow, its rule over blocks, its rule over units): quest and block_topk run their own rule at both
 # levels; quest_2l's page stages are Quest's bound and its units are scored by the mean key;
 # double_sparse_2l's pages by their best sub-block centroid and its units by their mean key, both on
-# the KV head's calibrated channels.
+# the KV head's calibrated channels; sphere_2l's pages by the sphere score, its units by the mean key.
 TWO_LEVEL = [("quest", "quest", "quest"), ("block_topk", "block_topk", "block_topk"),
              ("quest_2l", "quest", "block_topk"), ("block_topk_2l", "block_topk", "block_topk"),
-             ("double_sparse_2l", "sub_blocks_on_channels", "mean_on_channels")]
+             ("double_sparse_2l", "sub_blocks_on_channels", "mean_on_channels"), ("sphere_2l", "sphere", "block_topk")]
 
 
 @pytest.mark.parametrize("name,page_rule,unit_rule", TWO_LEVEL)
@@ -204,7 +204,7 @@ def test_streaming_keeps_sinks_and_window_only():
                                         ("double_sparse_centroid", {"block_size": "4"}),
                                         ("quest", {"select_block": "2"}), ("block_topk", {"select_block": "4"}),
                                         ("quest", {"select_block": "2", "coarse": "2"}), ("sphere", {"block_size": "4"}),
-                                        ("sphere", {"radius_weight": "1.0", "select_block": "2"})])
+                                        ("sphere", {"radius_weight": "1.0", "select_block": "2"}), ("sphere_2l", {})])
 def test_full_budget_equals_dense(name, extra):
     report = check_flow(get_flow_class(name, all_problems=True), extra, head_dim=HEAD_DIM, group=GROUP)
     assert report.full_budget_rel_err is not None and report.full_budget_rel_err < 1e-6  # fp32 softmax, other summation order

@@ -328,7 +328,8 @@ def test_generated_candidate_indexer_equals_reference(name, page, unit, tmp_path
     torch.testing.assert_close(got.double(), want.double(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name,page,unit", CANDIDATE_CASES[:3] + [("quest_2l", 16, "2"), ("double_sparse_2l", 16, "2")])
+@pytest.mark.parametrize("name,page,unit", CANDIDATE_CASES[:3] + [("quest_2l", 16, "2"), ("double_sparse_2l", 16, "2"),
+                                                                     ("sphere_2l", 16, "4")])
 def test_generated_executor_selects_two_levels_like_reference(name, page, unit, tmp_path):
     """A two-level flow on the compiled executor's Triton path (generated first-level indexer,
     radix select, generated candidate indexer, radix select) picks the reference's units."""
