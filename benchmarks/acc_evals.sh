@@ -3,7 +3,8 @@
 # SAMPLES=10 a task = 80 prompts, SEED=123: no search draws it). After agent_hour.sh place/wheels/model:
 #   bash benchmarks/acc_evals.sh "NAME:CONTEXT:FLOW[:k=v k=v ...]" ...
 # (params space-separated: a value may hold commas, e.g. dense_layers=0,1,2). Writes $OUT/NAME.json
-# (the eval's --json), prints one line each; exits 1 if any eval failed (the rest still run).
+# (the eval's --json), prints one line each (with the eval's note: e.g. a budget that covers the context,
+# so the figure is dense's); exits 1 if any eval failed (the rest still run).
 # two_level_search.sh's held-out evals run through it.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,6 +18,7 @@ for spec in "$@"; do
         tail -n 3 "/tmp/$name.log"; failed=1; continue
     fi
     python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
-print(sys.argv[2], d['context'], 'tokens: relative', d['relative_accuracy'], 'accuracy', d['accuracy'], 'dense', d['dense_accuracy'], d['seconds'], 's')" "$OUT/$name.json" "$name"
+print(sys.argv[2], d['context'], 'tokens: relative', d['relative_accuracy'], 'accuracy', d['accuracy'], 'dense', d['dense_accuracy'], d['seconds'], 's',
+      *(['| NOTE:', d['note']] if d.get('note') else []))" "$OUT/$name.json" "$name"
 done
 exit $failed
