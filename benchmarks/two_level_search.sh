@@ -9,7 +9,7 @@
 #      carry .carry/wheels:           bash benchmarks/agent_hour.sh wheels   (the tree, the wheels and a half pass 64 MiB)
 #   2. carry .carry/gb:               bash benchmarks/agent_hour.sh model && bash benchmarks/two_level_search.sh start CONTEXT HOURS [STATE]
 #      (PARAMS="block_size=4 ...": params fixed for every flow, the rest searched; PARAMS="field_dtype=fp8":
-#       every flow's fields in 8 bits, BENCHMARKS.md "Fields in 8 bits")
+#       every flow's fields in 8 bits, BENCHMARKS.md "Fields in 8 bits"; "sphere:block_size=4": one flow's)
 #      (SPEED_BATCH=8: speed timed at 8 x 32K, which an H100's 80 GB holds; not the targets' 16 x 32K)
 #      (SAMPLES=10: 80 search-set prompts, not 32: a point must read >= 95% on them to be confirmed, and
 #       on 32 one near the bar reads 89% as often as 99%: BENCHMARKS.md "Item 5 answered")

@@ -35,8 +35,8 @@ def flow_option(default: str | None = None, help: str = FLOW_HELP):
     return typer.Option(default, "--flow", "-f", help=help)
 
 
-def param_option():
-    return typer.Option(None, "--param", help="Flow hyperparameter key=value (repeatable).")
+def param_option(help: str = "Flow hyperparameter key=value (repeatable)."):
+    return typer.Option(None, "--param", help=help)
 
 
 def reuse_option(help: str):

@@ -138,7 +138,8 @@ def search(
                                           "defaults on fresh prompts too, for the report's against-the-defaults lines "
                                           "(at a long context each takes minutes of --hours)."),
     batch: int = typer.Option(8, "--batch", "-b", help="Requests run together."),
-    param: list[str] = opt.param_option(),
+    param: list[str] = opt.param_option("A param fixed, not searched: key=value for every flow, flow:key=value for "
+                                        "one (repeatable)."),
     objectives: str = typer.Option("accuracy,speed", "--objectives", help="What is maximized (accuracy,speed)."),
     min_accuracy: float = typer.Option(None, "--min-accuracy", help="Constraint: at least this share of dense accuracy, e.g. 0.95."),
     hours: float = typer.Option(None, "--hours", help="Time budget; no trial starts that cannot finish in it."),

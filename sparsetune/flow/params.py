@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Collection, Self, Sequence
 
 from sparsetune.errors import SparsetuneError
 
@@ -118,13 +118,14 @@ class Param:
         return f"{self.type.__name__} = {self.default!r} {space}".strip()
 
 
-def parse_param_args(args: list[str] | None) -> dict[str, str]:
-    """`["budget=512", "block_size=16"]` → {"budget": "512", ...} (values parsed later per flow)."""
+def parse_param_args(args: list[str] | None, option: str = "--param") -> dict[str, str]:
+    """`["budget=512", "block_size=16"]` → {"budget": "512", ...} (values parsed later per flow; a key
+    may name its flow, `quest:budget`: `params_per_flow`)."""
     out: dict[str, str] = {}
     for a in args or []:
         k, sep, v = a.partition("=")
         if not sep or not k.strip():
-            raise SparsetuneError(f"--param {a!r}: write key=value, e.g. --param budget=512")
+            raise SparsetuneError(f"{option} {a!r}: write key=value, e.g. {option} budget=512")
         out[k.strip()] = v.strip()
     return out
 
@@ -176,13 +177,28 @@ class Flow:
         return {k: getattr(self, k) for k in self.param_specs()}
 
 
-def parse_flow_param_args(args: list[str] | None) -> dict[str, dict[str, str]]:
-    """`["sparsex:ratio=0.1", "epic:k=32"]` → {"sparsex": {"ratio": "0.1"}, "epic": {"k": "32"}}
-    (per-flow parameters in sweeps over several flows)."""
-    out: dict[str, dict[str, str]] = {}
-    for a in args or []:
-        flow, sep, kv = a.partition(":")
-        if not sep or "=" not in kv:
-            raise SparsetuneError(f"--param {a!r}: write flow:key=value, e.g. --param sparsex:ratio=0.1")
-        out.setdefault(flow.strip(), {}).update(parse_param_args([kv]))
+def unknown_param(flow: str, key: str, specs: Collection[str], own: bool) -> SparsetuneError:
+    """The error for `--param [flow:]key` that `flow` does not declare, in a command over several flows
+    (`own`: it was given as the flow's own; else it went to every flow)."""
+    return SparsetuneError(f"--param {f'{flow}:' if own else ''}{key}: {flow} has no such param (it has {', '.join(specs)})"
+                           + ("" if own else f"; a param for one flow only is --param FLOW:{key}=VALUE"))
+
+
+def params_per_flow(params: dict[str, str], flows: Sequence[str], option: str = "--param", what: str = "--flow",
+                    own_only: Collection[str] = ()) -> dict[str, dict[str, str]]:
+    """Each of `flows`' params from one parsed `--param` list (`parse_param_args`): `key=value` for
+    every flow (but those in `own_only`), then `flow:key=value` for that flow alone, over a shared
+    value. Naming a flow that is not among `flows` is an error (`what`: the option that lists them)."""
+    shared = {k: v for k, v in params.items() if ":" not in k}
+    out = {f: ({} if f in own_only else dict(shared)) for f in flows}
+    for k, v in params.items():
+        flow, sep, key = k.partition(":")
+        if not sep:
+            continue
+        flow = flow.strip()
+        if flow not in out:
+            raise SparsetuneError(f"{option} {flow}:...: {flow!r} is not one of {what} {','.join(flows)}")
+        if not key.strip():
+            raise SparsetuneError(f"{option} {k!r}: write flow:key=value, e.g. {option} {flow}:budget=512")
+        out[flow][key.strip()] = v
     return out

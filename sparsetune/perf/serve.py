@@ -301,22 +301,16 @@ class ServeConfig(BaseModel):
 
 def _per_flow(args: tuple[str, ...], flows: tuple[str, ...], option: str, every: bool) -> dict[str, dict[str, str]]:
     """`key=value` strings for every flow (but dense unless `every`) and `flow:key=value` for one, per flow."""
-    from sparsetune.flow.params import parse_flow_param_args, parse_param_args
+    from sparsetune.flow.params import params_per_flow, parse_param_args
 
-    own = [p for p in args if ":" in p.partition("=")[0]]
-    shared = parse_param_args([p for p in args if p not in own])
-    per_flow = parse_flow_param_args(own)
-    for flow in per_flow:
-        if flow not in flows:
-            what = "--reuse" if option == "--reuse-param" else "--flow"
-            raise SparsetuneError(f"{option} {flow}:...: {flow!r} is not one of {what} {','.join(flows)}")
-    return {f: {**({} if f == "dense" and not every else shared), **per_flow.get(f, {})} for f in flows}
+    what = "--reuse" if option == "--reuse-param" else "--flow"
+    return params_per_flow(parse_param_args(list(args), option), flows, option, what, () if every else ("dense",))
 
 
 def check_serve(cfg: ServeConfig) -> None:
     """The checks that need no weights: the engine options, the model and its positions, each flow's
     kind and params (and its layers against the model's: a flow is switched in after dense has run)."""
-    from sparsetune.flow.params import Flow
+    from sparsetune.flow.params import Flow, unknown_param
     from sparsetune.loader import flow_kind
     from sparsetune.setup import lookup_flow_class
 
@@ -345,12 +339,9 @@ def check_serve(cfg: ServeConfig) -> None:
             raise SparsetuneError(f"--flow {flow}: a {flow_kind(cls)} flow; bench serve runs decode flows with --flow "
                                   "and reuse flows with --reuse")
         specs = cls.param_specs()
-        for key, value in params.items():
+        for key in params:
             if key not in specs:
-                own = any(p.partition("=")[0] == f"{flow}:{key}" for p in cfg.params)
-                raise SparsetuneError(f"--param {f'{flow}:' if own else ''}{key}: {flow} has no such param (it has "
-                                      f"{', '.join(specs)})" + ("" if own else f"; a param for one flow only is "
-                                                                              f"--param FLOW:{key}=VALUE"))
+                raise unknown_param(flow, key, specs, any(p.partition("=")[0] == f"{flow}:{key}" for p in cfg.params))
         if not cfg.reuse:
             cfg.setup(flow)  # its params over the tuned defaults, its layers against the model's
     if cfg.reuse:

@@ -90,7 +90,7 @@ class SearchConfig(BaseModel):
     confirm_samples: int = 2  # per task, on fresh prompts, for each frontier point at the end
     confirm_defaults: bool = True  # each flow's defaults confirmed too (the report's "against the defaults")
     batch: int = 8
-    params: dict[str, str] = {}  # fixed for every flow (--param): not searched
+    params: dict[str, str] = {}  # fixed, not searched (--param): "key" for every flow, "flow:key" for one (`params_of`)
     min_accuracy: float | None = None  # relative to dense; a constraint
     trials: int | None = None  # across every flow's study and every worker
     hours: float | None = None
@@ -127,12 +127,22 @@ class SearchConfig(BaseModel):
         since a small model at a short context lies far outside its data."""
         model, batch, context = self.speed_model, self.speed_batch, self.speed_context
         if (self.kind == "decode" and model is None and batch is None and context is None
-                and "budget" not in self.params and self.speed_kind() == "modeled" and _shares_of_context(self.flows)):
+                and all(k.rpartition(":")[2] != "budget" for k in self.params) and self.speed_kind() == "modeled"
+                and _shares_of_context(self.flows)):
             from sparsetune.perf.cost import Costs
 
             model, batch, context = Costs.load().shape
         model = model or self.model
         return model, model != self.model, batch or self.batch, context or self.context
+
+    def params_of(self, flow: str) -> dict[str, str]:
+        """The `--param`s fixed for one flow (a searched flow's name or file, or a proposed flow's key):
+        those for every flow, then its own (`--param flow:key=value`) over them."""
+        from sparsetune.flow.params import params_per_flow
+
+        keys = [flow_key(f) for f in self.flows]
+        key = flow_key(flow)
+        return params_per_flow(self.params, keys + ([key] if key not in keys else []))[key]
 
     def pinned(self) -> "SearchConfig":
         """This config with its speed shape written out (`speed_shape`), so the study's fingerprint
@@ -269,11 +279,13 @@ def check_search(cfg: SearchConfig) -> None:
     and its context, the speed model."""
     from sparsetune.evaluation.config import EvalConfig, check_config
     from sparsetune.models.resolve import model_config
+    from sparsetune.flow.params import params_per_flow, unknown_param
     from sparsetune.loader import flow_kind, flow_path, load_file
     from sparsetune.tuning.space import dimensions
 
     _name, mcfg = model_config(cfg.model, False)
     option = "--flow" if cfg.kind == "decode" else "--reuse"
+    per_flow = params_per_flow(cfg.params, [flow_key(f) for f in cfg.flows], "--param", option)
     for flow in cfg.flows:
         cls = load_file(flow_path(flow))
         if flow_kind(cls) != cfg.kind:
@@ -281,16 +293,16 @@ def check_search(cfg: SearchConfig) -> None:
             raise SparsetuneError(f"{option} {flow}: a {flow_kind(cls)} flow; search it with {other} {flow}")
         if getattr(cls, "full_attention", False):
             raise SparsetuneError(f"--flow {flow}: full attention has nothing to search (dense is every search's baseline)")
-        specs = cls.param_specs()
-        for key in cfg.params:
+        specs, fixed = cls.param_specs(), per_flow[flow_key(flow)]
+        for key in fixed:
             if key not in specs:
-                raise SparsetuneError(f"--param {key}: {flow} has no such param (it has {', '.join(specs)})")
-        cls.from_strings(dict(cfg.params))  # what each trial's flow checks of them (values, ones it does not use), now
+                raise unknown_param(flow_key(flow), key, specs, f"{flow_key(flow)}:{key}" in cfg.params)
+        cls.from_strings(fixed)  # what each trial's flow checks of them (values, ones it does not use), now
         check_speed_context(cfg, flow, cls)
         dims = dimensions(cls, mcfg.num_hidden_layers)
         if not dims:
             raise SparsetuneError(f"{option} {flow}: it has no param to search")
-        if not any(d.name not in cfg.params for d in dims):
+        if not any(d.name not in fixed for d in dims):
             raise SparsetuneError(f"{option} {flow}: every searched param is fixed by --param; nothing to search")
     if cfg.kind == "reuse":
         from sparsetune.evaluation.reuse_tasks import REUSE_TASKS

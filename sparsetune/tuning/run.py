@@ -82,7 +82,7 @@ def work(cfg: SearchConfig, flows: Studies, evaluator: Evaluator, budget: Budget
         t0 = time.time()
         params: dict[str, str] = {}
         try:
-            params = suggest(trial, flows.classes[key], flows.num_layers, fixed_params(cfg, flows.classes[key]))
+            params = suggest(trial, flows.classes[key], flows.num_layers, fixed_params(cfg, key, flows.classes[key]))
             trial.set_user_attr("record", {"params": params, "stage": "running", "worker": worker})  # an expired trial's
             emit("start", {"flow": key, "number": trial.number, "params": params, "role": role})
             rec = run(cfg, evaluator, flows.args[key], params, cfg.run_dir / "trials" / f"{key}-{trial.number}")

@@ -107,10 +107,11 @@ def open_flows(cfg: SearchConfig, *, create: bool) -> Studies:
     return flows
 
 
-def fixed_params(cfg: SearchConfig, cls: type) -> dict[str, str]:
-    """The `--param`s a flow takes (a built-in flow takes all, `check_search`; a proposed one those it declares)."""
+def fixed_params(cfg: SearchConfig, flow: str, cls: type) -> dict[str, str]:
+    """The `--param`s a flow takes (a given flow takes all of its own, `check_search`; a proposed one
+    those it declares)."""
     specs = cls.param_specs()
-    return {k: v for k, v in cfg.params.items() if k in specs}
+    return {k: v for k, v in cfg.params_of(flow).items() if k in specs}
 
 
 def add_flow(cfg: SearchConfig, flows: Studies, flow: str, cls: type, *, storage=None, create: bool,
@@ -123,7 +124,7 @@ def add_flow(cfg: SearchConfig, flows: Studies, flow: str, cls: type, *, storage
     if foreign:  # a proposed flow meets the check the given ones met
         check_speed_context(cfg, flow, cls)
     storage = storage if storage is not None else next(iter(flows.studies.values()))._storage
-    seeds = seed_trials(cls, flows.num_layers, fixed_params(cfg, cls))
+    seeds = seed_trials(cls, flows.num_layers, fixed_params(cfg, flow, cls))
     if foreign:  # a proposed flow starts at its defaults; its short study samples the rest
         seeds = seeds[:1]
     # TPE (Optuna 5's multi-objective default) after the seeded trials and STARTUP_TRIALS random

@@ -15,7 +15,7 @@ import pytest
 
 from sparsetune.errors import SparsetuneError
 from sparsetune.tuning import config
-from sparsetune.tuning.config import SearchConfig
+from sparsetune.tuning.config import SearchConfig, check_search
 from sparsetune.tuning.run import run_search, show, write_json_config
 from helpers import SyntheticEvaluator
 
@@ -182,6 +182,36 @@ def test_a_param_the_flow_does_not_use_is_refused_before_a_study_exists(cli, tmp
     assert not (tmp_path / "s").exists()
 
 
+def test_a_param_fixed_for_one_flow_holds_in_its_trials_only(tmp_path):
+    """`--param quest:block_size=4` fixes quest's page at 4 (every trial, seeds included) and leaves
+    block_topk's searched; a shared `--param` holds for both, and a flow's own value wins over it."""
+    cfg = SearchConfig(flows=("quest", "block_topk"), params={"quest:block_size": "4", "sink_blocks": "1",
+                                                              "block_topk:sink_blocks": "2"},
+                       study="s", out=str(tmp_path), trials=14, context=2048, confirm_samples=2, confirm_defaults=False)
+    check_search(cfg)
+    evaluator = SyntheticEvaluator(cfg)
+    run_search(cfg, evaluator)
+    quest = [p for f, p, *_ in evaluator.calls if f == "quest"]
+    topk = [p for f, p, *_ in evaluator.calls if f == "block_topk"]
+    assert quest and topk
+    assert {str(p["block_size"]) for p in quest} == {"4"} and {str(p["sink_blocks"]) for p in quest} == {"1"}
+    assert len({str(p["block_size"]) for p in topk}) > 1 and {str(p["sink_blocks"]) for p in topk} == {"2"}
+
+
+@pytest.mark.parametrize("param, needles", [
+    ("tidal:budget_ratio=0.1", ("'tidal' is not one of --flow quest,streaming",)),  # not a searched flow
+    ("streaming:decay=0.9", ("--param streaming:decay", "no such param")),  # its own, and it has none
+    ("streaming:budget_ratio=0.1", ("streaming", "does not use --param budget_ratio")),  # one it does not use
+    ("decay=0.9", ("quest has no such param", "--param FLOW:decay=VALUE")),  # shared: says how to give it to one
+])
+def test_a_param_for_one_flow_is_checked_before_a_study_exists(cli, tmp_path, param, needles):
+    code, _out, lines = cli("search", "--flow", "quest,streaming", "--param", param, "--trials", "1",
+                            "--study", "s", "--out", str(tmp_path))
+    _one_error(code, lines, *needles)
+    assert not (tmp_path / "s").exists()
+    check_search(SearchConfig(flows=("quest", "streaming"), params={"quest:budget_ratio": "0.1"}, trials=1))  # the fix
+
+
 # ---- 6. other bad input ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["nan", "inf"])
@@ -294,6 +324,7 @@ def test_a_modeled_speed_shape_defaults_to_the_costs_shape_and_is_pinned_in_the_
     assert SearchConfig(flows=("quest",), speed_model="qwen3-1.7b", **base).speed_shape() == ("qwen3-1.7b", True, 8, 1024)
     assert SearchConfig(flows=("quest", "streaming"), **base).speed_shape() == ("smollm2-135m", False, 8, 1024)  # a fixed window
     assert SearchConfig(flows=("quest",), params={"budget": "128"}, **base).speed_shape() == ("smollm2-135m", False, 8, 1024)
+    assert SearchConfig(flows=("quest", "block_topk"), params={"quest:budget": "128"}, **base).speed_shape()[0] == "smollm2-135m"
     assert SearchConfig(flows=("quest",), speed="measured", **base).speed_shape() == ("smollm2-135m", False, 8, 1024)
     reuse = SearchConfig(kind="reuse", flows=("cacheblend",), **base)
     assert reuse.speed_shape() == ("smollm2-135m", False, 8, 1024) and reuse.pinned() is reuse
