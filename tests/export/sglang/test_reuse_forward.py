@@ -216,7 +216,9 @@ def test_with_every_reused_token_recomputed_the_output_is_sglangs_full_prefill(s
     alone, _ = w.forward([other], [w.admit(len(other))])
     req = reuse_request(w, PROMPT, [(AT, AT + len(SEG))], num_cached=len(HEAD))
     got, _ = w.forward([PROMPT, other], [w.admit(len(PROMPT)), w.admit(len(other))], step=step_for(w, flow, [req, None]))
-    torch.testing.assert_close(got, torch.cat([full, alone]), atol=1e-5, rtol=0)
+    # a batch of two runs other GEMM shapes than each prompt alone, so float32 rounds otherwise: up to
+    # 1.1e-5 on logits near 1 on an AMD EPYC's BLAS kernels (a wrong KV row moves them by ~1e-1)
+    torch.testing.assert_close(got, torch.cat([full, alone]), atol=5e-5, rtol=0)
 
 
 def test_at_a_partial_ratio_cacheblends_rule_picks_the_rows_and_the_rest_keep_the_stored_kv(sgl):
