@@ -127,7 +127,7 @@ class SearchConfig(BaseModel):
         since a small model at a short context lies far outside its data."""
         model, batch, context = self.speed_model, self.speed_batch, self.speed_context
         if (self.kind == "decode" and model is None and batch is None and context is None
-                and all(k.rpartition(":")[2] != "budget" for k in self.params) and self.speed_kind() == "modeled"
+                and all(k.split(":", 1)[-1] != "budget" for k in self.params) and self.speed_kind() == "modeled"
                 and _shares_of_context(self.flows)):
             from sparsetune.perf.cost import Costs
 
@@ -293,10 +293,11 @@ def check_search(cfg: SearchConfig) -> None:
             raise SparsetuneError(f"{option} {flow}: a {flow_kind(cls)} flow; search it with {other} {flow}")
         if getattr(cls, "full_attention", False):
             raise SparsetuneError(f"--flow {flow}: full attention has nothing to search (dense is every search's baseline)")
-        specs, fixed = cls.param_specs(), per_flow[flow_key(flow)]
+        name = flow_key(flow)
+        specs, fixed = cls.param_specs(), per_flow[name]
         for key in fixed:
             if key not in specs:
-                raise unknown_param(flow_key(flow), key, specs, f"{flow_key(flow)}:{key}" in cfg.params)
+                raise unknown_param(name, key, specs, f"{name}:{key}" in cfg.params)
         cls.from_strings(fixed)  # what each trial's flow checks of them (values, ones it does not use), now
         check_speed_context(cfg, flow, cls)
         dims = dimensions(cls, mcfg.num_hidden_layers)
